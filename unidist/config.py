@@ -1,0 +1,136 @@
+"""Every ``UNIDIST_*`` variable, parsed strictly in this one place.
+
+A bad value is a ConfigError naming the variable, the value and what is allowed. Unknown ``UNIDIST_*``
+names only warn: Modin's unrelated ``unidist`` package reads variables with the same prefix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+from unidist.errors import ConfigError
+
+__all__ = ["COMPRESSIONS", "Config", "ENV_VARS"]
+
+COMPRESSIONS = ("none", "fp16", "bf16")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+_log = logging.getLogger("unidist")
+
+
+def _env_name(field_name: str) -> str:
+    return "UNIDIST_" + field_name.upper()
+
+
+@dataclass(frozen=True)
+class Config:
+    """Run-time settings; build it directly, or from the environment with :meth:`from_env`."""
+
+    backend: str | None = None
+    timeout: float = 1800.0
+    zero_stage: int = 0
+    bucket_mb: float = 25.0
+    compression: str = "none"
+    check_collectives: bool = False
+    log_level: str = "WARNING"
+    device: str = "auto"
+    deepspeed_config: str | None = None
+    unknown: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, allowed: str) -> ConfigError:
+            return ConfigError(f"{_env_name(name)}={value!r} is not valid; allowed: {allowed}")
+
+        if self.backend is not None and not re.fullmatch(r"[a-z][a-z0-9_]*", self.backend):
+            raise bad("backend", self.backend, "a backend name such as local, mpi, torch, horovod, deepspeed")
+        if not self.timeout > 0:
+            raise bad("timeout", self.timeout, "a positive number of seconds")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise bad("zero_stage", self.zero_stage, "0, 1, 2 or 3")
+        if not self.bucket_mb > 0:
+            raise bad("bucket_mb", self.bucket_mb, "a positive number of MiB")
+        if self.compression not in COMPRESSIONS:
+            raise bad("compression", self.compression, ", ".join(COMPRESSIONS))
+        if self.log_level not in LOG_LEVELS:
+            raise bad("log_level", self.log_level, ", ".join(LOG_LEVELS))
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise bad("device", self.device, "auto, cpu, cuda or cuda:N")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
+        """Parse ``UNIDIST_*`` from ``environ`` (default ``os.environ``); unset variables keep defaults."""
+        env = os.environ if environ is None else environ
+        known = {_env_name(f.name): f.name for f in fields(cls) if f.name != "unknown"}
+        values: dict[str, object] = {}
+        for var, name in known.items():
+            raw = env.get(var)
+            if raw is None:
+                continue
+            values[name] = _PARSERS[name](var, raw.strip())
+        unknown = tuple(sorted(k for k in env if k.startswith("UNIDIST_") and k not in known))
+        for var in unknown:
+            hint = difflib.get_close_matches(var, known, n=1)
+            _log.warning("ignoring unknown variable %s%s", var, f" (did you mean {hint[0]}?)" if hint else "")
+        return cls(unknown=unknown, **values)  # type: ignore[arg-type]
+
+
+def _number(kind: type[int] | type[float], allowed: str):  # type: ignore[no-untyped-def]
+    def parse(var: str, raw: str) -> int | float:
+        try:
+            return kind(raw)
+        except ValueError:
+            raise ConfigError(f"{var}={raw!r} is not valid; allowed: {allowed}") from None
+    return parse
+
+
+def _choice(choices: tuple[str, ...], *, lower: bool = True):  # type: ignore[no-untyped-def]
+    def parse(var: str, raw: str) -> str:
+        value = raw.lower() if lower else raw.upper()
+        if value not in choices:
+            raise ConfigError(f"{var}={raw!r} is not valid; allowed: {', '.join(choices)}")
+        return value
+    return parse
+
+
+def _flag(var: str, raw: str) -> bool:
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise ConfigError(f"{var}={raw!r} is not valid; allowed: 1/0, true/false, yes/no, on/off")
+
+
+def _backend(var: str, raw: str) -> str | None:
+    return raw.lower() or None
+
+
+def _device(var: str, raw: str) -> str:
+    value = raw.lower() or "auto"
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise ConfigError(f"{var}={raw!r} is not valid; allowed: auto, cpu, cuda or cuda:N")
+    return value
+
+
+def _path(var: str, raw: str) -> str | None:
+    return raw or None
+
+
+_PARSERS = {
+    "backend": _backend,
+    "timeout": _number(float, "a positive number of seconds"),
+    "zero_stage": _number(int, "0, 1, 2 or 3"),
+    "bucket_mb": _number(float, "a positive number of MiB"),
+    "compression": _choice(COMPRESSIONS),
+    "check_collectives": _flag,
+    "log_level": _choice(LOG_LEVELS, lower=False),
+    "device": _device,
+    "deepspeed_config": _path,
+}
+
+ENV_VARS: tuple[str, ...] = tuple(_env_name(n) for n in _PARSERS)

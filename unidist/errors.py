@@ -1,0 +1,49 @@
+"""The typed error family: every error unidist raises on purpose is a ``UnidistError``.
+
+Messages say what was wrong and how to fix it, so a user on a cluster can act on the first line.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "ConfigError",
+    "InvalidArgumentError",
+    "LaunchEnvironmentError",
+    "NotInitializedError",
+    "UnidistError",
+]
+
+
+class UnidistError(Exception):
+    """Base class, so callers can catch everything unidist raises deliberately."""
+
+
+class BackendUnavailableError(UnidistError, ImportError):
+    """The selected backend's engine package is not installed; the message gives the pip command."""
+
+
+class NotInitializedError(UnidistError, RuntimeError):
+    """A call needs a started Manager and there is none (or this one is not started)."""
+
+
+class LaunchEnvironmentError(UnidistError, RuntimeError):
+    """The launcher's variables are inconsistent; the message names the variables seen."""
+
+
+class ConfigError(UnidistError, ValueError):
+    """A ``UNIDIST_*`` variable or a Config field has a bad value; names variable, value, allowed values."""
+
+
+class InvalidArgumentError(UnidistError, ValueError, TypeError):
+    """A collective got an input it cannot handle (wrong kind, dtype, op, root or splits)."""
+
+
+class CollectiveMismatchError(UnidistError, RuntimeError):
+    """Ranks entered different collectives; the message says what each rank called."""
+
+
+class CollectiveTimeoutError(UnidistError, TimeoutError):
+    """A collective did not complete within ``UNIDIST_TIMEOUT`` seconds."""

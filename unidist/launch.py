@@ -1,0 +1,171 @@
+"""What the launcher told this process: a pure function of an environment mapping.
+
+Each launcher family is a row of variable names; detection walks the rows in the documented order and
+the first family whose rank variable is present wins. Nothing here imports an engine or touches MPI.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from unidist.errors import LaunchEnvironmentError
+
+__all__ = ["LAUNCHERS", "LaunchInfo", "Family", "detect"]
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Topology as the launcher announced it (engines may refine local/node numbers after start)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    launcher: str = "none"
+
+    @property
+    def launched(self) -> bool:
+        return self.launcher != "none"
+
+
+@dataclass(frozen=True)
+class Family:
+    """The variable names one launcher family sets; ``marker`` must be present for the family to match."""
+
+    name: str
+    rank: str
+    size: tuple[str, ...]
+    local_rank: str | None = None
+    local_size: str | None = None
+    node_rank: str | None = None
+    marker: tuple[str, ...] = ()
+    master_addr: str | None = None
+    master_port: str | None = None
+
+
+# Order is the detection order of DESIGN.md: torchrun, horovodrun, deepspeed, MPI launchers, SLURM, plain.
+LAUNCHERS: tuple[Family, ...] = (
+    Family("torchrun", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+           marker=("TORCHELASTIC_RUN_ID",), master_addr="MASTER_ADDR", master_port="MASTER_PORT"),
+    Family("horovodrun", "HOROVOD_RANK", ("HOROVOD_SIZE",), "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+           "HOROVOD_CROSS_RANK"),
+    Family("deepspeed", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK",
+           marker=("CROSS_RANK",), master_addr="MASTER_ADDR", master_port="MASTER_PORT"),
+    Family("openmpi", "OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",), "OMPI_COMM_WORLD_LOCAL_RANK",
+           "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    Family("mpich", "PMI_RANK", ("PMI_SIZE",), "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    Family("mvapich", "MV2_COMM_WORLD_RANK", ("MV2_COMM_WORLD_SIZE",), "MV2_COMM_WORLD_LOCAL_RANK",
+           "MV2_COMM_WORLD_LOCAL_SIZE"),
+    # PMIx exports no world size of its own; the launchers that use it (prterun, srun --mpi=pmix) do.
+    Family("pmix", "PMIX_RANK", ("OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")),
+    # Inside an sbatch script SLURM_PROCID/SLURM_NTASKS are set too, but only srun steps set SLURM_STEP_ID.
+    Family("slurm", "SLURM_PROCID", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"), "SLURM_LOCALID",
+           None, "SLURM_NODEID", marker=("SLURM_STEP_ID",)),
+    Family("env", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+           master_addr="MASTER_ADDR", master_port="MASTER_PORT"),
+)
+
+
+def _int(environ: Mapping[str, str], name: str, family: str) -> int:
+    raw = environ[name]
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise LaunchEnvironmentError(
+            f"{name}={raw!r} is not an integer (read as part of the {family} launcher's variables); "
+            "fix or unset it"
+        ) from None
+
+
+def _first(environ: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if n in environ), None)
+
+
+def _slurm_local_size(environ: Mapping[str, str], node: int) -> int | None:
+    """Tasks on this node from SLURM_STEP_TASKS_PER_NODE/SLURM_TASKS_PER_NODE, e.g. ``2(x3),1``."""
+    spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise LaunchEnvironmentError(f"cannot parse SLURM tasks-per-node value {spec!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node] if node < len(counts) else None
+
+
+def slurm_first_host(nodelist: str) -> str:
+    """First host of a SLURM hostlist such as ``gpu[003-005,9],cpu1`` (rank 0 runs there)."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise LaunchEnvironmentError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _from_family(environ: Mapping[str, str], fam: Family) -> LaunchInfo:
+    size_var = _first(environ, fam.size)
+    if size_var is None:
+        raise LaunchEnvironmentError(
+            f"{fam.rank}={environ[fam.rank]!r} is set but none of {', '.join(fam.size)} is: the {fam.name} "
+            "launcher gives a rank together with a world size. Launch with the launcher, or set both."
+        )
+    rank, size = _int(environ, fam.rank, fam.name), _int(environ, size_var, fam.name)
+    seen = f"{fam.rank}={rank}, {size_var}={size}"
+    if size < 1 or not 0 <= rank < size:
+        raise LaunchEnvironmentError(f"inconsistent launch variables: {seen}; need 0 <= rank < size")
+
+    if fam.local_rank and fam.local_rank in environ:
+        local_rank = _int(environ, fam.local_rank, fam.name)
+        seen += f", {fam.local_rank}={local_rank}"
+    else:  # no node-local numbering: assume one node
+        local_rank = rank
+    node_rank = _int(environ, fam.node_rank, fam.name) if fam.node_rank and fam.node_rank in environ else None
+    if fam.local_size and fam.local_size in environ:
+        local_size = _int(environ, fam.local_size, fam.name)
+        seen += f", {fam.local_size}={local_size}"
+    elif fam.name == "slurm":
+        local_size = _slurm_local_size(environ, node_rank or 0) or size
+    else:
+        local_size = size if local_rank == rank else local_rank + 1
+    if local_size < 1 or not 0 <= local_rank < local_size or local_size > size:
+        raise LaunchEnvironmentError(
+            f"inconsistent launch variables: {seen}; need 0 <= local rank < local size <= size"
+        )
+    if node_rank is None:  # block placement, the default of every launcher listed
+        node_rank = rank // local_size
+
+    master_addr = environ.get(fam.master_addr) if fam.master_addr else None
+    if fam.name == "slurm" and master_addr is None:
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+        master_addr = slurm_first_host(nodelist) if nodelist else None
+    master_port = None
+    if fam.master_port and fam.master_port in environ:
+        master_port = _int(environ, fam.master_port, fam.name)
+        if not 0 < master_port < 65536:
+            raise LaunchEnvironmentError(f"{fam.master_port}={master_port} is not a TCP port (1-65535)")
+    return LaunchInfo(rank, size, local_rank, local_size, node_rank, master_addr or None, master_port, fam.name)
+
+
+def detect(environ: Mapping[str, str] | None = None) -> LaunchInfo:
+    """Read the launcher's variables from ``environ`` (default ``os.environ``); no launcher -> a world of one."""
+    env = os.environ if environ is None else environ
+    for fam in LAUNCHERS:
+        if fam.rank in env and all(m in env for m in fam.marker):
+            return _from_family(env, fam)
+    orphans = [name for fam in LAUNCHERS for name in fam.size[:1] if name in env]
+    if orphans:
+        raise LaunchEnvironmentError(
+            f"{', '.join(sorted(set(orphans)))} set without the matching rank variable; a world size needs a "
+            "rank. Launch with the launcher, or unset it to run as one process."
+        )
+    return LaunchInfo()

@@ -1,0 +1,210 @@
+"""MPIManager on mpi4py: buffer (uppercase) calls on numpy views of the tensors, no pickling of tensor data.
+
+mpi4py is imported in ``_start`` only: importing ``mpi4py.MPI`` initialises MPI, and ``import unidist`` must
+never do that. MPI has no 16-bit float reductions, so float16/bfloat16 are reduced in float32 (the base
+class does that); moving them needs no arithmetic, so they travel as raw 16-bit words.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+from typing import Any
+
+import numpy as np
+import torch
+
+from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
+from unidist.managers.base import DONE, Manager, Work
+from unidist.ops import ReduceOp
+
+__all__ = ["MPIManager"]
+
+PIP_HINT = "pip install 'unidist[mpi]'  (installs mpi4py and the mpich wheel, which provides mpiexec)"
+
+
+def import_mpi() -> Any:
+    """``mpi4py.MPI``, or a BackendUnavailableError that says what to install."""
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        raise BackendUnavailableError(f"the 'mpi' backend needs mpi4py and an MPI library ({err}); {PIP_HINT}") from err
+    return MPI
+
+
+class _Request:
+    """An MPI request as a Work; holds the buffers so they outlive the operation."""
+
+    __slots__ = ("_keep", "_req")
+
+    def __init__(self, req: Any, *keep: object) -> None:
+        self._req = req
+        self._keep = keep
+
+    def wait(self) -> None:
+        self._req.Wait()
+
+    def test(self) -> bool:
+        return bool(self._req.Test())
+
+
+def _displs(counts: Sequence[int]) -> list[int]:
+    return [0, *accumulate(counts)][:-1]
+
+
+class MPIManager(Manager):
+    """MPI through mpi4py; topology from the engine (shared-memory split gives local rank and node)."""
+
+    name = "mpi"
+    _upcast_reduce = frozenset({torch.float16, torch.bfloat16})
+
+    def _start(self) -> None:
+        MPI = import_mpi()
+        self._comm = MPI.COMM_WORLD.Dup()  # our own context: user MPI traffic cannot match ours
+        self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
+        if self.launch.launched and self.launch.size != self._size:
+            self._comm.Free()
+            raise LaunchEnvironmentError(
+                f"the {self.launch.launcher} launcher announced {self.launch.size} processes but MPI sees "
+                f"{self._size}: mpi4py is linked to a different MPI than the launcher that started this job. "
+                "Launch with the mpiexec of the MPI mpi4py uses (`unidist launch` picks it) or rebuild mpi4py."
+            )
+        self._node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._rank)
+        self._local_rank, self._local_size = self._node.Get_rank(), self._node.Get_size()
+        leaders = self._comm.Split(0 if self._local_rank == 0 else MPI.UNDEFINED, self._rank)
+        node_rank = np.array([leaders.Get_rank() if leaders != MPI.COMM_NULL else 0], dtype=np.int64)
+        if leaders != MPI.COMM_NULL:
+            leaders.Free()
+        self._node.Bcast([node_rank, 1, MPI.INT64_T], root=0)
+        self._node_rank = int(node_rank[0])
+        self._in_place = MPI.IN_PLACE
+        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+                     ReduceOp.PRODUCT: MPI.PROD}
+        self._types = {
+            torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
+            torch.float16: MPI.INT16_T, torch.bfloat16: MPI.INT16_T,  # moved as bits, never reduced here
+            torch.int8: MPI.INT8_T, torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T,
+            torch.int64: MPI.INT64_T, torch.uint8: MPI.UINT8_T, torch.bool: MPI.UINT8_T,
+        }
+        self._cuda_aware = _query_cuda_support(MPI)
+
+    def _shutdown(self) -> None:
+        self._node.Free()
+        self._comm.Free()
+
+    def _abort_job(self, exc: BaseException) -> None:
+        self._report_failure(exc)
+        self._comm.Abort(1)
+
+    # ------------------------------------------------------------ buffers
+    def _spec(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> list[Any]:
+        """``[buffer, count(s), datatype]`` over t's memory, no copy."""
+        if t.device.type == "cpu":
+            buf: Any = t.view(torch.int16).numpy() if t.dtype is torch.bfloat16 else t.numpy()
+        else:  # CUDA-aware MPI reads device memory through __cuda_array_interface__
+            buf = t.view(torch.int16) if t.dtype is torch.bfloat16 else t
+        if counts is None:
+            return [buf, t.numel(), self._types[t.dtype]]
+        return [buf, (list(counts), _displs(counts)), self._types[t.dtype]]
+
+    def _staged(self, fn: Callable[..., Any], send: torch.Tensor | None, recv: torch.Tensor | None,
+                *args: Any) -> None:
+        """Without CUDA-aware MPI, device tensors go through host copies."""
+        host_send = send.cpu() if send is not None else None
+        if recv is None:
+            host_recv = None
+        elif recv is send:
+            host_recv = host_send
+        else:
+            host_recv = torch.empty(recv.shape, dtype=recv.dtype)
+        fn(host_send, host_recv, *args)
+        if recv is not None and host_recv is not None:
+            recv.copy_(host_recv)
+
+    def _device_ok(self, *ts: torch.Tensor | None) -> bool:
+        return self._cuda_aware or all(t is None or t.device.type == "cpu" for t in ts)
+
+    # ------------------------------------------------------------ primitives
+    def _barrier(self) -> None:
+        self._comm.Barrier()
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> None:
+        if not self._device_ok(t):
+            return self._staged(lambda s, r: self._broadcast(r, root), t, t)
+        self._comm.Bcast(self._spec(t), root)
+
+    def _broadcast_async(self, t: torch.Tensor, root: int) -> Work:
+        if not self._device_ok(t):
+            self._broadcast(t, root)
+            return DONE
+        spec = self._spec(t)
+        return _Request(self._comm.Ibcast(spec, root), spec)
+
+    def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
+        if not self._device_ok(recv):
+            return self._staged(self._allreduce, send, recv, op)
+        rspec = self._spec(recv)
+        self._comm.Allreduce(self._in_place if send is recv else self._spec(send), rspec, self._ops[op])
+
+    def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
+        if not self._device_ok(recv):
+            self._allreduce(send, recv, op)
+            return DONE
+        sspec = self._in_place if send is recv else self._spec(send)
+        rspec = self._spec(recv)
+        return _Request(self._comm.Iallreduce(sspec, rspec, self._ops[op]), sspec, rspec)
+
+    def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
+        if not self._device_ok(send, recv):
+            return self._staged(self._allgather, send, recv, counts)
+        self._comm.Allgatherv(self._spec(send), self._spec(recv, counts))
+
+    def _allgather_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Work:
+        if not self._device_ok(send, recv):
+            self._allgather(send, recv, counts)
+            return DONE
+        sspec, rspec = self._spec(send), self._spec(recv, counts)
+        return _Request(self._comm.Iallgatherv(sspec, rspec), sspec, rspec)
+
+    def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
+                  recv_counts: Sequence[int]) -> None:
+        if not self._device_ok(send, recv):
+            return self._staged(self._alltoall, send, recv, send_counts, recv_counts)
+        self._comm.Alltoallv(self._spec(send, send_counts), self._spec(recv, recv_counts))
+
+    def _gather(self, send: torch.Tensor, recv: torch.Tensor | None, counts: Sequence[int], root: int) -> None:
+        if not self._device_ok(send, recv):
+            return self._staged(self._gather, send, recv, counts, root)
+        self._comm.Gatherv(self._spec(send), self._spec(recv, counts) if recv is not None else None, root)
+
+    def _scatter(self, send: torch.Tensor | None, recv: torch.Tensor, counts: Sequence[int], root: int) -> None:
+        if not self._device_ok(send, recv):
+            return self._staged(self._scatter, send, recv, counts, root)
+        self._comm.Scatterv(self._spec(send, counts) if send is not None else None, self._spec(recv), root)
+
+    def _reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
+                        op: ReduceOp) -> None:
+        if not self._device_ok(send, recv):
+            return self._staged(self._reduce_scatter, send, recv, counts, op)
+        self._comm.Reduce_scatter(self._spec(send), self._spec(recv), list(counts), self._ops[op])
+
+    def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+        if not self._device_ok(t):
+            t = t.cpu()
+        self._comm.Send(self._spec(t), dest, tag)
+
+    def _recv(self, t: torch.Tensor, source: int, tag: int) -> None:
+        if not self._device_ok(t):
+            return self._staged(lambda s, r: self._recv(r, source, tag), None, t)
+        self._comm.Recv(self._spec(t), source, tag)
+
+
+def _query_cuda_support(MPI: Any) -> bool:
+    """MPIX_Query_cuda_support (Open MPI, MPICH) from the MPI library mpi4py loaded; False if absent."""
+    try:
+        fn = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        return False
+    fn.restype = ctypes.c_int
+    return bool(fn())

@@ -1,0 +1,102 @@
+"""Backend registry and selection: which Manager a launched process should use.
+
+Factories are registered by module path so that nothing here imports an engine until ``select`` is asked
+for that backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from unidist.config import Config
+from unidist.errors import BackendUnavailableError, ConfigError
+from unidist.launch import LaunchInfo, detect
+
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
+
+__all__ = ["BackendSpec", "backend_for", "register", "registered", "select", "spec"]
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """Where a Manager lives and which packages it needs (checked before import, for a clear error)."""
+
+    name: str
+    target: str  # "module:ClassName"
+    requires: tuple[str, ...]
+    install: str
+
+    def missing(self) -> list[str]:
+        return [pkg for pkg in self.requires if importlib.util.find_spec(pkg) is None]
+
+
+_REGISTRY: dict[str, BackendSpec] = {}
+
+# launcher family (unidist.launch) -> backend it implies
+LAUNCHER_BACKEND: Mapping[str, str] = {
+    "torchrun": "torch",
+    "horovodrun": "horovod",
+    "deepspeed": "deepspeed",
+    "openmpi": "mpi",
+    "mpich": "mpi",
+    "mvapich": "mpi",
+    "pmix": "mpi",
+    "slurm": "mpi",
+    "env": "torch",
+    "none": "local",
+}
+
+
+def register(name: str, target: str, requires: tuple[str, ...] = (), install: str = "") -> None:
+    """Add (or replace) a backend; ``target`` is ``"package.module:ManagerClass"``."""
+    _REGISTRY[name] = BackendSpec(name, target, requires, install)
+
+
+def registered() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def spec(name: str) -> BackendSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        hint = ""
+        if name in ("ray", "dask", "pymp", "pyseq"):
+            hint = (" (that value is for Modin's unrelated 'unidist' package, which reads the same variable; "
+                    "unset UNIDIST_BACKEND for this run)")
+        raise ConfigError(
+            f"UNIDIST_BACKEND={name!r} is not a registered backend; choose one of {', '.join(_REGISTRY)}{hint}"
+        ) from None
+
+
+def backend_for(config: Config, launch: LaunchInfo) -> str:
+    """The backend name: UNIDIST_BACKEND if set, else what the launcher implies."""
+    if config.backend is not None:
+        return spec(config.backend).name
+    return LAUNCHER_BACKEND.get(launch.launcher, "local")
+
+
+def select(config: Config | None = None, launch: LaunchInfo | None = None,
+           environ: Mapping[str, str] | None = None) -> type[Manager]:
+    """The Manager class for this process, imported now; a missing engine raises BackendUnavailableError."""
+    config = config if config is not None else Config.from_env(environ)
+    launch = launch if launch is not None else detect(environ)
+    chosen = spec(backend_for(config, launch))
+    missing = chosen.missing()
+    if missing:
+        raise BackendUnavailableError(
+            f"the {chosen.name!r} backend needs {', '.join(missing)}, which is not installed; {chosen.install}"
+        )
+    module_name, _, cls_name = chosen.target.partition(":")
+    cls: type[Manager] = getattr(importlib.import_module(module_name), cls_name)
+    return cls
+
+
+register("local", "unidist.managers.local:LocalManager", ("torch",), "pip install unidist")
+register("mpi", "unidist.managers.mpi:MPIManager", ("torch", "mpi4py"),
+         "pip install 'unidist[mpi]'  (mpi4py plus the mpich wheel, which provides mpiexec)")
