@@ -10,12 +10,13 @@ import difflib
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from unidist.errors import ConfigError
 
-__all__ = ["COMPRESSIONS", "Config", "ENV_VARS"]
+__all__ = ["COMPRESSIONS", "ENV_VARS", "Config"]
 
 COMPRESSIONS = ("none", "fp16", "bf16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -80,16 +81,20 @@ class Config:
         return cls(unknown=unknown, **values)  # type: ignore[arg-type]
 
 
-def _number(kind: type[int] | type[float], allowed: str):  # type: ignore[no-untyped-def]
+def _number(kind: type[int] | type[float], allowed: str,
+            ok: Callable[[float], bool]) -> Callable[[str, str], int | float]:
     def parse(var: str, raw: str) -> int | float:
         try:
-            return kind(raw)
+            value = kind(raw)
         except ValueError:
-            raise ConfigError(f"{var}={raw!r} is not valid; allowed: {allowed}") from None
+            value = None
+        if value is None or not ok(value):
+            raise ConfigError(f"{var}={raw!r} is not valid; allowed: {allowed}")
+        return value
     return parse
 
 
-def _choice(choices: tuple[str, ...], *, lower: bool = True):  # type: ignore[no-untyped-def]
+def _choice(choices: tuple[str, ...], *, lower: bool = True) -> Callable[[str, str], str]:
     def parse(var: str, raw: str) -> str:
         value = raw.lower() if lower else raw.upper()
         if value not in choices:
@@ -121,11 +126,11 @@ def _path(var: str, raw: str) -> str | None:
     return raw or None
 
 
-_PARSERS = {
+_PARSERS: dict[str, Callable[[str, str], Any]] = {
     "backend": _backend,
-    "timeout": _number(float, "a positive number of seconds"),
-    "zero_stage": _number(int, "0, 1, 2 or 3"),
-    "bucket_mb": _number(float, "a positive number of MiB"),
+    "timeout": _number(float, "a positive number of seconds", lambda v: v > 0),
+    "zero_stage": _number(int, "0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
+    "bucket_mb": _number(float, "a positive number of MiB", lambda v: v > 0),
     "compression": _choice(COMPRESSIONS),
     "check_collectives": _flag,
     "log_level": _choice(LOG_LEVELS, lower=False),

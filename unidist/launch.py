@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from unidist.errors import LaunchEnvironmentError
 
-__all__ = ["LAUNCHERS", "LaunchInfo", "Family", "detect"]
+__all__ = ["LAUNCHERS", "Family", "LaunchInfo", "detect"]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -97,7 +97,7 @@ class Handle(Generic[Array]):
 
     def __init__(self, work: Work, finish: Callable[[], Array]) -> None:
         self._work: Work | None = work
-        self._finish = finish
+        self._finish: Callable[[], Array] = finish
         self._result: Array | None = None
 
     def done(self) -> bool:
@@ -172,7 +172,7 @@ class Manager(abc.ABC):
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
+                 tb: TracebackType | None) -> Literal[False]:
         try:
             failed = exc is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None))
             if failed and self._started and self._size > 1:
@@ -181,7 +181,7 @@ class Manager(abc.ABC):
             self.shutdown()
         return False
 
-    def _abort_job(self, exc: BaseException) -> None:
+    def _abort_job(self, exc: BaseException) -> None:  # noqa: B027 - optional hook, a no-op by default
         """One rank failed while the others may wait in a collective; backends that can, end the job."""
 
     def _report_failure(self, exc: BaseException) -> None:
@@ -343,7 +343,7 @@ class Manager(abc.ABC):
 
     # ----------------------------------------------------------------- input/output conversion
     @staticmethod
-    def _input(x: Tensorish) -> tuple[torch.Tensor, bool]:
+    def _input(x: Tensorish) -> tuple[torch.Tensor, bool]:  # noqa: C901
         """A contiguous tensor that may share x's memory (read-only use), and whether x was numpy."""
         if isinstance(x, torch.Tensor):
             if x.dtype not in _DTYPE_ID:
@@ -597,7 +597,7 @@ class Manager(abc.ABC):
         self._signature(call, t, numel=-1)
         rows = self._row_meta(call, t)
         row = _row_numel(t)
-        out = t.new_empty((sum(rows), *t.shape[1:]))
+        out = _rows_like(t, sum(rows))
         self._allgather(t, out, [r * row for r in rows])
         return out, rows
 
@@ -615,7 +615,7 @@ class Manager(abc.ABC):
         self._signature("allgather", t, numel=-1)
         rows = self._row_meta("allgather", t)
         row = _row_numel(t)
-        out = t.new_empty((sum(rows), *t.shape[1:]))
+        out = _rows_like(t, sum(rows))
         work = self._allgather_async(t, out, [r * row for r in rows])
         return Handle(work, lambda: self._output(out, as_np))
 
@@ -628,7 +628,7 @@ class Manager(abc.ABC):
         self._signature("gather", t, root=root, numel=-1)
         rows = self._row_meta("gather", t)
         row = _row_numel(t)
-        out = t.new_empty((sum(rows), *t.shape[1:])) if self._rank == root else None
+        out = _rows_like(t, sum(rows)) if self._rank == root else None
         self._gather(t, out, [r * row for r in rows], root)
         return None if out is None else self._output(out, as_np)  # type: ignore[no-any-return]
 
@@ -656,7 +656,7 @@ class Manager(abc.ABC):
             if problem is not None:
                 raise problem
             raise InvalidArgumentError(f"scatter: root rank {root} rejected its input (see its error)")
-        shape = meta[4:4 + ndim].tolist()
+        shape: list[int] = meta[4:4 + ndim].tolist()
         dtype = SUPPORTED_DTYPES[dtype_id]
         rows = split_sizes(shape[0], self._size)
         row = int(np.prod(shape[1:], dtype=np.int64))
@@ -679,7 +679,7 @@ class Manager(abc.ABC):
         self._signature("reduce_scatter", t, rop)
         rows = split_sizes(t.shape[0], self._size)
         row = _row_numel(t)
-        out = t.new_empty((rows[self._rank], *t.shape[1:]))
+        out = _rows_like(t, rows[self._rank])
         work, post = self._reduce_with(self._reduce_scatter, t, out, rop, [r * row for r in rows])
         work.wait()
         if post is not None:
@@ -708,7 +708,7 @@ class Manager(abc.ABC):
         self._alltoall(torch.tensor(send_rows, dtype=_INT64), recv_rows_t, ones, ones)
         recv_rows = recv_rows_t.tolist()
         row = _row_numel(t)
-        out = t.new_empty((sum(recv_rows), *t.shape[1:]))
+        out = _rows_like(t, sum(recv_rows))
         self._alltoall(t, out, [r * row for r in send_rows], [r * row for r in recv_rows])
         return self._output(out, as_np)  # type: ignore[no-any-return]
 
@@ -751,6 +751,11 @@ class Manager(abc.ABC):
             objs.append(pickle.loads(data[start:start + n].tobytes()))
             start += n
         return objs
+
+
+def _rows_like(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """An uninitialised tensor with ``rows`` rows shaped like t's rows."""
+    return t.new_empty([rows, *t.shape[1:]])
 
 
 def _row_numel(t: torch.Tensor) -> int:

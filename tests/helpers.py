@@ -1,0 +1,65 @@
+"""Start real launchers from tests: argv lists, a hard timeout that kills the whole process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Run:
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+
+    def describe(self) -> str:
+        return (f"$ {' '.join(self.argv)}\nexit {self.returncode}{' (timed out)' if self.timed_out else ''}\n"
+                f"--- stdout\n{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-6000:]}")
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This environment minus any launcher/unidist variables the test runner itself may have inherited."""
+    prefixes = ("UNIDIST_", "PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_", "HOROVOD_", "SLURM_", "TORCHELASTIC_")
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "GROUP_RANK",
+             "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run(argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 600,
+        cwd: Path | None = None) -> Run:
+    """Run argv in its own session; on timeout kill the whole group so no rank is left behind."""
+    proc = subprocess.Popen(list(argv), env=clean_env(env), cwd=cwd or ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        timed_out = True
+    return Run(list(argv), proc.returncode, out, err, timed_out)
+
+
+def mpiexec(n: int, *args: str) -> list[str]:
+    return [str(BIN / "mpiexec"), "-n", str(n), sys.executable, *args]
+
+
+def results(out: Path, size: int) -> dict[int, dict[str, str]]:
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(size)
+            if (out / f"rank{r}.json").exists()}

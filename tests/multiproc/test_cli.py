@@ -1,0 +1,85 @@
+"""`unidist info` and `unidist launch`, run as a user would, under real mpiexec."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import BIN, ROOT, mpiexec, run
+
+UNIDIST = str(BIN / "unidist")
+
+
+def _json_reports(stdout: str) -> list[dict[str, object]]:
+    """Split concatenated pretty-printed JSON objects (one per rank)."""
+    decoder, reports, pos = json.JSONDecoder(), [], 0
+    text = stdout.strip()
+    while pos < len(text):
+        obj, end = decoder.raw_decode(text, pos)
+        reports.append(obj)
+        pos = end
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+    return reports
+
+
+def test_info_plain_python_picks_local() -> None:
+    proc = run([UNIDIST, "info"], timeout=60)
+    assert proc.returncode == 0, proc.describe()
+    assert "init() would pick: local (LocalManager)" in proc.stdout
+    assert "launcher seen: none" in proc.stdout
+    for pkg in ("torch", "mpi4py", "horovod", "deepspeed"):
+        assert pkg in proc.stdout
+
+
+@pytest.mark.mpi
+def test_info_under_mpiexec_names_launcher_and_picks_mpi() -> None:
+    proc = run([str(BIN / "mpiexec"), "-n", "2", UNIDIST, "info", "--json"], timeout=60)
+    assert proc.returncode == 0, proc.describe()
+    reports = _json_reports(proc.stdout)
+    assert len(reports) == 2
+    assert sorted(r["launch"]["rank"] for r in reports) == [0, 1]  # type: ignore[index]
+    for report in reports:
+        assert report["backend"] == "mpi" and report["manager"] == "MPIManager"
+        assert report["launch"]["launcher"] == "mpich" and report["launch"]["size"] == 2  # type: ignore[index]
+        assert "PMI_RANK" in report["launch_variables"]  # type: ignore[operator]
+
+
+def test_info_reports_bad_configuration() -> None:
+    proc = run([UNIDIST, "info"], env={"UNIDIST_BACKEND": "nope"}, timeout=60)
+    assert proc.returncode == 0
+    assert "init() would fail: ConfigError: UNIDIST_BACKEND='nope'" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_launch_runs_under_mpiexec_and_passes_exit_code(tmp_path: Path) -> None:
+    script = tmp_path / "exit_code.py"
+    script.write_text("import sys, unidist\nwith unidist.init() as m:\n    sys.stdout.write(f'R {m.rank} {m.size} {m.backend}\\n')\n"
+                      "sys.exit(int(sys.argv[1]))\n")
+    ok = run([UNIDIST, "launch", "-n", "2", str(script), "0"], timeout=120)
+    assert ok.returncode == 0, ok.describe()
+    assert sorted(line for line in ok.stdout.splitlines() if line.startswith("R")) == ["R 0 2 mpi", "R 1 2 mpi"]
+    failing = run([UNIDIST, "launch", "-n", "2", str(script), "3"], timeout=120)
+    assert failing.returncode == 3, failing.describe()
+
+
+def test_launch_dry_run_and_bad_backend() -> None:
+    dry = run([UNIDIST, "launch", "-n", "2", "--backend", "mpi", "--dry-run", "s.py", "--lr", "1"], timeout=60)
+    assert dry.returncode == 0
+    argv = dry.stdout.split()
+    assert argv[:3] == [str(BIN / "mpiexec"), "-n", "2"] and argv[4:] == ["s.py", "--lr", "1"]
+    assert Path(argv[3]).resolve() == Path(sys.executable).resolve()
+    bad = run([UNIDIST, "launch", "-n", "2", "--backend", "local", "s.py"], timeout=60)
+    assert bad.returncode == 2 and "local backend runs one process" in bad.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_hello_example(n: int) -> None:
+    argv = [sys.executable, "examples/hello_collectives.py"] if n == 1 else mpiexec(n, "examples/hello_collectives.py")
+    proc = run(argv, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.describe()
+    assert f"7/7 collectives correct on {n} process(es)" in proc.stdout
+    assert proc.stdout.count("backend=" + ("local" if n == 1 else "mpi")) == n

@@ -1,0 +1,122 @@
+"""Launch detection: the exact variable sets each launcher sets, and every way they can be wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from unidist import LaunchEnvironmentError, LaunchInfo, detect
+from unidist.launch import slurm_first_host
+
+CASES = {
+    "nothing": ({}, LaunchInfo()),
+    "torchrun": (
+        {"TORCHELASTIC_RUN_ID": "none", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+         "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "ROLE_RANK": "3", "MASTER_ADDR": "10.0.0.1",
+         "MASTER_PORT": "29500"},
+        LaunchInfo(3, 4, 1, 2, 1, "10.0.0.1", 29500, "torchrun"),
+    ),
+    "horovodrun-gloo": (
+        {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2",
+         "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"},
+        LaunchInfo(1, 2, 1, 2, 0, None, None, "horovodrun"),
+    ),
+    "deepspeed": (
+        {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_SIZE": "4", "CROSS_RANK": "1",
+         "CROSS_SIZE": "2", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"},
+        LaunchInfo(5, 8, 1, 4, 1, "node1", 29500, "deepspeed"),
+    ),
+    "openmpi": (
+        {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+         "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_NODE_RANK": "1", "PMIX_RANK": "5"},
+        LaunchInfo(5, 8, 1, 4, 1, None, None, "openmpi"),
+    ),
+    "mpich-hydra": (
+        {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "PMI_FD": "9",
+         "PMI_HOSTNAME": "vm"},
+        LaunchInfo(1, 2, 1, 2, 0, None, None, "mpich"),
+    ),
+    "intel-mpi-two-nodes": (
+        {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+        LaunchInfo(3, 4, 1, 2, 1, None, None, "mpich"),
+    ),
+    "mvapich": (
+        {"MV2_COMM_WORLD_RANK": "2", "MV2_COMM_WORLD_SIZE": "4", "MV2_COMM_WORLD_LOCAL_RANK": "0",
+         "MV2_COMM_WORLD_LOCAL_SIZE": "2"},
+        LaunchInfo(2, 4, 0, 2, 1, None, None, "mvapich"),
+    ),
+    "pmix-under-srun": (
+        {"PMIX_RANK": "2", "PMIX_NAMESPACE": "slurm.pmix.1.0", "SLURM_STEP_NUM_TASKS": "4"},
+        LaunchInfo(2, 4, 2, 4, 0, None, None, "pmix"),
+    ),
+    "srun": (
+        {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1",
+         "SLURM_NODEID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+         "SLURM_STEP_NODELIST": "gpu[003-004]", "SLURM_JOB_ID": "77"},
+        LaunchInfo(5, 8, 1, 4, 1, "gpu003", None, "slurm"),
+    ),
+    "srun-uneven-nodes": (
+        {"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+         "SLURM_STEP_ID": "1", "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_JOB_NODELIST": "a1,b2"},
+        LaunchInfo(4, 5, 0, 1, 2, "a1", None, "slurm"),
+    ),
+    "sbatch-script-without-srun": (
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "77", "SLURM_NODEID": "0"},
+        LaunchInfo(),
+    ),
+    "plain-rank-world-size": (
+        {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"},
+        LaunchInfo(1, 2, 1, 2, 0, "127.0.0.1", 1234, "env"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_detect(name: str) -> None:
+    environ, expected = CASES[name]
+    assert detect(environ) == expected
+
+
+def test_torchrun_wins_over_mpi_variables() -> None:
+    env = {**CASES["torchrun"][0], **CASES["mpich-hydra"][0]}
+    assert detect(env).launcher == "torchrun"
+
+
+BAD = {
+    "rank-without-size": ({"PMI_RANK": "0"}, ["PMI_RANK", "PMI_SIZE"]),
+    "size-without-rank": ({"WORLD_SIZE": "2"}, ["WORLD_SIZE"]),
+    "rank-not-an-int": ({"OMPI_COMM_WORLD_RANK": "one", "OMPI_COMM_WORLD_SIZE": "2"}, ["OMPI_COMM_WORLD_RANK"]),
+    "rank-too-large": ({"HOROVOD_RANK": "2", "HOROVOD_SIZE": "2"}, ["HOROVOD_RANK=2", "HOROVOD_SIZE=2"]),
+    "negative-rank": ({"RANK": "-1", "WORLD_SIZE": "2"}, ["RANK=-1"]),
+    "zero-size": ({"PMI_RANK": "0", "PMI_SIZE": "0"}, ["PMI_SIZE=0"]),
+    "local-rank-too-large": (
+        {"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "2"},
+        ["MPI_LOCALRANKID=2", "MPI_LOCALNRANKS=2"],
+    ),
+    "bad-port": ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "70000"}, ["MASTER_PORT=70000"]),
+    "pmix-without-size": ({"PMIX_RANK": "0"}, ["PMIX_RANK", "SLURM_NTASKS"]),
+    "bad-slurm-tasks": (
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_TASKS_PER_NODE": "two"},
+        ["two"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_launch_environment(name: str) -> None:
+    environ, mentioned = BAD[name]
+    with pytest.raises(LaunchEnvironmentError) as info:
+        detect(environ)
+    for word in mentioned:
+        assert word in str(info.value)
+
+
+def test_detect_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv("PMI_SIZE", "3")
+    assert detect().size == 3
+
+
+@pytest.mark.parametrize(("nodelist", "host"), [("n1", "n1"), ("gpu[07-09]", "gpu07"), ("a[1,5],b2", "a1"),
+                                                 ("x-1.site", "x-1.site")])
+def test_slurm_first_host(nodelist: str, host: str) -> None:
+    assert slurm_first_host(nodelist) == host

@@ -1,0 +1,164 @@
+"""``unidist info``: the report to paste into a bug. ``unidist launch``: run a script under a real launcher.
+
+Neither command imports an engine: versions come from package metadata, so ``info`` never starts MPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import unidist
+from unidist.config import ENV_VARS, Config
+from unidist.errors import UnidistError
+from unidist.launch import LAUNCHERS, detect
+
+__all__ = ["launch_command", "main"]
+
+PACKAGES = ("torch", "numpy", "mpi4py", "mpich", "horovod", "deepspeed")
+LAUNCHER_PROGRAMS = ("mpiexec", "mpirun", "torchrun", "deepspeed", "horovodrun", "srun")
+_EXTRA_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+               "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_STEP_ID")
+
+
+def _version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def find_program(name: str) -> str | None:
+    """Prefer the program installed beside this Python (the venv's mpiexec matches its mpi4py)."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(name)
+
+
+def info(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Everything ``unidist info`` reports, as data (the CLI prints it, tests read it as JSON)."""
+    from unidist.selector import backend_for, select, spec
+
+    report: dict[str, Any] = {
+        "unidist": unidist.__version__,
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "platform": platform.platform(),
+        "packages": {pkg: _version(pkg) for pkg in PACKAGES},
+        "programs": {p: find_program(p) or "not found" for p in LAUNCHER_PROGRAMS},
+    }
+    names = sorted({n for fam in LAUNCHERS for n in (fam.rank, *fam.size, fam.local_rank, fam.local_size,
+                                                      fam.node_rank, *fam.marker) if n} | set(_EXTRA_VARS))
+    report["launch_variables"] = {n: environ[n] for n in names if n in environ}
+    report["unidist_variables"] = {n: environ[n] for n in sorted(environ) if n.startswith("UNIDIST_")}
+    try:
+        config = Config.from_env(environ)
+        launch = detect(environ)
+        report["launch"] = dict(launch.__dict__)
+        name = backend_for(config, launch)
+        report["backend"] = name
+        missing = spec(name).missing()
+        if missing:
+            select(config, launch)  # raises the install hint
+        report["manager"] = spec(name).target.split(":")[1]
+    except UnidistError as err:
+        report["error"] = f"{type(err).__name__}: {err}"
+    return report
+
+
+def _print_info(report: dict[str, Any]) -> None:
+    print(f"unidist {report['unidist']}   python {report['python']}")
+    print(f"platform {report['platform']}")
+    print("packages:")
+    for pkg, ver in report["packages"].items():
+        print(f"  {pkg:<10} {ver}")
+    print("launchers on PATH:")
+    for prog, where in report["programs"].items():
+        print(f"  {prog:<10} {where}")
+    launch = report.get("launch")
+    if launch:
+        print(f"launcher seen: {launch['launcher']}  rank {launch['rank']} of {launch['size']}, local "
+              f"{launch['local_rank']} of {launch['local_size']}, node {launch['node_rank']}")
+    for title in ("launch_variables", "unidist_variables"):
+        if report[title]:
+            print(title.replace("_", " ") + ": " + " ".join(f"{k}={v}" for k, v in report[title].items()))
+    if "error" in report:
+        print(f"init() would fail: {report['error']}")
+    else:
+        print(f"init() would pick: {report['backend']} ({report['manager']})")
+    print("settings: " + ", ".join(ENV_VARS))
+
+
+def launch_command(backend: str, nprocs: int, script: str, args: Sequence[str]) -> list[str]:
+    """The argv that starts ``script`` on ``nprocs`` processes under ``backend``'s launcher."""
+    python = sys.executable
+    if backend == "local":
+        if nprocs != 1:
+            raise UnidistError("the local backend runs one process; use -n 1 or another --backend")
+        return [python, script, *args]
+    if backend == "mpi":
+        mpiexec = find_program("mpiexec") or find_program("mpirun")
+        if mpiexec is None:
+            raise UnidistError("no mpiexec or mpirun found; pip install 'unidist[mpi]' installs one (mpich)")
+        return [mpiexec, "-n", str(nprocs), python, script, *args]
+    raise UnidistError(f"`unidist launch` has no launcher for backend {backend!r} yet; use mpi or local")
+
+
+def _default_backend() -> str:
+    return "mpi" if find_program("mpiexec") or find_program("mpirun") else "local"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="unidist", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="versions, launcher variables and the backend init() would pick")
+    p_info.add_argument("--json", action="store_true", help="machine-readable output")
+    p_launch = sub.add_parser("launch", help="run a script on N processes under a real launcher")
+    p_launch.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
+    p_launch.add_argument("--backend", help="local or mpi (default: mpi when mpiexec is found)")
+    p_launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    p_launch.add_argument("script", help="the Python script to run")
+    p_launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    ns = parser.parse_args(argv)
+
+    if ns.command == "info":
+        report = info(os.environ)
+        if ns.json:
+            print(json.dumps(report, indent=2))
+        else:
+            _print_info(report)
+        return 0
+
+    if ns.nprocs < 1:
+        parser.error("-n must be at least 1")
+    backend = (ns.backend or _default_backend()).lower()
+    try:
+        cmd = launch_command(backend, ns.nprocs, ns.script, ns.args)
+    except UnidistError as err:
+        print(f"unidist launch: {err}", file=sys.stderr)
+        return 2
+    if ns.dry_run:
+        print(" ".join(cmd))
+        return 0
+    env = dict(os.environ)
+    if ns.backend:
+        env["UNIDIST_BACKEND"] = backend
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        code = proc.wait()
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
