@@ -83,3 +83,10 @@ def test_hello_example(n: int) -> None:
     assert proc.returncode == 0, proc.describe()
     assert f"7/7 collectives correct on {n} process(es)" in proc.stdout
     assert proc.stdout.count("backend=" + ("local" if n == 1 else "mpi")) == n
+
+
+@pytest.mark.mpi
+def test_mpirun_recipe() -> None:
+    proc = run(["bash", "launch_scripts/mpirun.sh", "2", "examples/hello_collectives.py"], cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.describe()
+    assert "7/7 collectives correct on 2 process(es)" in proc.stdout
