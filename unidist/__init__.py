@@ -43,6 +43,7 @@ __all__ = [
     "Manager",
     "NotInitializedError",
     "ReduceOp",
+    "TorchManager",
     "UnidistError",
     "__version__",
     "detect",
@@ -55,6 +56,7 @@ _LAZY = {
     "get_manager": "unidist.managers.base",
     "LocalManager": "unidist.managers.local",
     "MPIManager": "unidist.managers.mpi",
+    "TorchManager": "unidist.managers.torch",
 }
 
 

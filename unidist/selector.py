@@ -100,3 +100,4 @@ def select(config: Config | None = None, launch: LaunchInfo | None = None,
 register("local", "unidist.managers.local:LocalManager", ("torch",), "pip install unidist")
 register("mpi", "unidist.managers.mpi:MPIManager", ("torch", "mpi4py"),
          "pip install 'unidist[mpi]'  (mpi4py plus the mpich wheel, which provides mpiexec)")
+register("torch", "unidist.managers.torch:TorchManager", ("torch",), "pip install torch")

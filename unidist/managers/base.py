@@ -16,7 +16,7 @@ import pickle
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
@@ -121,8 +121,8 @@ class Manager(abc.ABC):
     """One distributed run. ``with Manager() as mgr:`` starts the engine and always shuts it down."""
 
     name: ClassVar[str] = "base"
-    # dtypes the engine cannot reduce natively; reduced in float32 and cast back (one rounding, not N)
-    _upcast_reduce: ClassVar[frozenset[torch.dtype]] = frozenset()
+    # dtypes the engine cannot reduce natively -> the wider dtype they are reduced in (then cast back once)
+    _upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {}
 
     def __init__(self, config: Config | None = None, launch: LaunchInfo | None = None) -> None:
         self.config = config if config is not None else Config.from_env()
@@ -327,7 +327,7 @@ class Manager(abc.ABC):
         full = torch.empty_like(send)
         self._allreduce(send, full, op)
         start = sum(counts[: self._rank])
-        recv.copy_(full[start:start + recv.numel()])
+        recv.view(-1).copy_(full.view(-1)[start:start + recv.numel()])
 
     def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
         self._allreduce(send, recv, op)
@@ -452,9 +452,10 @@ class Manager(abc.ABC):
             as_bytes = send.view(torch.uint8)
             work = prim(as_bytes, as_bytes if send is recv else recv.view(torch.uint8), *extra, _BOOL_OP[op])
             return work or DONE, None
-        if dtype in self._upcast_reduce:
-            wide = send.float()
-            wide_out = wide if send is recv else torch.empty(recv.shape, dtype=torch.float32, device=recv.device)
+        wide_dtype = self._upcast_reduce.get(dtype)
+        if wide_dtype is not None:
+            wide = send.to(wide_dtype)
+            wide_out = wide if send is recv else torch.empty(recv.shape, dtype=wide_dtype, device=recv.device)
             work = prim(wide, wide_out, *extra, op)
 
             def narrow() -> None:

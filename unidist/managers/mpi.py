@@ -57,7 +57,7 @@ class MPIManager(Manager):
     """MPI through mpi4py; topology from the engine (shared-memory split gives local rank and node)."""
 
     name = "mpi"
-    _upcast_reduce = frozenset({torch.float16, torch.bfloat16})
+    _upcast_reduce = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
     def _start(self) -> None:
         MPI = import_mpi()

@@ -1,0 +1,207 @@
+"""TorchManager on torch.distributed: gloo on CPU, nccl on CUDA.
+
+Also the base of DeepSpeedManager, whose ``deepspeed.comm`` mirrors this API: the engine module is
+``self._dist`` and only start-up differs. Rendezvous is ``env://``; under ``mpiexec`` rank 0's address and
+a free port are shared through mpi4py when it is installed, so no MASTER_ADDR/MASTER_PORT is needed there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
+from unidist.managers.base import DONE, Manager, Work
+from unidist.ops import ReduceOp
+
+__all__ = ["TorchManager"]
+
+# gloo and nccl have no int16 arithmetic or transport: reduce in int32, move the raw bits as float16.
+_WIRE = {torch.int16: torch.float16}
+
+
+class _TorchWork:
+    __slots__ = ("_keep", "_work")
+
+    def __init__(self, work: Any, *keep: object) -> None:
+        self._work = work
+        self._keep = keep
+
+    def wait(self) -> None:
+        self._work.wait()
+
+    def test(self) -> bool:
+        return bool(self._work.is_completed())
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    as_dtype = _WIRE.get(t.dtype)
+    return t if as_dtype is None else t.view(as_dtype)
+
+
+class TorchManager(Manager):
+    """torch.distributed process group over env:// rendezvous."""
+
+    name = "torch"
+    _upcast_reduce = {torch.int16: torch.int32}
+    _dist: Any = None
+
+    # ------------------------------------------------------------ lifecycle
+    def _import_dist(self) -> Any:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise BackendUnavailableError("this torch build has no torch.distributed; install a torch wheel from "
+                                          "PyPI (pip install torch)")
+        return dist
+
+    def _rendezvous(self) -> None:
+        """Make the env:// variables true for this process, from whatever the launcher provided."""
+        launch = self.launch
+        self._setenv("RANK", str(launch.rank))
+        self._setenv("WORLD_SIZE", str(launch.size))
+        self._setenv("LOCAL_RANK", str(launch.local_rank))
+        if launch.master_addr and launch.master_port:
+            self._setenv("MASTER_ADDR", launch.master_addr)
+            self._setenv("MASTER_PORT", str(launch.master_port))
+            return
+        if launch.size == 1:
+            self._setenv("MASTER_ADDR", "127.0.0.1")
+            self._setenv("MASTER_PORT", str(_free_port()))
+            return
+        addr_port = _share_address_over_mpi(launch.rank) if launch.launcher in _MPI_FAMILIES else None
+        if addr_port is None:
+            raise LaunchEnvironmentError(
+                f"the {self.name} backend needs MASTER_ADDR and MASTER_PORT for a {launch.size}-process run "
+                f"started by {launch.launcher}; set both (rank 0's host and a free port) or pip install mpi4py so "
+                "unidist can share them over MPI"
+            )
+        self._setenv("MASTER_ADDR", addr_port[0])
+        self._setenv("MASTER_PORT", str(addr_port[1]))
+
+    def _process_group_backend(self) -> str:
+        return "nccl" if self._device.type == "cuda" else "gloo"
+
+    def _init_group(self) -> None:
+        self._dist.init_process_group(self._process_group_backend(), init_method="env://",
+                                      timeout=datetime.timedelta(seconds=self.config.timeout))
+
+    def _start(self) -> None:
+        self._dist = self._import_dist()
+        launch = self.launch
+        self._local_rank, self._local_size, self._node_rank = launch.local_rank, launch.local_size, launch.node_rank
+        self._device = self._pick_device()
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        self._owns_group = not self._dist.is_initialized()
+        if self._owns_group:
+            self._rendezvous()
+            self._init_group()
+        self._rank, self._size = self._dist.get_rank(), self._dist.get_world_size()
+        if launch.launched and (self._rank, self._size) != (launch.rank, launch.size):
+            raise LaunchEnvironmentError(
+                f"the process group says rank {self._rank} of {self._size} but the {launch.launcher} launcher "
+                f"announced rank {launch.rank} of {launch.size}"
+            )
+        dist = self._dist  # torch >= 2.10 renamed the *_tensor calls *_single; deepspeed.comm has the old names
+        self._gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        ops = self._dist.ReduceOp
+        self._ops = {ReduceOp.SUM: ops.SUM, ReduceOp.MIN: ops.MIN, ReduceOp.MAX: ops.MAX,
+                     ReduceOp.PRODUCT: ops.PRODUCT}
+
+    def _shutdown(self) -> None:
+        if self._owns_group and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+
+    # ------------------------------------------------------------ primitives
+    def _barrier(self) -> None:
+        self._dist.barrier()
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> None:
+        self._dist.broadcast(_wire(t), root)
+
+    def _broadcast_async(self, t: torch.Tensor, root: int) -> Work:
+        return _TorchWork(self._dist.broadcast(_wire(t), root, async_op=True), t)
+
+    def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
+        if send is not recv:
+            recv.copy_(send)
+        self._dist.all_reduce(recv, self._ops[op])
+
+    def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
+        if send is not recv:
+            recv.copy_(send)
+        return _TorchWork(self._dist.all_reduce(recv, self._ops[op], async_op=True), recv)
+
+    def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
+        self._allgather_async(send, recv, counts).wait()
+
+    def _allgather_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Work:
+        width = max(counts) if counts else 0
+        flat_send, flat_recv = _wire(send).reshape(-1), _wire(recv).view(-1)
+        if all(c == width for c in counts):
+            return _TorchWork(self._gather_into(flat_recv, flat_send, async_op=True), send, recv)
+        # engines need equal sizes: pad every rank's part to the widest, then drop the padding
+        padded = flat_send.new_zeros(width)
+        padded[: flat_send.numel()] = flat_send
+        staging = flat_send.new_empty(width * self._size)
+        self._gather_into(staging, padded)
+        offset = 0
+        for rank, count in enumerate(counts):
+            flat_recv[offset:offset + count] = staging[rank * width:rank * width + count]
+            offset += count
+        return DONE
+
+    def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
+                  recv_counts: Sequence[int]) -> None:
+        self._dist.all_to_all_single(_wire(recv).view(-1), _wire(send).reshape(-1), list(recv_counts),
+                                     list(send_counts))
+
+    def _reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
+                        op: ReduceOp) -> None:
+        if all(c == counts[0] for c in counts):
+            self._reduce_scatter_into(recv.view(-1), send.reshape(-1), self._ops[op])
+        else:
+            super()._reduce_scatter(send, recv, counts, op)
+
+    def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+        self._dist.send(_wire(t), dest, tag=tag)
+
+    def _recv(self, t: torch.Tensor, source: int, tag: int) -> None:
+        self._dist.recv(_wire(t), source, tag=tag)
+
+
+_MPI_FAMILIES = frozenset({"openmpi", "mpich", "mvapich", "pmix", "slurm"})
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _share_address_over_mpi(rank: int) -> tuple[str, int] | None:
+    """Rank 0's host address and a free port, broadcast with mpi4py's buffer Bcast; None without mpi4py."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    import numpy as np
+
+    buf = np.zeros(256, dtype=np.uint8)
+    if rank == 0:
+        host = socket.gethostname()
+        try:
+            addr = socket.gethostbyname(host)
+        except OSError:
+            addr = "127.0.0.1"
+        text = f"{addr}:{_free_port()}".encode()
+        buf[: len(text)] = np.frombuffer(text, dtype=np.uint8)
+    MPI.COMM_WORLD.Bcast([buf, MPI.BYTE], root=0)
+    addr, _, port = bytes(buf).rstrip(b"\0").decode().rpartition(":")
+    return addr, int(port)
