@@ -56,7 +56,8 @@ def test_info_reports_bad_configuration() -> None:
 @pytest.mark.mpi
 def test_launch_runs_under_mpiexec_and_passes_exit_code(tmp_path: Path) -> None:
     script = tmp_path / "exit_code.py"
-    script.write_text("import sys, unidist\nwith unidist.init() as m:\n    sys.stdout.write(f'R {m.rank} {m.size} {m.backend}\\n')\n"
+    script.write_text("import sys, unidist\nwith unidist.init() as m:\n"
+                      "    sys.stdout.write(f'R {m.rank} {m.size} {m.backend}\\n')\n"
                       "sys.exit(int(sys.argv[1]))\n")
     ok = run([UNIDIST, "launch", "-n", "2", str(script), "0"], timeout=120)
     assert ok.returncode == 0, ok.describe()

@@ -343,7 +343,7 @@ class Manager(abc.ABC):
 
     # ----------------------------------------------------------------- input/output conversion
     @staticmethod
-    def _input(x: Tensorish) -> tuple[torch.Tensor, bool]:  # noqa: C901
+    def _input(x: Tensorish) -> tuple[torch.Tensor, bool]:
         """A contiguous tensor that may share x's memory (read-only use), and whether x was numpy."""
         if isinstance(x, torch.Tensor):
             if x.dtype not in _DTYPE_ID:

@@ -8,9 +8,9 @@ class does that); moving them needs no arithmetic, so they travel as raw 16-bit 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -57,7 +57,8 @@ class MPIManager(Manager):
     """MPI through mpi4py; topology from the engine (shared-memory split gives local rank and node)."""
 
     name = "mpi"
-    _upcast_reduce = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+    _upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {
+        torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
     def _start(self) -> None:
         MPI = import_mpi()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import datetime
 import socket
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -47,7 +47,7 @@ class TorchManager(Manager):
     """torch.distributed process group over env:// rendezvous."""
 
     name = "torch"
-    _upcast_reduce = {torch.int16: torch.int32}
+    _upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.int16: torch.int32}
     _dist: Any = None
 
     # ------------------------------------------------------------ lifecycle
