@@ -63,3 +63,35 @@ def mpiexec(n: int, *args: str) -> list[str]:
 def results(out: Path, size: int) -> dict[int, dict[str, str]]:
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(size)
             if (out / f"rank{r}.json").exists()}
+
+
+def torchrun(n: int, *args: str) -> list[str]:
+    return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(n), *args]
+
+
+def require(engine: str) -> None:
+    """Skip when ``engine`` is not installed, unless REQUIRE_ENGINES (set by tox/CI) names it: then fail."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec(engine) is not None:
+        return
+    required = os.environ.get("REQUIRE_ENGINES", "").replace(",", " ").split()
+    reason = f"{engine} is not installed"
+    if engine in required or "all" in required:
+        pytest.fail(f"{reason}, but REQUIRE_ENGINES={os.environ['REQUIRE_ENGINES']!r} requires it")
+    pytest.skip(reason)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def deepspeed(n: int, *args: str) -> list[str]:
+    """The deepspeed launcher on this CPU-only machine: its CPU accelerator starts n local processes."""
+    return [str(BIN / "deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()), *args]

@@ -7,6 +7,7 @@ torch is imported until a Manager is used.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from unidist.errors import (
     NotInitializedError,
     UnidistError,
 )
-from unidist.launch import LaunchInfo, detect
+from unidist.launch import LaunchInfo, detect, strip_local_rank_arg
 from unidist.ops import ReduceOp
 
 if TYPE_CHECKING:
@@ -29,12 +30,16 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+# The deepspeed launcher appends --local_rank=N to the script's arguments; drop it before user argparse runs.
+strip_local_rank_arg(sys.argv)
+
 __all__ = [
     "BackendUnavailableError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "Config",
     "ConfigError",
+    "DeepSpeedManager",
     "InvalidArgumentError",
     "LaunchEnvironmentError",
     "LaunchInfo",
@@ -56,6 +61,7 @@ _LAZY = {
     "get_manager": "unidist.managers.base",
     "LocalManager": "unidist.managers.local",
     "MPIManager": "unidist.managers.mpi",
+    "DeepSpeedManager": "unidist.managers.deepspeed",
     "TorchManager": "unidist.managers.torch",
 }
 

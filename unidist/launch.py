@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from unidist.errors import LaunchEnvironmentError
 
-__all__ = ["LAUNCHERS", "Family", "LaunchInfo", "detect"]
+__all__ = ["LAUNCHERS", "Family", "LaunchInfo", "detect", "strip_local_rank_arg"]
 
 
 @dataclass(frozen=True)
@@ -169,3 +169,21 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             "rank. Launch with the launcher, or unset it to run as one process."
         )
     return LaunchInfo()
+
+
+def strip_local_rank_arg(argv: list[str], environ: Mapping[str, str] | None = None) -> bool:
+    """Remove the ``--local_rank=N`` the deepspeed launcher (and torch.distributed.launch) append, in place.
+
+    Only an argument whose N equals LOCAL_RANK is removed, so a user's own flag survives elsewhere; the
+    value stays available as ``mgr.local_rank``. Returns whether anything was removed.
+    """
+    env = os.environ if environ is None else environ
+    local = env.get("LOCAL_RANK")
+    if local is None:
+        return False
+    launcher_args = {f"--local_rank={local}", f"--local-rank={local}"}
+    kept = [a for a in argv[1:] if a not in launcher_args]
+    if len(kept) == len(argv) - 1:
+        return False
+    argv[1:] = kept
+    return True

@@ -101,3 +101,5 @@ register("local", "unidist.managers.local:LocalManager", ("torch",), "pip instal
 register("mpi", "unidist.managers.mpi:MPIManager", ("torch", "mpi4py"),
          "pip install 'unidist[mpi]'  (mpi4py plus the mpich wheel, which provides mpiexec)")
 register("torch", "unidist.managers.torch:TorchManager", ("torch",), "pip install torch")
+register("deepspeed", "unidist.managers.deepspeed:DeepSpeedManager", ("torch", "deepspeed"),
+         "pip install 'unidist[deepspeed]'")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unidist import LaunchEnvironmentError, LaunchInfo, detect
-from unidist.launch import slurm_first_host
+from unidist.launch import slurm_first_host, strip_local_rank_arg
 
 CASES = {
     "nothing": ({}, LaunchInfo()),
@@ -120,3 +120,14 @@ def test_detect_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> 
                                                  ("x-1.site", "x-1.site")])
 def test_slurm_first_host(nodelist: str, host: str) -> None:
     assert slurm_first_host(nodelist) == host
+
+
+def test_strip_local_rank_arg() -> None:
+    argv = ["train.py", "--local_rank=1", "--lr", "0.1"]
+    assert strip_local_rank_arg(argv, {"LOCAL_RANK": "1"})
+    assert argv == ["train.py", "--lr", "0.1"]
+    user = ["train.py", "--local_rank=3"]
+    assert not strip_local_rank_arg(user, {"LOCAL_RANK": "1"})  # not the launcher's value: the user's own
+    assert not strip_local_rank_arg(["t.py", "--local_rank=0"], {})
+    dashed = ["t.py", "--local-rank=0", "x"]
+    assert strip_local_rank_arg(dashed, {"LOCAL_RANK": "0"}) and dashed == ["t.py", "x"]

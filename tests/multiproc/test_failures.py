@@ -1,0 +1,40 @@
+"""Failing clearly instead of hanging: desync detection, a missing rank, an exception on one rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import WORKERS, mpiexec, results, run
+
+pytestmark = pytest.mark.mpi
+WORKER = str(WORKERS / "collectives.py")
+
+
+def test_desync_is_reported_on_every_rank(tmp_path: Path) -> None:
+    proc = run(mpiexec(2, WORKER, "--out", str(tmp_path), "--mode", "desync"),
+               env={"UNIDIST_CHECK_COLLECTIVES": "1"}, timeout=120)
+    assert proc.returncode == 0, proc.describe()
+    res = results(tmp_path, 2)
+    assert len(res) == 2, proc.describe()
+    for rank, r in res.items():
+        assert "rank 0 called allreduce(op=sum" in r["desync"], (rank, r)
+        assert "rank 1 called broadcast(root=0" in r["desync"], (rank, r)
+        assert r["after"] == "ok"
+
+
+def test_missing_rank_times_out_instead_of_hanging(tmp_path: Path) -> None:
+    proc = run(mpiexec(2, WORKER, "--out", str(tmp_path), "--mode", "timeout"),
+               env={"UNIDIST_CHECK_COLLECTIVES": "1", "UNIDIST_TIMEOUT": "2"}, timeout=100)
+    assert not proc.timed_out, proc.describe()  # rank 1 sleeps 120 s: only the abort ends the job in time
+    assert proc.returncode != 0
+    assert "CollectiveTimeoutError: rank 0 waited 2 s in allreduce" in proc.stderr, proc.describe()
+
+
+def test_exception_on_one_rank_ends_the_job(tmp_path: Path) -> None:
+    proc = run(mpiexec(2, WORKER, "--out", str(tmp_path), "--mode", "crash"), timeout=100)
+    assert not proc.timed_out, proc.describe()
+    assert proc.returncode != 0
+    assert "ValueError: deliberate failure on rank 1" in proc.stderr
+    assert "rank 1 of 2 failed" in proc.stderr
+    assert not (tmp_path / "rank0.json").exists()  # rank 0 never got past its barrier
