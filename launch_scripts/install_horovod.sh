@@ -218,25 +218,34 @@ WRAP
     # CPU only: never try a CUDA/ROCm build.
     unset HOROVOD_GPU HOROVOD_GPU_OPERATIONS HOROVOD_GPU_ALLREDUCE HOROVOD_GPU_BROADCAST
 
-    PIP_ARGS=(install --no-build-isolation)
-    if [ "$STATUS" != "horovod not installed" ]; then
-        # A horovod is there but unusable (wrong version, built without MPI/Gloo or
-        # for another torch): rebuild from source instead of reusing a cached wheel.
-        PIP_ARGS+=(--force-reinstall --no-cache-dir)
-    fi
-    log "MAKEFLAGS=$MAKEFLAGS; building horovod==$HOROVOD_VERSION (first build takes ~6 min on 2 cores; cached afterwards)"
-    start=$SECONDS
-    "$PYTHON" -m pip "${PIP_ARGS[@]}" "horovod==$HOROVOD_VERSION"
-    log "pip install took $((SECONDS - start)) s"
-
-    STATUS="$(horovod_status)"
-    if [ "$STATUS" != "ok" ] && [[ " ${PIP_ARGS[*]} " != *" --no-cache-dir "* ]]; then
-        # Most likely pip reused a wheel from its cache that was built for
-        # another torch (the cache key does not include torch's version).
-        log "installed horovod is unusable ($STATUS); rebuilding without pip's wheel cache"
-        start=$SECONDS
-        "$PYTHON" -m pip install --no-build-isolation --force-reinstall --no-deps --no-cache-dir "horovod==$HOROVOD_VERSION"
+    pip_install_horovod() {
+        log "MAKEFLAGS=$MAKEFLAGS; pip install horovod==$HOROVOD_VERSION (a build from source takes ~8-11 min on 2 cores; pip then caches the wheel)"
+        local start=$SECONDS
+        "$PYTHON" -m pip install --no-build-isolation "$@" "horovod==$HOROVOD_VERSION"
         log "pip install took $((SECONDS - start)) s"
+    }
+    # An unusable horovod (other version, built without MPI/Gloo or for another
+    # torch) is uninstalled and rebuilt. pip's wheel cache is keyed on the sdist,
+    # not on the torch the wheel was built against, so cached horovod wheels are
+    # dropped too before such a rebuild.
+    remove_horovod() {
+        log "uninstalling horovod and removing cached horovod wheels from pip's cache"
+        "$PYTHON" -m pip uninstall -y horovod
+        "$PYTHON" -m pip cache remove horovod || true
+    }
+
+    rebuilt=0
+    if [ "$STATUS" != "horovod not installed" ]; then
+        remove_horovod
+        rebuilt=1
+    fi
+    pip_install_horovod
+    STATUS="$(horovod_status)"
+    if [ "$STATUS" != "ok" ] && [ "$rebuilt" = 0 ]; then
+        # Most likely pip reused a cached wheel built for another torch.
+        log "installed horovod is unusable ($STATUS)"
+        remove_horovod
+        pip_install_horovod
     fi
 fi
 

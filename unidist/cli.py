@@ -106,15 +106,41 @@ def launch_command(backend: str, nprocs: int, script: str, args: Sequence[str]) 
             raise UnidistError("the local backend runs one process; use -n 1 or another --backend")
         return [python, script, *args]
     if backend == "mpi":
-        mpiexec = find_program("mpiexec") or find_program("mpirun")
-        if mpiexec is None:
-            raise UnidistError("no mpiexec or mpirun found; pip install 'unidist[mpi]' installs one (mpich)")
-        return [mpiexec, "-n", str(nprocs), python, script, *args]
-    raise UnidistError(f"`unidist launch` has no launcher for backend {backend!r} yet; use mpi or local")
+        return [_need("mpiexec", "mpirun", hint="pip install 'unidist[mpi]' installs one (mpich)"),
+                "-n", str(nprocs), python, script, *args]
+    if backend == "torch":
+        return [_need("torchrun", hint="it comes with torch"), "--standalone", "--nproc_per_node", str(nprocs),
+                script, *args]
+    if backend == "deepspeed":
+        # --num_gpus also sets the process count with DeepSpeed's CPU accelerator; a free port avoids a clash
+        # with another job on the default 29500; --no_local_rank keeps the script's argv as given.
+        return [_need("deepspeed", hint="pip install 'unidist[deepspeed]'"), "--num_gpus", str(nprocs),
+                "--master_port", str(_free_port()), "--no_local_rank", script, *args]
+    raise UnidistError(f"`unidist launch` has no launcher for backend {backend!r}; "
+                       f"use one of {', '.join(LAUNCH_BACKENDS)}")
+
+
+LAUNCH_BACKENDS = ("local", "mpi", "torch", "deepspeed")
+
+
+def _need(*names: str, hint: str) -> str:
+    for name in names:
+        found = find_program(name)
+        if found:
+            return found
+    raise UnidistError(f"no {' or '.join(names)} found on PATH; {hint}")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _default_backend() -> str:
-    return "mpi" if find_program("mpiexec") or find_program("mpirun") else "local"
+    return "mpi" if find_program("mpiexec") or find_program("mpirun") else "torch"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_info.add_argument("--json", action="store_true", help="machine-readable output")
     p_launch = sub.add_parser("launch", help="run a script on N processes under a real launcher")
     p_launch.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
-    p_launch.add_argument("--backend", help="local or mpi (default: mpi when mpiexec is found)")
+    p_launch.add_argument("--backend", help="local, mpi, torch or deepspeed (default: mpi when mpiexec is found, "
+                                            "else torch)")
     p_launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p_launch.add_argument("script", help="the Python script to run")
     p_launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")

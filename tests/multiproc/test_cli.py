@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import BIN, ROOT, mpiexec, run
+from helpers import BIN, ROOT, deepspeed, mpiexec, require, run, torchrun
 
 UNIDIST = str(BIN / "unidist")
+UNIDIST_INFO = str(ROOT / "tests" / "workers" / "info.py")
 
 
 def _json_reports(stdout: str) -> list[dict[str, object]]:
@@ -89,5 +91,49 @@ def test_hello_example(n: int) -> None:
 @pytest.mark.mpi
 def test_mpirun_recipe() -> None:
     proc = run(["bash", "launch_scripts/mpirun.sh", "2", "examples/hello_collectives.py"], cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.describe()
+    assert "7/7 collectives correct on 2 process(es)" in proc.stdout
+
+
+@pytest.mark.parametrize(("backend", "engine"), [
+    pytest.param("torch", "torch", marks=pytest.mark.torch),
+    pytest.param("deepspeed", "deepspeed", marks=pytest.mark.deepspeed),
+])
+def test_launch_backend_runs_hello(backend: str, engine: str) -> None:
+    """`unidist launch --backend B` starts the real launcher and init() picks B without UNIDIST_BACKEND help."""
+    require(engine)
+    proc = run([UNIDIST, "launch", "-n", "2", "--backend", backend, "examples/hello_collectives.py"], cwd=ROOT,
+               timeout=300)
+    assert proc.returncode == 0, proc.describe()
+    assert "7/7 collectives correct on 2 process(es)" in proc.stdout
+    assert proc.stdout.count(f"backend={backend}") == 2
+
+
+@pytest.mark.parametrize(("argv", "launcher", "backend"), [
+    pytest.param(lambda: torchrun(2, UNIDIST_INFO), "torchrun", "torch", marks=pytest.mark.torch),
+    pytest.param(lambda: deepspeed(2, UNIDIST_INFO, "--json"), "deepspeed", "deepspeed",
+                 marks=pytest.mark.deepspeed),
+])
+def test_info_under_real_launchers(argv: Callable[[], list[str]], launcher: str, backend: str) -> None:
+    require(backend)
+    args = argv()
+    if launcher == "torchrun":
+        args += ["--json"]
+    proc = run(args, timeout=300)
+    assert proc.returncode == 0, proc.describe()
+    reports = _json_reports("".join(line + "\n" for line in proc.stdout.splitlines() if not line.startswith("[")))
+    assert sorted(r["launch"]["rank"] for r in reports) == [0, 1]  # type: ignore[index]
+    for report in reports:
+        assert report["launch"]["launcher"] == launcher  # type: ignore[index]
+        assert report["backend"] == backend
+
+
+@pytest.mark.parametrize(("script", "engine"), [
+    pytest.param("torchrun.sh", "torch", marks=pytest.mark.torch),
+    pytest.param("deepspeed.sh", "deepspeed", marks=pytest.mark.deepspeed),
+])
+def test_launch_recipes(script: str, engine: str) -> None:
+    require(engine)
+    proc = run(["bash", f"launch_scripts/{script}", "2", "examples/hello_collectives.py"], cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.describe()
     assert "7/7 collectives correct on 2 process(es)" in proc.stdout

@@ -8,6 +8,7 @@ medians over rounds, per call.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -60,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             t = torch.ones(max(nbytes // 4, 1))
             columns: dict[str, Callable[[], Any]] = {
                 "engine": engine_allreduce(mgr, t),
-                "unidist_": lambda t=t: mgr.allreduce_(t),
-                "unidist": lambda t=t: mgr.allreduce(t),
+                "unidist_": functools.partial(mgr.allreduce_, t),
+                "unidist": functools.partial(mgr.allreduce, t),
             }
             start = time.perf_counter()
             for fn in columns.values():  # warm-up; also calibrates the iteration count
