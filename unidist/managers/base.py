@@ -53,6 +53,7 @@ _NP_DTYPES = frozenset(np.dtype(n) for n in ("float16", "float32", "float64", "i
 _BOOL_OP = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.MAX: ReduceOp.MAX,
             ReduceOp.PRODUCT: ReduceOp.MIN, ReduceOp.MIN: ReduceOp.MIN}
 _OP_ID = {op: i for i, op in enumerate(ReduceOp)}
+_FAST_OPS: dict[object, ReduceOp] = {**{op: op for op in ReduceOp}, **{op.value: op for op in ReduceOp}}
 _MAX_DIMS = 12
 _INT64 = torch.int64
 
@@ -132,6 +133,8 @@ class Manager(abc.ABC):
         self._device = torch.device("cpu")
         self._saved_env: dict[str, str | None] = {}
         self._seq = 0
+        self._fast_dtypes: frozenset[torch.dtype] = frozenset()  # filled at start: see allreduce
+        self._fast_np_dtypes: frozenset[np.dtype[Any]] = frozenset()
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> Manager:
@@ -152,6 +155,11 @@ class Manager(abc.ABC):
             raise
         self._started = True
         _active = self
+        if not (self.config.check_collectives and self._size > 1):  # the fast path skips the signature check
+            native = [d for d in SUPPORTED_DTYPES if d not in self._upcast_reduce and d is not torch.bool]
+            self._fast_dtypes = frozenset(native)
+            self._fast_np_dtypes = frozenset(np.dtype(str(d).replace("torch.", "")) for d in native
+                                             if d is not torch.bfloat16)
         _log.info("%s started: rank %d of %d on %s", type(self).__name__, self._rank, self._size, self._device)
         return self
 
@@ -164,6 +172,8 @@ class Manager(abc.ABC):
             self._shutdown()
         finally:
             self._started = False
+            self._fast_dtypes = frozenset()
+            self._fast_np_dtypes = frozenset()
             if _active is self:
                 _active = None
             self._restore_env()
@@ -499,12 +509,39 @@ class Manager(abc.ABC):
         self._signature("barrier")
         self._barrier()
 
+    def _fast_tensor(self, x: Any) -> torch.Tensor | None:
+        """x as a tensor when it needs none of the general path's work (the common case, kept cheap)."""
+        if type(x) is torch.Tensor:
+            if x.dtype in self._fast_dtypes and x.is_contiguous() and not x.requires_grad:
+                return x
+        elif type(x) is np.ndarray and x.dtype in self._fast_np_dtypes and x.flags.c_contiguous \
+                and x.flags.writeable:
+            return torch.from_numpy(x)
+        return None
+
     def allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Array:
         """Elementwise reduction over ranks, returned as a new tensor/array on every rank."""
+        t = self._fast_tensor(x)
+        if t is not None:
+            fast_op = _FAST_OPS.get(op)
+            if fast_op is not None and (fast_op is not ReduceOp.MEAN or t.dtype.is_floating_point):
+                out = torch.empty_like(t)
+                self._allreduce(t, out, ReduceOp.SUM if fast_op is ReduceOp.MEAN else fast_op)
+                if fast_op is ReduceOp.MEAN:
+                    out.div_(self._size)
+                return out if type(x) is torch.Tensor else out.numpy()  # type: ignore[return-value]
         return self._allreduce_impl(x, op, False, False)  # type: ignore[no-any-return]
 
     def allreduce_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Array:
         """In-place allreduce; returns x."""
+        t = self._fast_tensor(x)
+        if t is not None:
+            fast_op = _FAST_OPS.get(op)
+            if fast_op is not None and (fast_op is not ReduceOp.MEAN or t.dtype.is_floating_point):
+                self._allreduce(t, t, ReduceOp.SUM if fast_op is ReduceOp.MEAN else fast_op)
+                if fast_op is ReduceOp.MEAN:
+                    t.div_(self._size)
+                return x
         return self._allreduce_impl(x, op, True, False)  # type: ignore[no-any-return]
 
     def allreduce_async(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Handle[Array]:
