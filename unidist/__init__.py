@@ -40,6 +40,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DeepSpeedManager",
+    "HorovodManager",
     "InvalidArgumentError",
     "LaunchEnvironmentError",
     "LaunchInfo",
@@ -61,6 +62,7 @@ _LAZY = {
     "get_manager": "unidist.managers.base",
     "LocalManager": "unidist.managers.local",
     "MPIManager": "unidist.managers.mpi",
+    "HorovodManager": "unidist.managers.horovod",
     "DeepSpeedManager": "unidist.managers.deepspeed",
     "TorchManager": "unidist.managers.torch",
 }

@@ -103,3 +103,5 @@ register("mpi", "unidist.managers.mpi:MPIManager", ("torch", "mpi4py"),
 register("torch", "unidist.managers.torch:TorchManager", ("torch",), "pip install torch")
 register("deepspeed", "unidist.managers.deepspeed:DeepSpeedManager", ("torch", "deepspeed"),
          "pip install 'unidist[deepspeed]'")
+register("horovod", "unidist.managers.horovod:HorovodManager", ("torch", "horovod"),
+         "build it with `bash launch_scripts/install_horovod.sh` (0.28.1 needs a patched build for torch >= 2.1)")

@@ -124,6 +124,12 @@ class Manager(abc.ABC):
     name: ClassVar[str] = "base"
     # dtypes the engine cannot reduce natively -> the wider dtype they are reduced in (then cast back once)
     _upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {}
+    # dtypes the engine cannot move -> a same-size dtype whose bits it moves unchanged (no arithmetic)
+    _wire_dtypes: ClassVar[Mapping[torch.dtype, torch.dtype]] = {}
+
+    def _wired(self, t: torch.Tensor) -> torch.Tensor:
+        wire = self._wire_dtypes.get(t.dtype)
+        return t if wire is None else t.view(wire)
 
     def __init__(self, config: Config | None = None, launch: LaunchInfo | None = None) -> None:
         self.config = config if config is not None else Config.from_env()
@@ -458,10 +464,11 @@ class Manager(abc.ABC):
                 )
             op = ReduceOp.SUM
         size = self._size
-        if dtype is torch.bool:
-            as_bytes = send.view(torch.uint8)
-            work = prim(as_bytes, as_bytes if send is recv else recv.view(torch.uint8), *extra, _BOOL_OP[op])
-            return work or DONE, None
+        if dtype is torch.bool:  # reduce 0/1 bytes: max is or, min is and
+            in_place = send is recv
+            send = send.view(torch.uint8)
+            recv = send if in_place else recv.view(torch.uint8)
+            op, dtype = _BOOL_OP[op], torch.uint8
         wide_dtype = self._upcast_reduce.get(dtype)
         if wide_dtype is not None:
             wide = send.to(wide_dtype)
@@ -595,7 +602,7 @@ class Manager(abc.ABC):
         t, as_np = self._input(x)
         out = t.clone()
         self._signature("broadcast", out, root=root)
-        self._broadcast(out, root)
+        self._broadcast(self._wired(out), root)
         return self._output(out, as_np)  # type: ignore[no-any-return]
 
     def broadcast_(self, x: Array, root: int = 0) -> Array:
@@ -607,7 +614,7 @@ class Manager(abc.ABC):
         self._check_root(root)
         t, writeback = self._inplace(x)
         self._signature("broadcast", t, root=root)
-        work = self._broadcast_async(t, root)
+        work = self._broadcast_async(self._wired(t), root)
 
         def finish() -> Array:
             if writeback is not None:
@@ -636,7 +643,7 @@ class Manager(abc.ABC):
         rows = self._row_meta(call, t)
         row = _row_numel(t)
         out = _rows_like(t, sum(rows))
-        self._allgather(t, out, [r * row for r in rows])
+        self._allgather(self._wired(t), self._wired(out), [r * row for r in rows])
         return out, rows
 
     def allgather(self, x: Array) -> Array:
@@ -654,7 +661,7 @@ class Manager(abc.ABC):
         rows = self._row_meta("allgather", t)
         row = _row_numel(t)
         out = _rows_like(t, sum(rows))
-        work = self._allgather_async(t, out, [r * row for r in rows])
+        work = self._allgather_async(self._wired(t), self._wired(out), [r * row for r in rows])
         return Handle(work, lambda: self._output(out, as_np))
 
     def gather(self, x: Array, root: int = 0) -> Array | None:
@@ -667,7 +674,7 @@ class Manager(abc.ABC):
         rows = self._row_meta("gather", t)
         row = _row_numel(t)
         out = _rows_like(t, sum(rows)) if self._rank == root else None
-        self._gather(t, out, [r * row for r in rows], root)
+        self._gather(self._wired(t), None if out is None else self._wired(out), [r * row for r in rows], root)
         return None if out is None else self._output(out, as_np)  # type: ignore[no-any-return]
 
     def scatter(self, x: Array | None, root: int = 0) -> Array:
@@ -705,7 +712,7 @@ class Manager(abc.ABC):
         else:
             device = x.device if isinstance(x, torch.Tensor) else self._device
         out = torch.empty((rows[self._rank], *shape[1:]), dtype=dtype, device=device)
-        self._scatter(t, out, [r * row for r in rows], root)
+        self._scatter(None if t is None else self._wired(t), self._wired(out), [r * row for r in rows], root)
         return self._output(out, bool(as_np_flag))  # type: ignore[no-any-return]
 
     def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Array:
@@ -747,20 +754,20 @@ class Manager(abc.ABC):
         recv_rows = recv_rows_t.tolist()
         row = _row_numel(t)
         out = _rows_like(t, sum(recv_rows))
-        self._alltoall(t, out, [r * row for r in send_rows], [r * row for r in recv_rows])
+        self._alltoall(self._wired(t), self._wired(out), [r * row for r in send_rows], [r * row for r in recv_rows])
         return self._output(out, as_np)  # type: ignore[no-any-return]
 
     def send(self, x: Tensorish, dest: int, tag: int = 0) -> None:
         """Blocking send to ``dest``; the receiver calls ``recv`` with a buffer of the same shape and dtype."""
         self._check_root(dest, "dest")
         t, _ = self._input(x)
-        self._send(t, dest, _check_tag(tag))
+        self._send(self._wired(t), dest, _check_tag(tag))
 
     def recv(self, x: Array, source: int, tag: int = 0) -> Array:
         """Receive into x (in place) from ``source``; returns x."""
         self._check_root(source, "source")
         t, writeback = self._inplace(x)
-        self._recv(t, source, _check_tag(tag))
+        self._recv(self._wired(t), source, _check_tag(tag))
         if writeback is not None:
             writeback()
         return x

@@ -20,8 +20,6 @@ from unidist.ops import ReduceOp
 
 __all__ = ["TorchManager"]
 
-# gloo and nccl have no int16 arithmetic or transport: reduce in int32, move the raw bits as float16.
-_WIRE = {torch.int16: torch.float16}
 
 
 class _TorchWork:
@@ -38,16 +36,13 @@ class _TorchWork:
         return bool(self._work.is_completed())
 
 
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    as_dtype = _WIRE.get(t.dtype)
-    return t if as_dtype is None else t.view(as_dtype)
-
-
 class TorchManager(Manager):
     """torch.distributed process group over env:// rendezvous."""
 
     name = "torch"
+    # gloo and nccl have no int16 arithmetic or transport: reduce in int32, move the raw bits as float16
     _upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.int16: torch.int32}
+    _wire_dtypes: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.int16: torch.float16}
     _dist: Any = None
 
     # ------------------------------------------------------------ lifecycle
@@ -123,10 +118,10 @@ class TorchManager(Manager):
         self._dist.barrier()
 
     def _broadcast(self, t: torch.Tensor, root: int) -> None:
-        self._dist.broadcast(_wire(t), root)
+        self._dist.broadcast(t, root)
 
     def _broadcast_async(self, t: torch.Tensor, root: int) -> Work:
-        return _TorchWork(self._dist.broadcast(_wire(t), root, async_op=True), t)
+        return _TorchWork(self._dist.broadcast(t, root, async_op=True), t)
 
     def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
         if send is not recv:
@@ -143,7 +138,7 @@ class TorchManager(Manager):
 
     def _allgather_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Work:
         width = max(counts) if counts else 0
-        flat_send, flat_recv = _wire(send).reshape(-1), _wire(recv).view(-1)
+        flat_send, flat_recv = send.reshape(-1), recv.view(-1)
         if all(c == width for c in counts):
             return _TorchWork(self._gather_into(flat_recv, flat_send, async_op=True), send, recv)
         # engines need equal sizes: pad every rank's part to the widest, then drop the padding
@@ -159,7 +154,7 @@ class TorchManager(Manager):
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
                   recv_counts: Sequence[int]) -> None:
-        self._dist.all_to_all_single(_wire(recv).view(-1), _wire(send).reshape(-1), list(recv_counts),
+        self._dist.all_to_all_single(recv.view(-1), send.reshape(-1), list(recv_counts),
                                      list(send_counts))
 
     def _reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
@@ -170,10 +165,10 @@ class TorchManager(Manager):
             super()._reduce_scatter(send, recv, counts, op)
 
     def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
-        self._dist.send(_wire(t), dest, tag=tag)
+        self._dist.send(t, dest, tag=tag)
 
     def _recv(self, t: torch.Tensor, source: int, tag: int) -> None:
-        self._dist.recv(_wire(t), source, tag=tag)
+        self._dist.recv(t, source, tag=tag)
 
 
 _MPI_FAMILIES = frozenset({"openmpi", "mpich", "mvapich", "pmix", "slurm"})
