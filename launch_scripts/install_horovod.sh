@@ -219,7 +219,7 @@ WRAP
     unset HOROVOD_GPU HOROVOD_GPU_OPERATIONS HOROVOD_GPU_ALLREDUCE HOROVOD_GPU_BROADCAST
 
     pip_install_horovod() {
-        log "MAKEFLAGS=$MAKEFLAGS; pip install horovod==$HOROVOD_VERSION (a build from source takes ~8-11 min on 2 cores; pip then caches the wheel)"
+        log "MAKEFLAGS=$MAKEFLAGS; pip install horovod==$HOROVOD_VERSION (a build from source takes ~6-11 min on 2 cores; pip then caches the wheel)"
         local start=$SECONDS
         "$PYTHON" -m pip install --no-build-isolation "$@" "horovod==$HOROVOD_VERSION"
         log "pip install took $((SECONDS - start)) s"

@@ -95,3 +95,8 @@ def free_port() -> int:
 def deepspeed(n: int, *args: str) -> list[str]:
     """The deepspeed launcher on this CPU-only machine: its CPU accelerator starts n local processes."""
     return [str(BIN / "deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()), *args]
+
+
+def horovodrun(n: int, *args: str) -> list[str]:
+    """horovodrun with its gloo controller (no MPI needed), all ranks on this host."""
+    return [str(BIN / "horovodrun"), "-np", str(n), "--gloo", "-H", f"localhost:{n}", sys.executable, *args]

@@ -116,11 +116,16 @@ def launch_command(backend: str, nprocs: int, script: str, args: Sequence[str]) 
         # with another job on the default 29500; --no_local_rank keeps the script's argv as given.
         return [_need("deepspeed", hint="pip install 'unidist[deepspeed]'"), "--num_gpus", str(nprocs),
                 "--master_port", str(_free_port()), "--no_local_rank", script, *args]
+    if backend == "horovod":
+        # Horovod's gloo controller: horovodrun's MPI mode does not recognise every MPI (the mpich wheel's
+        # hydra prints no "MPICH" in its version); for MPI, start with mpiexec and UNIDIST_BACKEND=horovod.
+        return [_need("horovodrun", hint="build Horovod with `bash launch_scripts/install_horovod.sh`"),
+                "-np", str(nprocs), "--gloo", "-H", f"localhost:{nprocs}", python, script, *args]
     raise UnidistError(f"`unidist launch` has no launcher for backend {backend!r}; "
                        f"use one of {', '.join(LAUNCH_BACKENDS)}")
 
 
-LAUNCH_BACKENDS = ("local", "mpi", "torch", "deepspeed")
+LAUNCH_BACKENDS = ("local", "mpi", "torch", "deepspeed", "horovod")
 
 
 def _need(*names: str, hint: str) -> str:
@@ -150,8 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_info.add_argument("--json", action="store_true", help="machine-readable output")
     p_launch = sub.add_parser("launch", help="run a script on N processes under a real launcher")
     p_launch.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
-    p_launch.add_argument("--backend", help="local, mpi, torch or deepspeed (default: mpi when mpiexec is found, "
-                                            "else torch)")
+    p_launch.add_argument("--backend", help="local, mpi, torch, deepspeed or horovod (default: mpi when mpiexec "
+                                            "is found, else torch)")
     p_launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p_launch.add_argument("script", help="the Python script to run")
     p_launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import BIN, ROOT, deepspeed, mpiexec, require, run, torchrun
+from helpers import BIN, ROOT, deepspeed, horovodrun, mpiexec, require, run, torchrun
 
 UNIDIST = str(BIN / "unidist")
 UNIDIST_INFO = str(ROOT / "tests" / "workers" / "info.py")
@@ -98,6 +99,7 @@ def test_mpirun_recipe() -> None:
 @pytest.mark.parametrize(("backend", "engine"), [
     pytest.param("torch", "torch", marks=pytest.mark.torch),
     pytest.param("deepspeed", "deepspeed", marks=pytest.mark.deepspeed),
+    pytest.param("horovod", "horovod", marks=pytest.mark.horovod),
 ])
 def test_launch_backend_runs_hello(backend: str, engine: str) -> None:
     """`unidist launch --backend B` starts the real launcher and init() picks B without UNIDIST_BACKEND help."""
@@ -113,6 +115,7 @@ def test_launch_backend_runs_hello(backend: str, engine: str) -> None:
     pytest.param(lambda: torchrun(2, UNIDIST_INFO), "torchrun", "torch", marks=pytest.mark.torch),
     pytest.param(lambda: deepspeed(2, UNIDIST_INFO, "--json"), "deepspeed", "deepspeed",
                  marks=pytest.mark.deepspeed),
+    pytest.param(lambda: horovodrun(2, UNIDIST_INFO, "--json"), "horovodrun", "horovod", marks=pytest.mark.horovod),
 ])
 def test_info_under_real_launchers(argv: Callable[[], list[str]], launcher: str, backend: str) -> None:
     require(backend)
@@ -121,7 +124,16 @@ def test_info_under_real_launchers(argv: Callable[[], list[str]], launcher: str,
         args += ["--json"]
     proc = run(args, timeout=300)
     assert proc.returncode == 0, proc.describe()
-    reports = _json_reports("".join(line + "\n" for line in proc.stdout.splitlines() if not line.startswith("[")))
+    # horovodrun prefixes each line with "[rank]<stdout>:" and may interleave ranks: regroup by rank;
+    # deepspeed's own log lines start with "["
+    groups: dict[str, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        m = re.match(r"^\[(\d+)\]<stdout>:(.*)$", line)
+        if m:
+            groups.setdefault(m.group(1), []).append(m.group(2))
+        elif not line.startswith("["):
+            groups.setdefault("", []).append(line)
+    reports = [r for lines in groups.values() for r in _json_reports("\n".join(lines))]
     assert sorted(r["launch"]["rank"] for r in reports) == [0, 1]  # type: ignore[index]
     for report in reports:
         assert report["launch"]["launcher"] == launcher  # type: ignore[index]
@@ -131,6 +143,7 @@ def test_info_under_real_launchers(argv: Callable[[], list[str]], launcher: str,
 @pytest.mark.parametrize(("script", "engine"), [
     pytest.param("torchrun.sh", "torch", marks=pytest.mark.torch),
     pytest.param("deepspeed.sh", "deepspeed", marks=pytest.mark.deepspeed),
+    pytest.param("horovodrun.sh", "horovod", marks=pytest.mark.horovod),
 ])
 def test_launch_recipes(script: str, engine: str) -> None:
     require(engine)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-from helpers import WORKERS, Run, deepspeed, mpiexec, require, results, run, torchrun
+from helpers import WORKERS, Run, deepspeed, horovodrun, mpiexec, require, results, run, torchrun
 from workers.collectives import plan
 
 CASES = [name for name, _ in plan(2)]
@@ -33,8 +33,11 @@ LAUNCHES = {
     "torchrun-2": Launch(2, torchrun, "torch"),
     "torch-under-mpiexec-3": Launch(3, mpiexec, "torch", "mpi4py", {"UNIDIST_BACKEND": "torch"}),
     "deepspeed-2": Launch(2, deepspeed, "deepspeed", "deepspeed"),
+    "horovodrun-gloo-2": Launch(2, horovodrun, "horovod", "horovod"),
+    "horovod-under-mpiexec-2": Launch(2, mpiexec, "horovod", "horovod", {"UNIDIST_BACKEND": "horovod"}),
 }
-MARKS = {"mpi": pytest.mark.mpi, "torch": pytest.mark.torch, "deepspeed": pytest.mark.deepspeed}
+MARKS = {"mpi": pytest.mark.mpi, "torch": pytest.mark.torch, "deepspeed": pytest.mark.deepspeed,
+         "horovod": pytest.mark.horovod}
 
 
 @pytest.fixture(scope="module", params=[pytest.param(k, marks=MARKS[v.backend]) for k, v in LAUNCHES.items()])

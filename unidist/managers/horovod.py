@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import datetime
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from unidist.errors import BackendUnavailableError
+from unidist.errors import BackendUnavailableError, InvalidArgumentError
 from unidist.managers.base import Manager, Work
-from unidist.ops import ReduceOp
+from unidist.ops import ReduceOp, resolve_op
 
 __all__ = ["HorovodManager"]
 
@@ -113,6 +113,61 @@ class HorovodManager(Manager):
         if isinstance(out, tuple):  # newer Horovod also returns the received splits
             out = out[0]
         recv.view(-1).copy_(out)
+
+    # ------------------------------------------------------------ training, with Horovod's own tools
+    def broadcast_parameters(self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor],
+                             root: int = 0) -> None:
+        """``hvd.broadcast_parameters`` on a module's state_dict (or a state dict / named tensors)."""
+        self._check_root(root)
+        state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
+        self._hvd.broadcast_parameters(state, root_rank=root)
+
+    def broadcast_optimizer_state(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
+        """``hvd.broadcast_optimizer_state``: tensors and Python scalars (e.g. Adam's step) from root."""
+        self._check_root(root)
+        self._hvd.broadcast_optimizer_state(optimizer, root_rank=root)
+
+    def distributed_optimizer(self, optimizer: torch.optim.Optimizer,
+                              named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+                              op: ReduceOp | str = ReduceOp.MEAN, compression: str | None = None,
+                              backward_passes_per_step: int = 1, bucket_mb: float | None = None) -> Any:
+        """``hvd.DistributedOptimizer`` with the contract's arguments. Horovod fuses by its own
+        HOROVOD_FUSION_THRESHOLD (read at init), so ``bucket_mb`` is accepted for uniformity and unused."""
+        del bucket_mb
+        hvd = self._hvd
+        rop = resolve_op(op)
+        if rop not in (ReduceOp.MEAN, ReduceOp.SUM):
+            raise InvalidArgumentError(f"distributed_optimizer op={rop.value!r}; use 'mean' or 'sum'")
+        if backward_passes_per_step < 1:
+            raise InvalidArgumentError("backward_passes_per_step must be >= 1")
+        return hvd.DistributedOptimizer(
+            optimizer, named_parameters=list(named_parameters) if named_parameters is not None else None,
+            compression=self._compressor(compression if compression is not None else self.config.compression),
+            backward_passes_per_step=backward_passes_per_step, op=hvd.Average if rop is ReduceOp.MEAN else hvd.Sum)
+
+    def _compressor(self, name: str) -> Any:
+        comp = self._hvd.Compression
+        if name == "none":
+            return comp.none
+        if name == "fp16":
+            return comp.fp16
+        if name == "bf16":
+            raise InvalidArgumentError("Horovod 0.28 cannot allreduce bfloat16 tensors, so compression='bf16' is "
+                                       "unavailable on the horovod backend; use compression='fp16'")
+        raise InvalidArgumentError(f"compression={name!r}; use none, fp16 or bf16")
+
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **opts: Any
+                ) -> tuple[torch.nn.Module, Any]:
+        """Model on ``device``, rank 0's parameters and optimizer state everywhere, Horovod's optimizer."""
+        self._need_started()
+        model = model.to(self._device)
+        self.broadcast_parameters(model)
+        self.broadcast_optimizer_state(optimizer)
+        return model, self.distributed_optimizer(optimizer, model.named_parameters(), **opts)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Plain autograd: hvd.DistributedOptimizer's hooks start the allreduces as gradients appear."""
+        loss.backward()  # type: ignore[no-untyped-call]
 
     def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         self._p2p.send([t], dest, tag).wait()
