@@ -1,0 +1,51 @@
+"""Every command in the README's launch block runs as written (with this environment's programs)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+
+import pytest
+from helpers import ROOT, require, run
+
+README = (ROOT / "README.md").read_text()
+BLOCK = re.search(r"<!-- readme-launch -->\n```bash\n(.*?)```", README, flags=re.S)
+COMMANDS = [line.split("  #")[0].strip() for line in (BLOCK.group(1) if BLOCK else "").splitlines() if line.strip()]
+
+
+def _engine(cmd: str) -> str | None:
+    for word, engine in (("deepspeed", "deepspeed"), ("horovod", "horovod"), ("mpiexec", "mpi4py")):
+        if word in cmd:
+            return engine
+    return None
+
+
+def _marks(cmd: str) -> list[pytest.MarkDecorator]:
+    engine = _engine(cmd)
+    return [{"deepspeed": pytest.mark.deepspeed, "horovod": pytest.mark.horovod, "mpi4py": pytest.mark.mpi}[engine]] \
+        if engine else []
+
+
+def test_block_found() -> None:
+    assert len(COMMANDS) >= 10
+
+
+@pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c), id=c[:60]) for c in COMMANDS])
+def test_readme_command(cmd: str) -> None:
+    engine = _engine(cmd)
+    if engine:
+        require(engine)
+    tokens = shlex.split(cmd)
+    env = {}
+    while tokens and re.fullmatch(r"[A-Z_]+=.*", tokens[0]):
+        key, _, value = tokens.pop(0).partition("=")
+        env[key] = value
+    tokens = [sys.executable if t == "python" else t for t in tokens]
+    proc = run(tokens, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.describe()
+    if "hello_collectives" in cmd:
+        n = 1 if cmd.startswith("python") else 2
+        assert f"7/7 collectives correct on {n} process(es)" in proc.stdout, proc.describe()
+    else:
+        assert "init() would pick: local" in proc.stdout
