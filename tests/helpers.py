@@ -7,9 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -73,8 +75,6 @@ def require(engine: str) -> None:
     """Skip when ``engine`` is not installed, unless REQUIRE_ENGINES (set by tox/CI) names it: then fail."""
     import importlib.util
 
-    import pytest
-
     if importlib.util.find_spec(engine) is not None:
         return
     required = os.environ.get("REQUIRE_ENGINES", "").replace(",", " ").split()
@@ -100,3 +100,33 @@ def deepspeed(n: int, *args: str) -> list[str]:
 def horovodrun(n: int, *args: str) -> list[str]:
     """horovodrun with its gloo controller (no MPI needed), all ranks on this host."""
     return [str(BIN / "horovodrun"), "-np", str(n), "--gloo", "-H", f"localhost:{n}", sys.executable, *args]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One way to start N processes: the launcher, the backend init() must pick, the engine it needs."""
+
+    size: int
+    argv: Callable[..., list[str]]
+    backend: str
+    engine: str = "torch"
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self, *args: str) -> list[str]:
+        return self.argv(self.size, *args)
+
+
+LAUNCHES = {
+    "mpiexec-2": Launch(2, mpiexec, "mpi", "mpi4py"),
+    "mpiexec-3": Launch(3, mpiexec, "mpi", "mpi4py"),
+    "mpiexec-2-checked": Launch(2, mpiexec, "mpi", "mpi4py", {"UNIDIST_CHECK_COLLECTIVES": "1"}),
+    "torchrun-2": Launch(2, torchrun, "torch"),
+    "torch-under-mpiexec-3": Launch(3, mpiexec, "torch", "mpi4py", {"UNIDIST_BACKEND": "torch"}),
+    "deepspeed-2": Launch(2, deepspeed, "deepspeed", "deepspeed"),
+    "horovodrun-gloo-2": Launch(2, horovodrun, "horovod", "horovod"),
+    "horovod-under-mpiexec-2": Launch(2, mpiexec, "horovod", "horovod", {"UNIDIST_BACKEND": "horovod"}),
+}
+MARKS = {"mpi": pytest.mark.mpi, "torch": pytest.mark.torch, "deepspeed": pytest.mark.deepspeed,
+         "horovod": pytest.mark.horovod}
+
+

@@ -6,38 +6,13 @@ One launch runs all cases (launches cost seconds); the results are then asserted
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import pytest
-from helpers import WORKERS, Run, deepspeed, horovodrun, mpiexec, require, results, run, torchrun
+from helpers import LAUNCHES, MARKS, WORKERS, Launch, Run, require, results, run
 from workers.collectives import plan
 
 CASES = [name for name, _ in plan(2)]
 WORKER = str(WORKERS / "collectives.py")
-
-
-@dataclass(frozen=True)
-class Launch:
-    size: int
-    argv: Callable[[int, str], list[str]]
-    backend: str
-    engine: str = "torch"
-    env: dict[str, str] = field(default_factory=dict)
-
-
-LAUNCHES = {
-    "mpiexec-2": Launch(2, mpiexec, "mpi", "mpi4py"),
-    "mpiexec-3": Launch(3, mpiexec, "mpi", "mpi4py"),
-    "mpiexec-2-checked": Launch(2, mpiexec, "mpi", "mpi4py", {"UNIDIST_CHECK_COLLECTIVES": "1"}),
-    "torchrun-2": Launch(2, torchrun, "torch"),
-    "torch-under-mpiexec-3": Launch(3, mpiexec, "torch", "mpi4py", {"UNIDIST_BACKEND": "torch"}),
-    "deepspeed-2": Launch(2, deepspeed, "deepspeed", "deepspeed"),
-    "horovodrun-gloo-2": Launch(2, horovodrun, "horovod", "horovod"),
-    "horovod-under-mpiexec-2": Launch(2, mpiexec, "horovod", "horovod", {"UNIDIST_BACKEND": "horovod"}),
-}
-MARKS = {"mpi": pytest.mark.mpi, "torch": pytest.mark.torch, "deepspeed": pytest.mark.deepspeed,
-         "horovod": pytest.mark.horovod}
 
 
 @pytest.fixture(scope="module", params=[pytest.param(k, marks=MARKS[v.backend]) for k, v in LAUNCHES.items()])
@@ -46,7 +21,7 @@ def suite(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     launch = LAUNCHES[request.param]
     require(launch.engine)
     out = tmp_path_factory.mktemp(request.param)
-    proc = run(launch.argv(launch.size, WORKER, "--out", str(out)), env=launch.env, timeout=900)
+    proc = run(launch.command(WORKER, "--out", str(out)), env=launch.env, timeout=900)
     return launch, proc, results(out, launch.size)
 
 

@@ -16,7 +16,7 @@ import pickle
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
@@ -771,6 +771,114 @@ class Manager(abc.ABC):
         if writeback is not None:
             writeback()
         return x
+
+    # ----------------------------------------------------------------- training (same calls on every backend)
+    def broadcast_parameters(self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]
+                             | Iterable[tuple[str, torch.Tensor]], root: int = 0) -> None:
+        """Root's parameters and buffers, in place, everywhere: one fused broadcast per dtype."""
+        self._check_root(root)
+        if isinstance(model_or_state, torch.nn.Module):
+            tensors = list(model_or_state.state_dict().values())
+        elif isinstance(model_or_state, Mapping):
+            tensors = list(model_or_state.values())
+        else:
+            tensors = [t for _, t in model_or_state]
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                groups.setdefault((t.dtype, t.device), []).append(t)
+        with torch.no_grad():
+            for ts in groups.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in ts])
+                self.broadcast_(flat, root)
+                offset = 0
+                for t in ts:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def broadcast_optimizer_state(self, optimizer: Any, root: int = 0) -> None:
+        """Root's optimizer state (tensors and Python scalars such as Adam's step) loaded everywhere."""
+        self._check_root(root)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        state = inner.state_dict() if self._rank == root else None
+        tensors: list[torch.Tensor] = []
+
+        def strip(obj: Any) -> Any:  # tensors travel by broadcast, the rest pickled
+            if isinstance(obj, torch.Tensor):
+                tensors.append(obj)
+                return ("__tensor__", len(tensors) - 1, obj.dtype, tuple(obj.shape), str(obj.device))
+            if isinstance(obj, dict):
+                return {k: strip(v) for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(strip(v) for v in obj)
+            return obj
+        skeleton = self.broadcast_object(strip(state) if state is not None else None, root)
+        if self._rank != root:
+            def alloc(obj: Any) -> Any:
+                if isinstance(obj, tuple) and len(obj) == 5 and obj[0] == "__tensor__":
+                    t = torch.empty(obj[3], dtype=obj[2], device=obj[4])
+                    tensors.append(t)
+                    return t
+                if isinstance(obj, dict):
+                    return {k: alloc(v) for k, v in obj.items()}
+                if isinstance(obj, (list, tuple)):
+                    return type(obj)(alloc(v) for v in obj)
+                return obj
+            state = alloc(skeleton)
+        for t in tensors:
+            self.broadcast_(t, root)
+        if self._rank != root:
+            inner.load_state_dict(state)
+
+    def distributed_optimizer(self, optimizer: torch.optim.Optimizer,
+                              named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+                              op: ReduceOp | str = ReduceOp.MEAN, compression: str | None = None,
+                              backward_passes_per_step: int = 1, bucket_mb: float | None = None) -> Any:
+        """unidist's DistributedOptimizer (bucketed, overlapped gradient averaging) around ``optimizer``."""
+        from unidist.optim.distributed import DistributedOptimizer
+
+        self._need_started()
+        return DistributedOptimizer(
+            self, optimizer, named_parameters, op=op,
+            compression=compression if compression is not None else self.config.compression,
+            backward_passes_per_step=backward_passes_per_step,
+            bucket_mb=bucket_mb if bucket_mb is not None else self.config.bucket_mb)
+
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, zero_stage: int | None = None,
+                **opts: Any) -> tuple[torch.nn.Module, Any]:
+        """Model on ``device`` with rank 0's parameters, optimizer state from rank 0, gradients averaged:
+        then ``mgr.backward(loss); opt.step(); opt.zero_grad()`` is the whole loop on every backend."""
+        self._need_started()
+        stage = self.config.zero_stage if zero_stage is None else zero_stage
+        if stage:
+            raise InvalidArgumentError(
+                f"zero_stage={stage} needs the deepspeed backend for now (unidist's own ZeRO for {self.name} is "
+                "not built yet); use zero_stage=0 here or launch with deepspeed"
+            )
+        model = model.to(self._device)
+        self.broadcast_parameters(model)
+        self.broadcast_optimizer_state(optimizer)
+        self._prepared = self.distributed_optimizer(optimizer, model.named_parameters(), **opts)
+        return model, self._prepared
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, divided by ``backward_passes_per_step`` so k accumulated passes make one
+        k-times larger batch (DeepSpeed's convention)."""
+        k = getattr(getattr(self, "_prepared", None), "backward_passes_per_step", 1)
+        (loss / k if k > 1 else loss).backward()  # type: ignore[no-untyped-call]
+
+    def shard(self, data: Sized | int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> Any:
+        """A sampler giving this rank its disjoint share, reshuffled by ``set_epoch`` (same on every rank)."""
+        from unidist.optim.sampler import ShardSampler
+
+        self._need_started()
+        return ShardSampler(data, self._rank, self._size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+    def mean(self, value: float | torch.Tensor) -> float:
+        """The mean of a scalar over ranks, for logging metrics."""
+        t = value.detach().reshape(1).to(torch.float64) if isinstance(value, torch.Tensor) else \
+            torch.tensor([float(value)], dtype=torch.float64)
+        return float(self.allreduce_(t.cpu(), ReduceOp.MEAN).item())
 
     # ----------------------------------------------------------------- Python objects
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:

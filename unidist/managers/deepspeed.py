@@ -19,6 +19,7 @@ import torch
 
 from unidist.errors import BackendUnavailableError, ConfigError, InvalidArgumentError
 from unidist.managers.torch import TorchManager
+from unidist.ops import ReduceOp, resolve_op
 
 __all__ = ["DeepSpeedManager", "EngineOptimizer"]
 
@@ -27,7 +28,7 @@ PIP_HINT = "pip install 'unidist[deepspeed]'"
 
 class EngineOptimizer:
     """What ``prepare`` returns as the optimizer: ``step()`` steps the engine (which knows the accumulation
-    boundary), ``zero_grad()`` is the engine's; anything else reads through to the wrapped optimizer."""
+    boundary and clears gradients after it); anything else reads through to the wrapped optimizer."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -38,7 +39,8 @@ class EngineOptimizer:
         self.engine.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
+        """Nothing: the engine clears gradients itself after the step at each accumulation boundary, and
+        clearing them between micro-batches would drop the accumulated part."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine.optimizer, name)
@@ -109,17 +111,30 @@ class DeepSpeedManager(TorchManager):
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                 zero_stage: int | None = None, config: Mapping[str, Any] | str | Path | None = None,
-                micro_batch_size: int = 1, gradient_accumulation_steps: int = 1,
+                micro_batch_size: int = 1, gradient_accumulation_steps: int | None = None,
                 gradient_clipping: float | None = None, precision: str = "fp32",
-                bucket_mb: float | None = None) -> tuple[Any, EngineOptimizer]:
+                bucket_mb: float | None = None, **opts: Any) -> tuple[Any, EngineOptimizer]:
         """Build the DeepSpeed engine: returns (engine, optimizer) for ``loss = engine(x) ...;
         mgr.backward(loss); opt.step(); opt.zero_grad()``. ``config`` (dict or JSON path, default
-        UNIDIST_DEEPSPEED_CONFIG) overrides what unidist generates."""
+        UNIDIST_DEEPSPEED_CONFIG) overrides what unidist generates. The contract's optimizer keywords map to
+        DeepSpeed's: backward_passes_per_step -> gradient_accumulation_steps, compression ->
+        communication_data_type; DeepSpeed averages gradients, so op must be 'mean'."""
         self._need_started()
+        k = opts.pop("backward_passes_per_step", None)
+        compression = opts.pop("compression", None) or self.config.compression
+        op = resolve_op(opts.pop("op", ReduceOp.MEAN))
+        if opts:
+            raise InvalidArgumentError(f"prepare() got unknown options {sorted(opts)} on the deepspeed backend")
+        if op is not ReduceOp.MEAN:
+            raise InvalidArgumentError("DeepSpeed averages gradients; prepare(op=...) must be 'mean' here")
+        if gradient_accumulation_steps is None:
+            gradient_accumulation_steps = k or 1
         ds_config = self.deepspeed_config(zero_stage=zero_stage, micro_batch_size=micro_batch_size,
                                           gradient_accumulation_steps=gradient_accumulation_steps,
                                           gradient_clipping=gradient_clipping, precision=precision,
                                           bucket_mb=bucket_mb, user_config=config)
+        if compression != "none":
+            ds_config.setdefault("communication_data_type", compression)
         if optimizer is None and "optimizer" not in ds_config:
             raise InvalidArgumentError("prepare() needs an optimizer, or an 'optimizer' section in the config")
         engine, ds_optimizer, _, _ = self._deepspeed.initialize(

@@ -115,11 +115,14 @@ class HorovodManager(Manager):
         recv.view(-1).copy_(out)
 
     # ------------------------------------------------------------ training, with Horovod's own tools
-    def broadcast_parameters(self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor],
-                             root: int = 0) -> None:
+    def broadcast_parameters(self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]
+                             | Iterable[tuple[str, torch.Tensor]], root: int = 0) -> None:
         """``hvd.broadcast_parameters`` on a module's state_dict (or a state dict / named tensors)."""
         self._check_root(root)
-        state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
+        if isinstance(model_or_state, torch.nn.Module):
+            state: Any = model_or_state.state_dict()
+        else:
+            state = model_or_state if isinstance(model_or_state, Mapping) else dict(model_or_state)
         self._hvd.broadcast_parameters(state, root_rank=root)
 
     def broadcast_optimizer_state(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
@@ -156,24 +159,44 @@ class HorovodManager(Manager):
                                        "unavailable on the horovod backend; use compression='fp16'")
         raise InvalidArgumentError(f"compression={name!r}; use none, fp16 or bf16")
 
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **opts: Any
-                ) -> tuple[torch.nn.Module, Any]:
-        """Model on ``device``, rank 0's parameters and optimizer state everywhere, Horovod's optimizer."""
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, zero_stage: int | None = None,
+                **opts: Any) -> tuple[torch.nn.Module, Any]:
+        """Model on ``device``, rank 0's parameters and optimizer state everywhere, Horovod's optimizer behind
+        the uniform loop (``step``/``zero_grad`` after every backward act on every k-th)."""
         self._need_started()
+        if zero_stage or (zero_stage is None and self.config.zero_stage):
+            raise InvalidArgumentError("Horovod has no ZeRO sharding; use zero_stage=0 or the deepspeed backend")
         model = model.to(self._device)
         self.broadcast_parameters(model)
         self.broadcast_optimizer_state(optimizer)
-        return model, self.distributed_optimizer(optimizer, model.named_parameters(), **opts)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Plain autograd: hvd.DistributedOptimizer's hooks start the allreduces as gradients appear."""
-        loss.backward()  # type: ignore[no-untyped-call]
+        hvd_opt = self.distributed_optimizer(optimizer, model.named_parameters(), **opts)
+        self._prepared = _EveryPass(hvd_opt, opts.get("backward_passes_per_step", 1))
+        return model, self._prepared
 
     def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         self._p2p.send([t], dest, tag).wait()
 
     def _recv(self, t: torch.Tensor, source: int, tag: int) -> None:
         self._p2p.recv([t], source, tag).wait()
+
+
+class _EveryPass:
+    """hvd.DistributedOptimizer expects step() once per k backward passes; the uniform loop calls it after
+    every pass (as with a DeepSpeed engine), so only every k-th call goes through."""
+
+    def __init__(self, optimizer: Any, k: int) -> None:
+        self.optimizer, self.backward_passes_per_step, self._calls = optimizer, k, 0
+
+    def step(self, closure: Any = None) -> Any:
+        self._calls += 1
+        return self.optimizer.step(closure) if self._calls % self.backward_passes_per_step == 0 else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._calls % self.backward_passes_per_step == 0:
+            self.optimizer.zero_grad()  # Horovod's zero_grad takes no set_to_none
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
 
 
 def _host_address() -> str:

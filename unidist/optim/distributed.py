@@ -1,0 +1,202 @@
+"""DistributedOptimizer: gradient averaging written once on the Manager's collectives.
+
+Gradients are fused into flat buckets (reverse registration order, as DDP, since backward produces the
+last layers' gradients first). A post-accumulate-grad hook on every parameter launches a bucket's async
+allreduce as soon as all of its gradients are ready, so communication overlaps the rest of backward;
+``step()`` waits for the rest. Buckets are launched strictly in order on every rank, so a parameter that
+gets no gradient on one rank cannot reorder the collectives: its bucket (and those after it) go at
+``step()`` with zeros for the missing gradient.
+
+The loop is the same as with a DeepSpeed engine: call ``step()`` and ``zero_grad()`` after every
+backward; with ``backward_passes_per_step=k`` they act on every k-th call and gradients accumulate
+locally in between (``Manager.backward`` divides the loss by k, so the update equals one k-times larger
+batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unidist.errors import InvalidArgumentError
+from unidist.ops import ReduceOp, resolve_op
+
+if TYPE_CHECKING:
+    from unidist.managers.base import Handle, Manager
+
+__all__ = ["DistributedOptimizer"]
+
+_WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class _Bucket:
+    __slots__ = ("buffer", "handle", "index", "params", "ready", "wire")
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter], wire: torch.dtype | None) -> None:
+        self.index = index
+        self.params = params
+        self.wire = wire
+        first = params[0]
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=wire or first.dtype, device=first.device)
+        self.ready: set[int] = set()
+        self.handle: Handle[torch.Tensor] | None = None
+
+
+class DistributedOptimizer:
+    """Wraps any torch optimizer; see the module docstring for the protocol."""
+
+    def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+                 op: ReduceOp | str = ReduceOp.MEAN, compression: str = "none", backward_passes_per_step: int = 1,
+                 bucket_mb: float = 25.0) -> None:
+        rop = resolve_op(op)
+        if rop not in (ReduceOp.MEAN, ReduceOp.SUM):
+            raise InvalidArgumentError(f"DistributedOptimizer op={rop.value!r}; use 'mean' or 'sum'")
+        if compression not in _WIRE:
+            raise InvalidArgumentError(f"compression={compression!r}; use none, fp16 or bf16")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise InvalidArgumentError("backward_passes_per_step must be an int >= 1")
+        if not bucket_mb > 0:
+            raise InvalidArgumentError("bucket_mb must be positive")
+        self.manager, self.optimizer = manager, optimizer
+        self.op, self.compression, self.backward_passes_per_step = rop, compression, backward_passes_per_step
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        if named_parameters is not None:
+            known = {id(p) for _, p in named_parameters}
+            missing = [p for p in params if id(p) not in known]
+            if missing:
+                raise InvalidArgumentError(f"{len(missing)} optimizer parameters are not in named_parameters")
+        self._buckets = self._make_buckets(params, bucket_mb * 2**20, _WIRE[compression])
+        self._where = {id(p): b for b in self._buckets for p in b.params}
+        self._next = 0  # buckets launch in this order on every rank
+        self._calls = 0  # step() calls: the pass index within the accumulation window
+        self._no_sync = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    @staticmethod
+    def _make_buckets(params: list[torch.nn.Parameter], limit: float, wire: torch.dtype | None) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        current: list[torch.nn.Parameter] = []
+        size = 0.0
+        for p in reversed(params):
+            key = (p.dtype, p.device)
+            if current and (size + p.numel() * p.element_size() > limit or (current[0].dtype, current[0].device)
+                            != key):
+                buckets.append(_Bucket(len(buckets), current, wire))
+                current, size = [], 0.0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        if current:
+            buckets.append(_Bucket(len(buckets), current, wire))
+        return buckets
+
+    # ------------------------------------------------------------------ sync
+    @property
+    def _sync_pass(self) -> bool:
+        return not self._no_sync and self._calls % self.backward_passes_per_step == self.backward_passes_per_step - 1
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._sync_pass or self.manager.size == 1:
+            return
+        bucket = self._where[id(p)]
+        bucket.ready.add(id(p))
+        while self._next < len(self._buckets) and len(self._buckets[self._next].ready) == \
+                len(self._buckets[self._next].params):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        scale = 1.0 / self.manager.size if self.op is ReduceOp.MEAN else 1.0
+        offset = 0
+        with torch.no_grad():
+            for p in bucket.params:
+                n = p.numel()
+                piece = bucket.buffer[offset:offset + n]
+                if p.grad is None:
+                    piece.zero_()
+                else:  # pre-scale before a narrow wire dtype so the sum cannot overflow it
+                    piece.copy_(p.grad.reshape(-1).mul(scale) if scale != 1.0 else p.grad.reshape(-1))
+                offset += n
+        bucket.handle = self.manager.allreduce_async_(bucket.buffer, ReduceOp.SUM)
+
+    def synchronize(self) -> None:
+        """Finish every bucket's allreduce (launching those whose gradients never all arrived) and write the
+        averaged gradients into ``p.grad``."""
+        if self.manager.size == 1:
+            return
+        while self._next < len(self._buckets):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+        with torch.no_grad():
+            for bucket in self._buckets:
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+                offset = 0
+                for p in bucket.params:
+                    n = p.numel()
+                    avg = bucket.buffer[offset:offset + n].view(p.shape)
+                    if p.grad is None:
+                        p.grad = avg.to(p.dtype).clone()
+                    else:
+                        p.grad.copy_(avg)
+                    offset += n
+                bucket.ready.clear()
+                bucket.handle = None
+        self._next = 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate locally; step()/zero_grad() inside do nothing."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    # ------------------------------------------------------------------ optimizer protocol
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """On a sync pass: average gradients, then the wrapped optimizer's step. Otherwise nothing."""
+        if closure is not None:
+            raise InvalidArgumentError("DistributedOptimizer.step takes no closure (the loss must be computed "
+                                       "before gradients are averaged)")
+        if self._no_sync:
+            return None
+        sync = self._sync_pass
+        self._calls += 1
+        if not sync:
+            return None
+        self.synchronize()
+        self.optimizer.step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears gradients after a step; between accumulation passes it keeps them."""
+        if self._no_sync or self._calls % self.backward_passes_per_step != 0:
+            return
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def __repr__(self) -> str:
+        return (f"DistributedOptimizer({type(self.optimizer).__name__}, buckets={len(self._buckets)}, "
+                f"op={self.op.value}, compression={self.compression}, k={self.backward_passes_per_step})")
