@@ -44,8 +44,15 @@ def test_readme_command(cmd: str) -> None:
     tokens = [sys.executable if t == "python" else t for t in tokens]
     proc = run(tokens, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.describe()
+    n = 1 if cmd.startswith("python") else 2
     if "hello_collectives" in cmd:
-        n = 1 if cmd.startswith("python") else 2
         assert f"7/7 collectives correct on {n} process(es)" in proc.stdout, proc.describe()
+    elif "train_digits" in cmd:
+        m = re.search(r"backend=(\w+) ranks=(\d) final test accuracy ([\d.]+) .* max parameter difference across "
+                      r"ranks (\S+)", proc.stdout)
+        assert m, proc.describe()
+        assert int(m.group(2)) == n
+        assert float(m.group(3)) >= 0.9, m.group(0)  # 3 epochs; the full 20-epoch run gives 0.98
+        assert float(m.group(4)) == 0.0, m.group(0)  # a broken gradient sync leaves the ranks' models apart
     else:
         assert "init() would pick: local" in proc.stdout

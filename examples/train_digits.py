@@ -1,0 +1,145 @@
+"""Train a small MLP on scikit-learn's handwritten digits (shipped with scikit-learn: no download).
+
+The same file under every launcher, for example:
+
+    python examples/train_digits.py
+    unidist launch -n 2 examples/train_digits.py
+    torchrun --standalone --nproc_per_node 2 examples/train_digits.py --zero-stage 0
+    deepspeed --num_gpus 2 --no_local_rank examples/train_digits.py --zero-stage 2
+
+Each rank trains on its shard of every batch; ``mgr.prepare`` averages gradients (or builds the DeepSpeed
+engine), so the model is the one a single process would train on the whole batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+
+import unidist
+
+
+def load(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    order = np.random.default_rng(seed).permutation(len(y))
+    x, y = x[order].astype(np.float32) / 16.0, y[order]
+    cut = int(0.8 * len(y))
+    mean, std = x[:cut].mean(0), x[:cut].std(0) + 0.1
+    x = (x - mean) / std
+    return (torch.from_numpy(x[:cut]), torch.from_numpy(y[:cut]), torch.from_numpy(x[cut:]),
+            torch.from_numpy(y[cut:]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch, split across ranks")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage (deepspeed backend)")
+    parser.add_argument("--backend", default=None, help="override the detected backend (UNIDIST_BACKEND)")
+    parser.add_argument("--plot", default=None, help="write the loss/accuracy curve to this PNG")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    with unidist.init(backend=args.backend) as mgr:
+        if args.batch_size % mgr.size:
+            parser.error(f"--batch-size {args.batch_size} must be divisible by the {mgr.size} ranks")
+        torch.manual_seed(args.seed)
+        x_train, y_train, x_test, y_test = load(args.seed)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64),
+                                    torch.nn.ReLU(), torch.nn.Linear(64, 10))
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        prepare_opts = {} if args.zero_stage is None else {"zero_stage": args.zero_stage}
+        model, opt = mgr.prepare(model, opt, **prepare_opts)
+        per_rank = args.batch_size // mgr.size
+        sampler = mgr.shard(len(y_train), shuffle=True, seed=args.seed, drop_last=True)
+        test_part = list(mgr.shard(len(y_test), shuffle=False))  # every rank scores its part of the test set
+
+        history: list[tuple[float, float]] = []
+        samples, started = 0, time.perf_counter()
+        progress = _progress(args.epochs, mgr.is_main)
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)
+            idx = torch.tensor(list(sampler))
+            model.train()
+            losses = []
+            for start in range(0, len(idx) - per_rank + 1, per_rank):
+                batch = idx[start:start + per_rank]
+                xb, yb = x_train[batch].to(mgr.device), y_train[batch].to(mgr.device)
+                loss = torch.nn.functional.cross_entropy(model(xb), yb)
+                mgr.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                samples += per_rank * mgr.size
+            model.eval()
+            with torch.no_grad():
+                logits = model(x_test[test_part].to(mgr.device))
+                correct = (logits.argmax(1).cpu() == y_test[test_part]).float().mean().item()
+            history.append((mgr.mean(float(np.mean(losses))), mgr.mean(correct)))
+            progress(f"epoch {epoch + 1}/{args.epochs} loss {history[-1][0]:.4f} test accuracy {history[-1][1]:.4f}")
+        elapsed = time.perf_counter() - started
+
+        params = torch.cat([p.detach().reshape(-1).float().cpu() for p in _module(model).parameters()])
+        spread = (mgr.allreduce(params, "max") - mgr.allreduce(params, "min")).abs().max().item()
+        if mgr.is_main:
+            print(f"backend={mgr.backend} ranks={mgr.size} final test accuracy {history[-1][1]:.4f} "
+                  f"loss {history[-1][0]:.4f} | {samples / elapsed:.0f} samples/s | "
+                  f"max parameter difference across ranks {spread:g}", flush=True)
+            if args.plot:
+                _plot(history, args.plot)
+        return 0 if spread == 0.0 else 1
+
+
+def _module(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+
+
+def _progress(epochs: int, show: bool):  # type: ignore[no-untyped-def]
+    """A tqdm bar on rank 0 only; plain lines when tqdm is missing or output is not a terminal."""
+    bar = None
+    if show and sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=epochs, unit="epoch")
+        except ImportError:
+            pass
+
+    def report(text: str) -> None:
+        if bar is not None:
+            bar.set_description(text)
+            bar.update(1)
+        elif show:
+            print(text, flush=True)
+    return report
+
+
+def _plot(history: list[tuple[float, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    epochs = range(1, len(history) + 1)
+    ax.plot(epochs, [h[0] for h in history], color="tab:blue", label="train loss")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(epochs, [h[1] for h in history], color="tab:orange", label="test accuracy")
+    ax2.set_ylabel("test accuracy", color="tab:orange")
+    ax.set_title("unidist: digits MLP")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
