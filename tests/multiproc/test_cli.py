@@ -150,3 +150,14 @@ def test_launch_recipes(script: str, engine: str) -> None:
     proc = run(["bash", f"launch_scripts/{script}", "2", "examples/hello_collectives.py"], cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.describe()
     assert "7/7 collectives correct on 2 process(es)" in proc.stdout
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_recipe_with_its_config_file() -> None:
+    """launch_scripts/ds_config.json through UNIDIST_DEEPSPEED_CONFIG: ZeRO-2 from the file, real launcher."""
+    require("deepspeed")
+    proc = run(["bash", "launch_scripts/deepspeed.sh", "2", "examples/train_digits.py", "--epochs", "2"], cwd=ROOT,
+               env={"UNIDIST_DEEPSPEED_CONFIG": "launch_scripts/ds_config.json"}, timeout=300)
+    assert proc.returncode == 0, proc.describe()
+    assert "backend=deepspeed ranks=2" in proc.stdout
+    assert "max parameter difference across ranks 0" in proc.stdout

@@ -103,10 +103,14 @@ class DeepSpeedManager(TorchManager):
             cfg["gradient_clipping"] = float(gradient_clipping)
         source = user_config if user_config is not None else self.config.deepspeed_config
         if source is not None:
-            _merge(cfg, _load_config(source))
-            if "train_batch_size" in _as_mapping(source) and "train_micro_batch_size_per_gpu" not in \
-                    _as_mapping(source):
-                cfg.pop("train_micro_batch_size_per_gpu")
+            user = _load_config(source)
+            _merge(cfg, user)
+            if "train_batch_size" in user:  # the user's batch arithmetic wins; DeepSpeed derives the rest
+                if "train_micro_batch_size_per_gpu" not in user:
+                    cfg.pop("train_micro_batch_size_per_gpu")
+            else:
+                cfg["train_batch_size"] = (cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"]
+                                           * self.size)
         return cfg
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -154,10 +158,6 @@ class DeepSpeedManager(TorchManager):
     def gathered_parameters(self, module: torch.nn.Module) -> Iterator[Any]:
         """Context manager giving full parameters even under ZeRO stage 3 (for checks and export)."""
         return self._deepspeed.zero.GatheredParameters(list(module.parameters()))  # type: ignore[no-any-return]
-
-
-def _as_mapping(source: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
-    return source if isinstance(source, Mapping) else _load_config(source)
 
 
 def _load_config(source: Mapping[str, Any] | str | Path) -> dict[str, Any]:
