@@ -160,8 +160,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p_launch.add_argument("script", help="the Python script to run")
     p_launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p_bench = sub.add_parser("bench", help="allreduce through unidist next to the engine's own call")
+    p_bench.add_argument("-n", "--nprocs", type=int, default=2)
+    p_bench.add_argument("--backend", help="as for launch")
+    p_bench.add_argument("args", nargs=argparse.REMAINDER,
+                         help="after --, options for the benchmark: --sizes 8,2097152 --rounds 7")
     ns = parser.parse_args(argv)
 
+    if ns.command == "bench":
+        from unidist.bench import allreduce
+
+        bench_args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+        ns.script, ns.args, ns.dry_run = allreduce.__file__, bench_args, False
     if ns.command == "info":
         report = info(os.environ)
         if ns.json:

@@ -161,3 +161,13 @@ def test_deepspeed_recipe_with_its_config_file() -> None:
     assert proc.returncode == 0, proc.describe()
     assert "backend=deepspeed ranks=2" in proc.stdout
     assert "max parameter difference across ranks 0" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_bench_prints_a_table() -> None:
+    proc = run([UNIDIST, "bench", "-n", "2", "--backend", "mpi", "--", "--sizes", "8,4096", "--rounds", "2",
+                "--budget", "0.02"], timeout=120)
+    assert proc.returncode == 0, proc.describe()
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["8", "4096"]
+    assert all(float(v) > 0 for r in rows for v in r[2:4])  # engine and unidist times measured
