@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import WORKERS, mpiexec, results, run
+from helpers import LAUNCHES, MARKS, WORKERS, mpiexec, require, results, run
 
 pytestmark = pytest.mark.mpi
 WORKER = str(WORKERS / "collectives.py")
@@ -38,3 +38,15 @@ def test_exception_on_one_rank_ends_the_job(tmp_path: Path) -> None:
     assert "ValueError: deliberate failure on rank 1" in proc.stderr
     assert "rank 1 of 2 failed" in proc.stderr
     assert not (tmp_path / "rank0.json").exists()  # rank 0 never got past its barrier
+
+
+@pytest.mark.parametrize("name", [pytest.param(k, marks=MARKS[LAUNCHES[k].backend])
+                                  for k in ("torchrun-2", "deepspeed-2", "horovodrun-gloo-2")])
+def test_exception_on_one_rank_ends_the_job_on_other_launchers(name: str, tmp_path: Path) -> None:
+    """torchrun, deepspeed and horovodrun end the job when a worker fails: no hang, non-zero exit."""
+    launch = LAUNCHES[name]
+    require(launch.engine)
+    proc = run(launch.command(WORKER, "--out", str(tmp_path), "--mode", "crash"), env=launch.env, timeout=200)
+    assert not proc.timed_out, proc.describe()
+    assert proc.returncode != 0
+    assert "deliberate failure on rank 1" in proc.stdout + proc.stderr
