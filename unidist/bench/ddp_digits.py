@@ -21,7 +21,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
-    from sklearn.datasets import load_digits  # type: ignore[import-untyped]
+    from sklearn.datasets import load_digits
 
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
