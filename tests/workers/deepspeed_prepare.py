@@ -7,11 +7,8 @@ bitwise identical across ranks (full parameters gathered under stage 3).
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
+from common import report_main
 
 import unidist
 
@@ -39,16 +36,10 @@ def run_stage(mgr: unidist.DeepSpeedManager, stage: int) -> dict[str, object]:
             "optimizer": type(engine.optimizer).__name__}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    ns = parser.parse_args()
-    with unidist.init() as mgr:
-        report = {"backend": mgr.backend, "size": mgr.size}
-        for stage in (0, 1, 2, 3):
-            report[f"stage{stage}"] = run_stage(mgr, stage)
-        (ns.out / f"rank{mgr.rank}.json").write_text(json.dumps(report))
+def fill(mgr: unidist.DeepSpeedManager, report: dict[str, object]) -> None:
+    for stage in (0, 1, 2, 3):
+        report[f"stage{stage}"] = run_stage(mgr, stage)
 
 
 if __name__ == "__main__":
-    main()
+    report_main(fill)

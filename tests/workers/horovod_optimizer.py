@@ -6,11 +6,8 @@ parameters, and the averaged gradients keep every rank's parameters identical af
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
+from common import report_main
 
 import unidist
 
@@ -24,35 +21,28 @@ def train(mgr: unidist.HorovodManager, compression: str, k: int) -> dict[str, ob
     x = torch.randn(32, 6, generator=gen)
     y = torch.stack([x[:, 0] - x[:, 1], x[:, 2] * 0.5], dim=1)
     losses, spreads = [], []
-    for step in range(6 * k):
+    for step in range(6 * k):  # the uniform loop: step()/zero_grad() after every backward
         loss = torch.nn.functional.mse_loss(model(x), y)
         mgr.backward(loss)
+        opt.step()
+        opt.zero_grad()
         if (step + 1) % k == 0:
-            opt.step()
-            opt.zero_grad()
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             spreads.append((mgr.allreduce(flat, "max") - mgr.allreduce(flat, "min")).abs().max().item())
             losses.append(float(mgr.allreduce(loss.detach().reshape(1), "mean")))
     return {"losses": losses, "max_spread": max(spreads)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    ns = parser.parse_args()
-    with unidist.init() as mgr:
-        report: dict[str, object] = {"backend": mgr.backend, "size": mgr.size}
-        for compression in ("none", "fp16"):
-            for k in (1, 2):
-                report[f"{compression}-k{k}"] = train(mgr, compression, k)
-        try:
-            mgr.distributed_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1),
-                                      compression="bf16")
-            report["bf16"] = "accepted"
-        except unidist.InvalidArgumentError as err:
-            report["bf16"] = str(err)
-        (ns.out / f"rank{mgr.rank}.json").write_text(json.dumps(report))
+def fill(mgr: unidist.HorovodManager, report: dict[str, object]) -> None:
+    for compression in ("none", "fp16"):
+        for k in (1, 2):
+            report[f"{compression}-k{k}"] = train(mgr, compression, k)
+    try:
+        mgr.distributed_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), compression="bf16")
+        report["bf16"] = "accepted"
+    except unidist.InvalidArgumentError as err:
+        report["bf16"] = str(err)
 
 
 if __name__ == "__main__":
-    main()
+    report_main(fill)

@@ -3,14 +3,10 @@ optimizer-state broadcast, shard sampler, mean. Results per rank in <out>/rank<R
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
-
-import unidist
+from common import report_main
 
 
 class TwoHeads(torch.nn.Module):
@@ -109,16 +105,10 @@ def sampler(mgr: Any) -> dict[str, Any]:
     return {"epochs": epochs, "len": len(s), "mean": mgr.mean(float(mgr.rank))}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    ns = parser.parse_args()
-    with unidist.init() as mgr:
-        report = {"backend": mgr.backend, "size": mgr.size}
-        for fn in (unused_parameters, no_sync_equals_summed_loss, optimizer_state, sampler):
-            report[fn.__name__] = fn(mgr)
-        (ns.out / f"rank{mgr.rank}.json").write_text(json.dumps(report))
+def fill(mgr: Any, report: dict[str, Any]) -> None:
+    for fn in (unused_parameters, no_sync_equals_summed_loss, optimizer_state, sampler):
+        report[fn.__name__] = fn(mgr)
 
 
 if __name__ == "__main__":
-    main()
+    report_main(fill)
