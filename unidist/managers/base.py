@@ -34,7 +34,7 @@ from unidist.errors import (
 from unidist.launch import LaunchInfo, detect
 from unidist.ops import ReduceOp, resolve_op
 
-__all__ = ["Handle", "Manager", "Work", "get_manager", "split_sizes"]
+__all__ = ["EngineWork", "Handle", "Manager", "Work", "get_manager", "split_sizes"]
 
 _log = logging.getLogger("unidist")
 _active: Manager | None = None
@@ -89,6 +89,21 @@ class _Done:
 
 
 DONE: Work = _Done()
+
+
+class EngineWork:
+    """An engine's in-flight request as a Work; holds the buffers so they outlive the operation."""
+
+    __slots__ = ("_keep", "_test", "_wait")
+
+    def __init__(self, wait: Callable[[], object], test: Callable[[], object], *keep: object) -> None:
+        self._wait, self._test, self._keep = wait, test, keep
+
+    def wait(self) -> None:
+        self._wait()
+
+    def test(self) -> bool:
+        return bool(self._test())
 
 
 class Handle(Generic[Array]):

@@ -16,26 +16,13 @@ from typing import Any, ClassVar
 import torch
 
 from unidist.errors import BackendUnavailableError, InvalidArgumentError
-from unidist.managers.base import Manager, Work
+from unidist.managers.base import EngineWork, Manager, Work
 from unidist.ops import ReduceOp, resolve_op
 
 __all__ = ["HorovodManager"]
 
 INSTALL_HINT = ("Horovod 0.28.1 needs a patched build against torch >= 2.1: run "
                 "`bash launch_scripts/install_horovod.sh` in this environment (see README, Horovod)")
-
-
-class _HorovodWork:
-    __slots__ = ("_handle", "_hvd", "_keep")
-
-    def __init__(self, hvd: Any, handle: Any, *keep: object) -> None:
-        self._hvd, self._handle, self._keep = hvd, handle, keep
-
-    def wait(self) -> None:
-        self._hvd.synchronize(self._handle)
-
-    def test(self) -> bool:
-        return bool(self._hvd.poll(self._handle))
 
 
 class HorovodManager(Manager):
@@ -85,6 +72,10 @@ class HorovodManager(Manager):
         self._hvd.shutdown()
 
     # ------------------------------------------------------------ primitives
+    def _work(self, handle: Any, *keep: object) -> Work:
+        hvd = self._hvd
+        return EngineWork(lambda: hvd.synchronize(handle), lambda: hvd.poll(handle), *keep)
+
     def _barrier(self) -> None:
         self._hvd.barrier()
 
@@ -92,7 +83,7 @@ class HorovodManager(Manager):
         self._hvd.broadcast_(t, root)
 
     def _broadcast_async(self, t: torch.Tensor, root: int) -> Work:
-        return _HorovodWork(self._hvd, self._hvd.broadcast_async_(t, root), t)
+        return self._work(self._hvd.broadcast_async_(t, root), t)
 
     def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
         if send is not recv:
@@ -102,7 +93,7 @@ class HorovodManager(Manager):
     def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
         if send is not recv:
             recv.copy_(send)
-        return _HorovodWork(self._hvd, self._hvd.allreduce_async_(recv, op=self._ops[op]), recv)
+        return self._work(self._hvd.allreduce_async_(recv, op=self._ops[op]), recv)
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
         recv.view(-1).copy_(self._hvd.allgather(send.reshape(-1)))  # Horovod takes uneven first dims itself

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
-from unidist.managers.base import DONE, Manager, Work
+from unidist.managers.base import DONE, EngineWork, Manager, Work
 from unidist.ops import ReduceOp
 
 __all__ = ["MPIManager"]
@@ -33,20 +33,8 @@ def import_mpi() -> Any:
     return MPI
 
 
-class _Request:
-    """An MPI request as a Work; holds the buffers so they outlive the operation."""
-
-    __slots__ = ("_keep", "_req")
-
-    def __init__(self, req: Any, *keep: object) -> None:
-        self._req = req
-        self._keep = keep
-
-    def wait(self) -> None:
-        self._req.Wait()
-
-    def test(self) -> bool:
-        return bool(self._req.Test())
+def _request(req: Any, *keep: object) -> Work:
+    return EngineWork(req.Wait, req.Test, *keep)
 
 
 def _displs(counts: Sequence[int]) -> list[int]:
@@ -160,7 +148,7 @@ class MPIManager(Manager):
             self._broadcast(t, root)
             return DONE
         spec = self._spec(t)
-        return _Request(self._comm.Ibcast(spec, root), spec)
+        return _request(self._comm.Ibcast(spec, root), spec)
 
     def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
         if not self._device_ok(recv):
@@ -174,7 +162,7 @@ class MPIManager(Manager):
             return DONE
         sspec = self._in_place if send is recv else self._spec(send)
         rspec = self._spec(recv)
-        return _Request(self._comm.Iallreduce(sspec, rspec, self._ops[op]), sspec, rspec)
+        return _request(self._comm.Iallreduce(sspec, rspec, self._ops[op]), sspec, rspec)
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
         if not self._device_ok(send, recv):
@@ -186,7 +174,7 @@ class MPIManager(Manager):
             self._allgather(send, recv, counts)
             return DONE
         sspec, rspec = self._spec(send), self._spec(recv, counts)
-        return _Request(self._comm.Iallgatherv(sspec, rspec), sspec, rspec)
+        return _request(self._comm.Iallgatherv(sspec, rspec), sspec, rspec)
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
                   recv_counts: Sequence[int]) -> None:

@@ -15,25 +15,15 @@ from typing import Any, ClassVar
 import torch
 
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
-from unidist.managers.base import DONE, Manager, Work
+from unidist.managers.base import DONE, EngineWork, Manager, Work
 from unidist.ops import ReduceOp
 
 __all__ = ["TorchManager"]
 
 
 
-class _TorchWork:
-    __slots__ = ("_keep", "_work")
-
-    def __init__(self, work: Any, *keep: object) -> None:
-        self._work = work
-        self._keep = keep
-
-    def wait(self) -> None:
-        self._work.wait()
-
-    def test(self) -> bool:
-        return bool(self._work.is_completed())
+def _work(work: Any, *keep: object) -> Work:
+    return EngineWork(work.wait, work.is_completed, *keep)
 
 
 class TorchManager(Manager):
@@ -121,7 +111,7 @@ class TorchManager(Manager):
         self._dist.broadcast(t, root)
 
     def _broadcast_async(self, t: torch.Tensor, root: int) -> Work:
-        return _TorchWork(self._dist.broadcast(t, root, async_op=True), t)
+        return _work(self._dist.broadcast(t, root, async_op=True), t)
 
     def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
         if send is not recv:
@@ -131,7 +121,7 @@ class TorchManager(Manager):
     def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
         if send is not recv:
             recv.copy_(send)
-        return _TorchWork(self._dist.all_reduce(recv, self._ops[op], async_op=True), recv)
+        return _work(self._dist.all_reduce(recv, self._ops[op], async_op=True), recv)
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
         self._allgather_async(send, recv, counts).wait()
@@ -140,7 +130,7 @@ class TorchManager(Manager):
         width = max(counts) if counts else 0
         flat_send, flat_recv = send.reshape(-1), recv.view(-1)
         if all(c == width for c in counts):
-            return _TorchWork(self._gather_into(flat_recv, flat_send, async_op=True), send, recv)
+            return _work(self._gather_into(flat_recv, flat_send, async_op=True), send, recv)
         # engines need equal sizes: pad every rank's part to the widest, then drop the padding
         padded = flat_send.new_zeros(width)
         padded[: flat_send.numel()] = flat_send
