@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from pathlib import Path
 
 import pytest
-from helpers import ROOT, require, run
+from helpers import BIN, ROOT, require, run
 
 README = (ROOT / "README.md").read_text()
 BLOCK = re.search(r"<!-- readme-launch -->\n```bash\n(.*?)```", README, flags=re.S)
@@ -56,3 +57,13 @@ def test_readme_command(cmd: str) -> None:
         assert float(m.group(4)) == 0.0, m.group(0)  # a broken gradient sync leaves the ranks' models apart
     else:
         assert "init() would pick: local" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_readme_api_tour_runs(tmp_path: Path) -> None:
+    tour = re.findall(r"```python\n(.*?)```", README, flags=re.S)[0]
+    script = tmp_path / "tour.py"
+    script.write_text(tour)
+    proc = run([str(BIN / "mpiexec"), "-n", "2", sys.executable, str(script)], cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.describe()
+    assert proc.stdout.count("mpi cpu") == 2, proc.describe()  # one line per rank (they may interleave)
