@@ -199,6 +199,22 @@ def plan(size: int) -> list[Case]:
                 stack = np.stack([f64(data(f"{name}{i}", r, s, d, k)) for r in range(mgr.size)])
                 expect(got[i], stack.sum(0), d, k, f"{name}[{i}]")
 
+    for op in ("sum", "mean", "max"):
+        name = f"grouped_allreduce[torch-native-{op}]"
+
+        @add(name)
+        def _(mgr: Any, name: str = name, op: str = op) -> None:
+            specs = [((3, 4), "float32"), ((5,), "float64"), ((6,), "int64"), ((2, 2), "float16")]
+            if op == "mean":
+                specs = [s for s in specs if s[1] in FLOATS]
+            for inplace in (False, True):
+                xs = [data(f"{name}{i}", mgr.rank, s, d) for i, (s, d) in enumerate(specs)]
+                got = (mgr.grouped_allreduce_ if inplace else mgr.grouped_allreduce)(xs, op)
+                for i, (s, d) in enumerate(specs):
+                    assert not inplace or got[i] is xs[i], f"{name}: in-place result {i} is not its input"
+                    stack = np.stack([f64(data(f"{name}{i}", r, s, d)) for r in range(mgr.size)])
+                    expect(got[i], reference(op, stack, d), d, "torch", f"{name}[{i}]")
+
     # --- broadcast
     for dtype in DTYPES:
         for kind in kinds(dtype):

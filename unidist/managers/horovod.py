@@ -105,6 +105,33 @@ class HorovodManager(Manager):
             out = out[0]
         recv.view(-1).copy_(out)
 
+    # ------------------------------------------------------------ grouped ops: Horovod's own call
+    def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM) -> list[Any]:
+        """``hvd.grouped_allreduce`` for torch tensors Horovod can reduce; anything else (numpy, bf16, bool,
+        int8/16, checked runs) takes the base class's fused path."""
+        hvd_op = self._grouped_op(xs, op)
+        if hvd_op is None:
+            return super().grouped_allreduce(xs, op)
+        return list(self._hvd.grouped_allreduce([x.detach() for x in xs], op=hvd_op))
+
+    def grouped_allreduce_(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM) -> list[Any]:
+        """``hvd.grouped_allreduce_`` in place, under the same conditions as ``grouped_allreduce``."""
+        hvd_op = self._grouped_op(xs, op)
+        if hvd_op is None or not all(x.is_contiguous() for x in xs):
+            return super().grouped_allreduce_(xs, op)
+        self._hvd.grouped_allreduce_([x.detach() for x in xs], op=hvd_op)
+        return list(xs)
+
+    def _grouped_op(self, xs: Sequence[Any], op: ReduceOp | str) -> Any:
+        rop = resolve_op(op)
+        native = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
+        if not xs or self.config.check_collectives or not all(
+                type(x) is torch.Tensor and x.dtype in native for x in xs):
+            return None
+        if rop is ReduceOp.MEAN:
+            return self._hvd.Average if all(x.dtype.is_floating_point for x in xs) else None
+        return self._ops[rop]
+
     # ------------------------------------------------------------ training, with Horovod's own tools
     def broadcast_parameters(self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]
                              | Iterable[tuple[str, torch.Tensor]], root: int = 0) -> None:
