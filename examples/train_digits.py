@@ -86,7 +86,7 @@ def main() -> int:
             progress(f"epoch {epoch + 1}/{args.epochs} loss {history[-1][0]:.4f} test accuracy {history[-1][1]:.4f}")
         elapsed = time.perf_counter() - started
 
-        params = torch.cat([p.detach().reshape(-1).float().cpu() for p in _module(model).parameters()])
+        params = torch.cat([p.detach().reshape(-1).float().cpu() for p in mgr.unwrap(model).parameters()])
         spread = (mgr.allreduce(params, "max") - mgr.allreduce(params, "min")).abs().max().item()
         if mgr.is_main:
             print(f"backend={mgr.backend} ranks={mgr.size} final test accuracy {history[-1][1]:.4f} "
@@ -95,10 +95,6 @@ def main() -> int:
             if args.plot:
                 _plot(history, args.plot)
         return 0 if spread == 0.0 else 1
-
-
-def _module(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)  # a DeepSpeed engine wraps the model
 
 
 def _progress(epochs: int, show: bool):  # type: ignore[no-untyped-def]

@@ -58,6 +58,13 @@ def run(argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: f
     return Run(list(argv), proc.returncode, out, err, timed_out)
 
 
+def python(n: int, *args: str) -> list[str]:
+    """No launcher: one process (the local backend)."""
+    if n != 1:
+        raise ValueError("plain python starts one process")
+    return [sys.executable, *args]
+
+
 def mpiexec(n: int, *args: str) -> list[str]:
     return [str(BIN / "mpiexec"), "-n", str(n), sys.executable, *args]
 
@@ -117,6 +124,7 @@ class Launch:
 
 
 LAUNCHES = {
+    "local-1": Launch(1, python, "local"),
     "mpiexec-2": Launch(2, mpiexec, "mpi", "mpi4py"),
     "mpiexec-3": Launch(3, mpiexec, "mpi", "mpi4py"),
     "mpiexec-2-checked": Launch(2, mpiexec, "mpi", "mpi4py", {"UNIDIST_CHECK_COLLECTIVES": "1"}),
@@ -126,7 +134,7 @@ LAUNCHES = {
     "horovodrun-gloo-2": Launch(2, horovodrun, "horovod", "horovod"),
     "horovod-under-mpiexec-2": Launch(2, mpiexec, "horovod", "horovod", {"UNIDIST_BACKEND": "horovod"}),
 }
-MARKS = {"mpi": pytest.mark.mpi, "torch": pytest.mark.torch, "deepspeed": pytest.mark.deepspeed,
-         "horovod": pytest.mark.horovod}
+MARKS = {"local": pytest.mark.local, "mpi": pytest.mark.mpi, "torch": pytest.mark.torch,
+         "deepspeed": pytest.mark.deepspeed, "horovod": pytest.mark.horovod}
 
 

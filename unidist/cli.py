@@ -100,13 +100,15 @@ def _print_info(report: dict[str, Any]) -> None:
 
 def launch_command(backend: str, nprocs: int, script: str, args: Sequence[str]) -> list[str]:
     """The argv that starts ``script`` on ``nprocs`` processes under ``backend``'s launcher."""
+    from unidist.selector import spec
+
     python = sys.executable
     if backend == "local":
         if nprocs != 1:
             raise UnidistError("the local backend runs one process; use -n 1 or another --backend")
         return [python, script, *args]
     if backend == "mpi":
-        return [_need("mpiexec", "mpirun", hint="pip install 'unidist[mpi]' installs one (mpich)"),
+        return [_need("mpiexec", "mpirun", hint="pip install mpich installs one"),
                 "-n", str(nprocs), python, script, *args]
     if backend == "torch":
         return [_need("torchrun", hint="it comes with torch"), "--standalone", "--nproc_per_node", str(nprocs),
@@ -114,7 +116,7 @@ def launch_command(backend: str, nprocs: int, script: str, args: Sequence[str]) 
     if backend == "deepspeed":
         # --num_gpus also sets the process count with DeepSpeed's CPU accelerator; a free port avoids a clash
         # with another job on the default 29500; --no_local_rank keeps the script's argv as given.
-        return [_need("deepspeed", hint="pip install 'unidist[deepspeed]'"), "--num_gpus", str(nprocs),
+        return [_need("deepspeed", hint=spec("deepspeed").install), "--num_gpus", str(nprocs),
                 "--master_port", str(_free_port()), "--no_local_rank", script, *args]
     if backend == "horovod":
         # Horovod's gloo controller: horovodrun's MPI mode does not recognise every MPI (the mpich wheel's

@@ -97,11 +97,11 @@ def select(config: Config | None = None, launch: LaunchInfo | None = None,
     return cls
 
 
-register("local", "unidist.managers.local:LocalManager", ("torch",), "pip install unidist")
+# The install hints name the engines' own packages: PyPI's "unidist" is Modin's unrelated project.
+register("local", "unidist.managers.local:LocalManager", ("torch",), "pip install torch")
 register("mpi", "unidist.managers.mpi:MPIManager", ("torch", "mpi4py"),
-         "pip install 'unidist[mpi]'  (mpi4py plus the mpich wheel, which provides mpiexec)")
+         "pip install mpi4py mpich  (the mpich wheel provides mpiexec; on a cluster, build mpi4py against its MPI)")
 register("torch", "unidist.managers.torch:TorchManager", ("torch",), "pip install torch")
-register("deepspeed", "unidist.managers.deepspeed:DeepSpeedManager", ("torch", "deepspeed"),
-         "pip install 'unidist[deepspeed]'")
+register("deepspeed", "unidist.managers.deepspeed:DeepSpeedManager", ("torch", "deepspeed"), "pip install deepspeed")
 register("horovod", "unidist.managers.horovod:HorovodManager", ("torch", "horovod"),
          "build it with `bash launch_scripts/install_horovod.sh` (0.28.1 needs a patched build for torch >= 2.1)")

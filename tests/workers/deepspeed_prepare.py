@@ -17,7 +17,7 @@ def run_stage(mgr: unidist.DeepSpeedManager, stage: int) -> dict[str, object]:
     torch.manual_seed(100 + mgr.rank)  # deliberately different start on each rank
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    engine, opt = mgr.prepare(model, opt, zero_stage=stage, micro_batch_size=16, gradient_clipping=10.0)
+    engine, opt = mgr.prepare(model, opt, zero_stage=stage, clip_grad_norm=10.0)
     gen = torch.Generator().manual_seed(7 + mgr.rank)
     w_true = torch.arange(8, dtype=torch.float32) / 8
     x = torch.randn(16, 8, generator=gen)
@@ -29,8 +29,8 @@ def run_stage(mgr: unidist.DeepSpeedManager, stage: int) -> dict[str, object]:
         opt.step()
         opt.zero_grad()
         losses.append(float(mgr.allreduce(loss.detach().reshape(1), "mean")))
-    with mgr.gathered_parameters(engine.module):
-        flat = torch.cat([p.detach().reshape(-1).float() for p in engine.module.parameters()])
+    with mgr.gathered_parameters(mgr.unwrap(engine)):
+        flat = torch.cat([p.detach().reshape(-1).float() for p in mgr.unwrap(engine).parameters()])
     spread = (mgr.allreduce(flat, "max") - mgr.allreduce(flat, "min")).abs().max().item()
     return {"first": losses[0], "last": losses[-1], "param_spread": spread, "numel": flat.numel(),
             "optimizer": type(engine.optimizer).__name__}

@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from types import TracebackType
-from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from unidist.errors import (
 )
 from unidist.launch import LaunchInfo, detect
 from unidist.ops import ReduceOp, resolve_op
+
+if TYPE_CHECKING:
+    from unidist.optim.options import TrainOptions
 
 __all__ = ["EngineWork", "Handle", "Manager", "Work", "get_manager", "split_sizes"]
 
@@ -154,6 +157,7 @@ class Manager(abc.ABC):
         self._device = torch.device("cpu")
         self._saved_env: dict[str, str | None] = {}
         self._seq = 0
+        self._failing = False  # set by __exit__ when an exception is leaving the with block
         self._fast_dtypes: frozenset[torch.dtype] = frozenset()  # filled at start: see allreduce
         self._fast_np_dtypes: frozenset[np.dtype[Any]] = frozenset()
 
@@ -206,6 +210,7 @@ class Manager(abc.ABC):
                  tb: TracebackType | None) -> Literal[False]:
         try:
             failed = exc is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None))
+            self._failing = failed
             if failed and self._started and self._size > 1:
                 self._abort_job(exc)  # type: ignore[arg-type]
         finally:
@@ -831,7 +836,9 @@ class Manager(abc.ABC):
         if self._rank != root:
             def alloc(obj: Any) -> Any:
                 if isinstance(obj, tuple) and len(obj) == 5 and obj[0] == "__tensor__":
-                    t = torch.empty(obj[3], dtype=obj[2], device=obj[4])
+                    # on this rank's device, not the root's (cuda:0 on root is cuda:k here)
+                    device = self._device if obj[4].startswith("cuda") else torch.device("cpu")
+                    t = torch.empty(obj[3], dtype=obj[2], device=device)
                     tensors.append(t)
                     return t
                 if isinstance(obj, dict):
@@ -848,8 +855,12 @@ class Manager(abc.ABC):
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer,
                               named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
                               op: ReduceOp | str = ReduceOp.MEAN, compression: str | None = None,
-                              backward_passes_per_step: int = 1, bucket_mb: float | None = None) -> Any:
-        """unidist's DistributedOptimizer (bucketed, overlapped gradient averaging) around ``optimizer``."""
+                              backward_passes_per_step: int = 1, bucket_mb: float | None = None,
+                              clip_grad_norm: float | None = None) -> Any:
+        """unidist's DistributedOptimizer (bucketed, overlapped gradient averaging) around ``optimizer``.
+
+        Args: as ``prepare``; ``named_parameters`` (optional) checks that every optimized parameter is known.
+        """
         from unidist.optim.distributed import DistributedOptimizer
 
         self._need_started()
@@ -857,24 +868,78 @@ class Manager(abc.ABC):
             self, optimizer, named_parameters, op=op,
             compression=compression if compression is not None else self.config.compression,
             backward_passes_per_step=backward_passes_per_step,
-            bucket_mb=bucket_mb if bucket_mb is not None else self.config.bucket_mb)
+            bucket_mb=bucket_mb if bucket_mb is not None else self.config.bucket_mb, clip_grad_norm=clip_grad_norm)
 
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, zero_stage: int | None = None,
-                **opts: Any) -> tuple[torch.nn.Module, Any]:
-        """Model on ``device`` with rank 0's parameters, optimizer state from rank 0, gradients averaged:
-        then ``mgr.backward(loss); opt.step(); opt.zero_grad()`` is the whole loop on every backend."""
+    # Options only one engine understands, by name -> the backend that does (refused elsewhere).
+    _ENGINE_OPTIONS: ClassVar[Mapping[str, str]] = {"deepspeed_config": "deepspeed"}
+
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                zero_stage: int | None = None, clip_grad_norm: float | None = None, op: ReduceOp | str = "mean",
+                compression: str | None = None, backward_passes_per_step: int = 1, bucket_mb: float | None = None,
+                deepspeed_config: Mapping[str, Any] | str | None = None,
+                **unknown: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Make ``model`` and ``optimizer`` data parallel; then ``mgr.backward(loss); opt.step();
+        opt.zero_grad()`` is the whole loop, the same on every backend.
+
+        The model moves to ``device`` with rank 0's parameters, the optimizer gets rank 0's state, and
+        gradients are averaged, so N ranks on B/N rows each train exactly like one process on B rows. The
+        returned optimizer is a ``torch.optim.Optimizer`` (LR schedulers, ``param_groups``, ``state_dict``).
+        Every argument is checked before anything changes.
+
+        Args:
+            model: the user's module. ``mgr.unwrap(returned_model)`` gives it back on every backend.
+            optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
+            zero_stage: 0-3 (default ``UNIDIST_ZERO_STAGE``); needs the deepspeed backend for now.
+            clip_grad_norm: clip the averaged gradient to this global L2 norm, as
+                ``torch.nn.utils.clip_grad_norm_`` on one process would; None (default) never clips, on every
+                backend (DeepSpeed's own default of 1.0 is switched off).
+            op: ``"mean"`` (default) or ``"sum"`` of the ranks' gradients (DeepSpeed only averages).
+            compression: ``"none"``, ``"fp16"`` or ``"bf16"`` wire dtype for gradients (default
+                ``UNIDIST_COMPRESSION``).
+            backward_passes_per_step: k: ``step()``/``zero_grad()`` act on every k-th call and ``backward``
+                divides the loss by k, so k passes make one k-times larger batch.
+            bucket_mb: gradient fusion bucket size in MiB (default ``UNIDIST_BUCKET_MB``).
+            deepspeed_config: a DeepSpeed config (dict or JSON path) merged over the generated one; the
+                deepspeed backend only (default ``UNIDIST_DEEPSPEED_CONFIG``).
+        """
         self._need_started()
-        stage = self.config.zero_stage if zero_stage is None else zero_stage
-        if stage:
+        from unidist.optim.options import TrainOptions
+
+        opts = TrainOptions.parse(
+            self.config, zero_stage=zero_stage, clip_grad_norm=clip_grad_norm, op=op, compression=compression,
+            backward_passes_per_step=backward_passes_per_step, bucket_mb=bucket_mb,
+            deepspeed_config=deepspeed_config, unknown=unknown)
+        if not isinstance(model, torch.nn.Module):
+            raise InvalidArgumentError(f"prepare(model=...) takes a torch.nn.Module, got {type(model).__name__}")
+        for name, backend in self._ENGINE_OPTIONS.items():
+            if getattr(opts, name) is not None and backend != self.name:
+                raise InvalidArgumentError(
+                    f"prepare({name}=...) is understood by the {backend} backend only, and this run uses "
+                    f"{self.name}; pass it only when mgr.backend == {backend!r}"
+                )
+        return self._prepare(model, optimizer, opts)
+
+    def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions
+                 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """unidist's DistributedOptimizer; backends with their own training engine override this."""
+        if opts.zero_stage:
             raise InvalidArgumentError(
-                f"zero_stage={stage} needs the deepspeed backend for now (unidist's own ZeRO for {self.name} is "
-                "not built yet); use zero_stage=0 here or launch with deepspeed"
+                f"zero_stage={opts.zero_stage} needs the deepspeed backend for now (unidist's own ZeRO for "
+                f"{self.name} is not built yet); use zero_stage=0 here or launch with deepspeed"
             )
+        wrapped = self.distributed_optimizer(
+            optimizer, model.named_parameters(), op=opts.op, compression=opts.compression,
+            backward_passes_per_step=opts.backward_passes_per_step, bucket_mb=opts.bucket_mb,
+            clip_grad_norm=opts.clip_grad_norm)
         model = model.to(self._device)
         self.broadcast_parameters(model)
         self.broadcast_optimizer_state(optimizer)
-        self._prepared = self.distributed_optimizer(optimizer, model.named_parameters(), **opts)
-        return model, self._prepared
+        self._prepared = wrapped
+        return model, wrapped
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's module behind what ``prepare`` returned (a DeepSpeed engine's ``module``)."""
+        return model
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, divided by ``backward_passes_per_step`` so k accumulated passes make one

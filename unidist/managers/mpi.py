@@ -18,10 +18,10 @@ import torch
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.managers.base import DONE, EngineWork, Manager, Work
 from unidist.ops import ReduceOp
+from unidist.selector import spec
 
 __all__ = ["MPIManager"]
 
-PIP_HINT = "pip install 'unidist[mpi]'  (installs mpi4py and the mpich wheel, which provides mpiexec)"
 
 
 def import_mpi() -> Any:
@@ -29,11 +29,14 @@ def import_mpi() -> Any:
     try:
         from mpi4py import MPI
     except ImportError as err:
-        raise BackendUnavailableError(f"the 'mpi' backend needs mpi4py and an MPI library ({err}); {PIP_HINT}") from err
+        raise BackendUnavailableError(
+            f"the 'mpi' backend needs mpi4py and an MPI library ({err}); {spec('mpi').install}") from err
     return MPI
 
 
 def _request(req: Any, *keep: object) -> Work:
+    """A request that keeps every tensor it reads or writes alive until it completes: the buffer specs
+    point at raw addresses and would not keep a temporary (an upcast or contiguous copy) from being freed."""
     return EngineWork(req.Wait, req.Test, *keep)
 
 
@@ -148,7 +151,7 @@ class MPIManager(Manager):
             self._broadcast(t, root)
             return DONE
         spec = self._spec(t)
-        return _request(self._comm.Ibcast(spec, root), spec)
+        return _request(self._comm.Ibcast(spec, root), t, spec)
 
     def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
         if not self._device_ok(recv):
@@ -162,7 +165,7 @@ class MPIManager(Manager):
             return DONE
         sspec = self._in_place if send is recv else self._spec(send)
         rspec = self._spec(recv)
-        return _request(self._comm.Iallreduce(sspec, rspec, self._ops[op]), sspec, rspec)
+        return _request(self._comm.Iallreduce(sspec, rspec, self._ops[op]), send, recv, sspec, rspec)
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
         if not self._device_ok(send, recv):
@@ -174,7 +177,7 @@ class MPIManager(Manager):
             self._allgather(send, recv, counts)
             return DONE
         sspec, rspec = self._spec(send), self._spec(recv, counts)
-        return _request(self._comm.Iallgatherv(sspec, rspec), sspec, rspec)
+        return _request(self._comm.Iallgatherv(sspec, rspec), send, recv, sspec, rspec)
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
                   recv_counts: Sequence[int]) -> None:

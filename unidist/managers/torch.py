@@ -69,7 +69,10 @@ class TorchManager(Manager):
         self._setenv("MASTER_PORT", str(addr_port[1]))
 
     def _process_group_backend(self) -> str:
-        return "nccl" if self._device.type == "cuda" else "gloo"
+        """gloo on CPU. On GPU, nccl for CUDA tensors and gloo beside it for CPU ones: users may pass CPU
+        tensors, and unidist's own control tensors (row counts, desync fingerprints, pickled objects) are
+        CPU tensors; an nccl-only group cannot move them."""
+        return "cpu:gloo,cuda:nccl" if self._device.type == "cuda" else "gloo"
 
     def _init_group(self) -> None:
         self._dist.init_process_group(self._process_group_backend(), init_method="env://",
@@ -101,6 +104,11 @@ class TorchManager(Manager):
 
     def _shutdown(self) -> None:
         if self._owns_group and self._dist.is_initialized():
+            if not self._failing and self._size > 1:
+                # tear down together: a rank destroying its gloo group while a peer is still finishing its
+                # last exchange aborted the process ("terminate called without an active exception", seen
+                # once in ~30 torchrun runs); skipped when failing, as the peers may be gone
+                self._dist.barrier()
             self._dist.destroy_process_group()
 
     # ------------------------------------------------------------ primitives

@@ -11,6 +11,12 @@ The loop is the same as with a DeepSpeed engine: call ``step()`` and ``zero_grad
 backward; with ``backward_passes_per_step=k`` they act on every k-th call and gradients accumulate
 locally in between (``Manager.backward`` divides the loss by k, so the update equals one k-times larger
 batch).
+
+It is a ``torch.optim.Optimizer`` sharing the wrapped optimizer's ``param_groups`` and ``state`` (see
+``view.py``), so LR schedulers and ``state_dict()`` work as with plain torch. ``clip_grad_norm`` clips the
+averaged gradient by its global L2 norm, as ``torch.nn.utils.clip_grad_norm_`` on one process would.
+``synchronize()`` may be called before ``step()`` (to read or clip the averaged gradients): ``step()`` then
+does not reduce again.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unidist.errors import InvalidArgumentError
-from unidist.ops import ReduceOp, resolve_op
+from unidist.ops import ReduceOp
+from unidist.optim.options import check_bucket_mb, check_clip, check_compression, check_passes, check_sync_op
+from unidist.optim.view import OptimizerView
 
 if TYPE_CHECKING:
     from unidist.managers.base import Handle, Manager
@@ -45,36 +53,50 @@ class _Bucket:
         self.handle: Handle[torch.Tensor] | None = None
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(OptimizerView):
     """Wraps any torch optimizer; see the module docstring for the protocol."""
 
     def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
                  op: ReduceOp | str = ReduceOp.MEAN, compression: str = "none", backward_passes_per_step: int = 1,
-                 bucket_mb: float = 25.0) -> None:
-        rop = resolve_op(op)
-        if rop not in (ReduceOp.MEAN, ReduceOp.SUM):
-            raise InvalidArgumentError(f"DistributedOptimizer op={rop.value!r}; use 'mean' or 'sum'")
-        if compression not in _WIRE:
-            raise InvalidArgumentError(f"compression={compression!r}; use none, fp16 or bf16")
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise InvalidArgumentError("backward_passes_per_step must be an int >= 1")
-        if not bucket_mb > 0:
-            raise InvalidArgumentError("bucket_mb must be positive")
-        self.manager, self.optimizer = manager, optimizer
-        self.op, self.compression, self.backward_passes_per_step = rop, compression, backward_passes_per_step
+                 bucket_mb: float = 25.0, clip_grad_norm: float | None = None) -> None:
+        where = "DistributedOptimizer"
+        rop = check_sync_op(op, where)
+        check_compression(compression, where)
+        check_passes(backward_passes_per_step, where)
+        self._bucket_bytes = check_bucket_mb(bucket_mb, where) * 2**20
+        self.clip_grad_norm = check_clip(clip_grad_norm, where)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidArgumentError(f"{where} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if named_parameters is not None:
             known = {id(p) for _, p in named_parameters}
             missing = [p for p in params if id(p) not in known]
             if missing:
                 raise InvalidArgumentError(f"{len(missing)} optimizer parameters are not in named_parameters")
-        self._buckets = self._make_buckets(params, bucket_mb * 2**20, _WIRE[compression])
-        self._where = {id(p): b for b in self._buckets for p in b.params}
+        super().__init__(optimizer)
+        self.manager = manager
+        self.op, self.compression, self.backward_passes_per_step = rop, compression, backward_passes_per_step
+        self._buckets: list[_Bucket] = []
+        self._where: dict[int, _Bucket] = {}
+        self._hooks: list[Any] = []
         self._next = 0  # buckets launch in this order on every rank
         self._calls = 0  # step() calls: the pass index within the accumulation window
         self._no_sync = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._synced = False  # synchronize() already ran for this step
+        self._track(params)
+
+    def _track(self, params: list[torch.nn.Parameter]) -> None:
+        """Bucket ``params`` (new buckets after the existing ones) and hook their gradients."""
+        for bucket in self._make_buckets(params, self._bucket_bytes, _WIRE[self.compression]):
+            bucket.index = len(self._buckets)
+            self._buckets.append(bucket)
+            self._where.update({id(p): bucket for p in bucket.params})
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+                        for p in params]
+
+    def _added_param_group(self, group: dict[str, Any]) -> None:
+        self._track([p for p in group["params"] if p.requires_grad and id(p) not in self._where])
 
     @staticmethod
     def _make_buckets(params: list[torch.nn.Parameter], limit: float, wire: torch.dtype | None) -> list[_Bucket]:
@@ -124,7 +146,8 @@ class DistributedOptimizer:
 
     def synchronize(self) -> None:
         """Finish every bucket's allreduce (launching those whose gradients never all arrived) and write the
-        averaged gradients into ``p.grad``."""
+        averaged gradients into ``p.grad``. The next ``step()`` uses them as they are."""
+        self._synced = True
         if self.manager.size == 1:
             return
         while self._next < len(self._buckets):
@@ -157,7 +180,7 @@ class DistributedOptimizer:
             self._no_sync = previous
 
     # ------------------------------------------------------------------ optimizer protocol
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """On a sync pass: average gradients, then the wrapped optimizer's step. Otherwise nothing."""
         if closure is not None:
             raise InvalidArgumentError("DistributedOptimizer.step takes no closure (the loss must be computed "
@@ -168,7 +191,12 @@ class DistributedOptimizer:
         self._calls += 1
         if not sync:
             return None
-        self.synchronize()
+        if not self._synced:
+            self.synchronize()
+        self._synced = False
+        if self.clip_grad_norm is not None:
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
         self.optimizer.step()
         return None
 
@@ -177,20 +205,6 @@ class DistributedOptimizer:
         if self._no_sync or self._calls % self.backward_passes_per_step != 0:
             return
         self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

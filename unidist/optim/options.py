@@ -1,0 +1,103 @@
+"""The arguments of ``Manager.prepare``, validated once, before anything changes, for every backend.
+
+One signature on every backend is what lets a script move between launchers: every keyword has the same
+meaning everywhere, an unknown one is an error naming ``prepare`` and the accepted names, and an option
+only one engine understands carries that engine's name (``deepspeed_config``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from unidist.config import COMPRESSIONS
+from unidist.errors import InvalidArgumentError
+from unidist.ops import ReduceOp, resolve_op
+
+if TYPE_CHECKING:
+    from unidist.config import Config
+
+__all__ = ["PREPARE_ARGS", "TrainOptions", "check_bucket_mb", "check_clip", "check_compression", "check_passes",
+           "check_sync_op"]
+
+
+def check_sync_op(op: ReduceOp | str, where: str) -> ReduceOp:
+    """Gradients are averaged or summed; min/max/product make no sense for them."""
+    rop = resolve_op(op)
+    if rop not in (ReduceOp.MEAN, ReduceOp.SUM):
+        raise InvalidArgumentError(f"{where}(op={rop.value!r}): gradients are combined with 'mean' or 'sum'")
+    return rop
+
+
+def check_compression(compression: str, where: str) -> str:
+    if compression not in COMPRESSIONS:
+        raise InvalidArgumentError(f"{where}(compression={compression!r}); use one of {', '.join(COMPRESSIONS)}")
+    return compression
+
+
+def check_passes(k: object, where: str) -> int:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise InvalidArgumentError(f"{where}(backward_passes_per_step={k!r}) must be an int >= 1")
+    return k
+
+
+def check_bucket_mb(mb: object, where: str) -> float:
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not (mb > 0 and math.isfinite(mb)):
+        raise InvalidArgumentError(f"{where}(bucket_mb={mb!r}) must be a positive number of MiB")
+    return float(mb)
+
+
+def check_clip(clip: object, where: str) -> float | None:
+    if clip is None:
+        return None
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (clip > 0 and math.isfinite(clip)):
+        raise InvalidArgumentError(f"{where}(clip_grad_norm={clip!r}) must be a positive finite number, or None "
+                                   "for no clipping")
+    return float(clip)
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """What ``prepare`` was asked for, checked; backends read it, never the raw keywords."""
+
+    zero_stage: int = 0
+    clip_grad_norm: float | None = None
+    op: ReduceOp = ReduceOp.MEAN
+    compression: str = "none"
+    backward_passes_per_step: int = 1
+    bucket_mb: float = 25.0
+    deepspeed_config: Mapping[str, Any] | str | Path | None = None
+
+    @classmethod
+    def parse(cls, config: Config, *, zero_stage: int | None, clip_grad_norm: float | None,
+              op: ReduceOp | str, compression: str | None, backward_passes_per_step: int,
+              bucket_mb: float | None, deepspeed_config: Mapping[str, Any] | str | Path | None,
+              unknown: Mapping[str, Any]) -> TrainOptions:
+        """``None`` takes the UNIDIST_* default; ``unknown`` are the keywords prepare did not recognise."""
+        if unknown:
+            hints = {"config": "deepspeed_config", "gradient_clipping": "clip_grad_norm",
+                     "gradient_accumulation_steps": "backward_passes_per_step"}
+            said = ", ".join(f"{k!r}" + (f" (did you mean {hints[k]}=?)" if k in hints else "") for k in unknown)
+            raise InvalidArgumentError(f"prepare() got unknown keyword(s) {said}; it accepts "
+                                       f"{', '.join(PREPARE_ARGS)}")
+        stage = config.zero_stage if zero_stage is None else zero_stage
+        if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+            raise InvalidArgumentError(f"prepare(zero_stage={stage!r}); use 0, 1, 2 or 3")
+        if deepspeed_config is not None and not isinstance(deepspeed_config, (Mapping, str, Path)):
+            raise InvalidArgumentError(f"prepare(deepspeed_config=...) takes a dict or a JSON file path, got "
+                                       f"{type(deepspeed_config).__name__}")
+        return cls(
+            zero_stage=stage,
+            clip_grad_norm=check_clip(clip_grad_norm, "prepare"),
+            op=check_sync_op(op, "prepare"),
+            compression=check_compression(config.compression if compression is None else compression, "prepare"),
+            backward_passes_per_step=check_passes(backward_passes_per_step, "prepare"),
+            bucket_mb=check_bucket_mb(config.bucket_mb if bucket_mb is None else bucket_mb, "prepare"),
+            deepspeed_config=deepspeed_config,
+        )
+
+
+PREPARE_ARGS: tuple[str, ...] = tuple(f.name for f in fields(TrainOptions))
