@@ -12,11 +12,14 @@ UNIDIST_CHECK_COLLECTIVES=1), ``timeout`` (one rank never joins) and ``crash`` (
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 import time
 import traceback
+import warnings
+import weakref
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +41,9 @@ BIG = 8 * 1024 * 1024 // 4  # 8 MiB of float32
 RTOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-6, "float64": 1e-12}
 
 Case = tuple[str, Callable[[Any], None]]
+CAUGHT: list[list[warnings.WarningMessage]] = []  # the suite's recorded warnings (run_suite)
+PRIMITIVE = {"allreduce_async": "_allreduce_async", "allreduce_async_": "_allreduce_async",
+             "allgather_async": "_allgather_async", "broadcast_async_": "_broadcast_async"}
 
 
 def data(name: str, rank: int, shape: tuple[int, ...], dtype: str, kind: str = "torch") -> Any:
@@ -181,6 +187,49 @@ def plan(size: int) -> list[Case]:
                 assert not inplace or got is x, f"{name}: in-place handle must return its input"
                 assert h.done(), f"{name}: handle not done after wait()"
                 expect(got, w, "float32", "torch", name)
+
+    for call in ("allreduce_async", "allreduce_async_", "allgather_async", "broadcast_async_"):
+        name = f"async[keeps-temporaries-{call}]"
+
+        @add(name)
+        def _(mgr: Any, name: str = name, call: str = call) -> None:
+            """A strided float16 input makes the Manager create temporaries (a contiguous copy, and on engines
+            that reduce float16 wider an upcast one). The handle must keep every one alive until wait():
+            weakrefs to what reached the engine stay live, and freed memory reused meanwhile cannot corrupt
+            the result."""
+            probes: list[list[weakref.ref[torch.Tensor]]] = []  # per primitive call; the last is the handle's
+            prim = PRIMITIVE[call]
+            original = getattr(mgr, prim)
+            # a backend without an engine-level async call completes inside the call: nothing is in flight
+            in_flight = getattr(type(mgr), prim) is not getattr(unidist.Manager, prim)
+
+            def spy(*args: Any) -> Any:
+                probes.append([weakref.ref(a) for a in args if isinstance(a, torch.Tensor)])
+                return original(*args)
+            base = data(name, mgr.rank, (64, 3), "float16")
+            x = base.t()  # not contiguous
+            want_rows = [f64(data(name, r, (64, 3), "float16").t()) for r in range(mgr.size)]
+            setattr(mgr, prim, spy)
+            try:
+                if call == "allgather_async":
+                    handle = mgr.allgather_async(x)
+                    want = np.concatenate(want_rows)
+                elif call == "broadcast_async_":
+                    handle = mgr.broadcast_async_(x, root=0)
+                    want = want_rows[0]
+                else:
+                    handle = getattr(mgr, call)(x, "sum")
+                    want = np.stack(want_rows).sum(0)
+            finally:
+                del mgr.__dict__[prim]
+            del base
+            gc.collect()
+            scratch = [torch.full((64, 3), 99.0, dtype=torch.float32) for _ in range(8)]  # reuse freed memory
+            assert probes, f"{name}: {prim} was not called"
+            assert not in_flight or all(p() is not None for p in probes[-1]), f"{name}: a buffer in flight was freed"
+            got = handle.wait()
+            del scratch
+            expect(got, want, "float16", "torch", name)
 
     for inplace in (False, True):
         name = f"grouped_allreduce[{'inplace' if inplace else 'new'}]"
@@ -435,6 +484,14 @@ def plan(size: int) -> list[Case]:
         read_only.setflags(write=False)
         raises(bad, lambda: mgr.allreduce_(read_only), "read-only in place")
 
+    @add("no_warnings")
+    def _(mgr: Any) -> None:
+        """Every call above went through unidist; none may make the user read a warning about our internals
+        (such as an engine's deprecation of a call we make)."""
+        seen = sorted({f"{w.category.__name__}: {w.message} ({Path(w.filename).name}:{w.lineno})"
+                       for w in CAUGHT[0]}) if CAUGHT else []
+        assert not seen, f"warnings during the suite: {seen}"
+
     @add("topology")
     def _(mgr: Any) -> None:
         launch = unidist.detect()
@@ -454,14 +511,17 @@ def plan(size: int) -> list[Case]:
 def run_suite(mgr: Any, out: Path, only: str | None) -> int:
     results: dict[str, str] = {}
     t_start = time.monotonic()
-    for name, fn in plan(mgr.size):
-        if only and only not in name:
-            continue
-        try:
-            fn(mgr)
-            results[name] = "ok"
-        except Exception as err:
-            results[name] = f"FAIL: {type(err).__name__}: {err}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        CAUGHT[:] = [caught]
+        for name, fn in plan(mgr.size):
+            if only and only not in name:
+                continue
+            try:
+                fn(mgr)
+                results[name] = "ok"
+            except Exception as err:
+                results[name] = f"FAIL: {type(err).__name__}: {err}"
     results["_meta"] = json.dumps({"backend": mgr.backend, "size": mgr.size, "seconds": time.monotonic() - t_start})
     (out / f"rank{mgr.rank}.json").write_text(json.dumps(results, indent=1))
     return sum(v.startswith("FAIL") for v in results.values())

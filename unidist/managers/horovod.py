@@ -97,7 +97,7 @@ class HorovodManager(Manager):
     def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
         if send is not recv:
             recv.copy_(send)
-        return self._work(self._hvd.allreduce_async_(recv, op=self._ops[op]), recv)
+        return self._work(self._hvd.allreduce_async_(recv, op=self._ops[op]), send, recv)
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
         recv.view(-1).copy_(self._hvd.allgather(send.reshape(-1)))  # Horovod takes uneven first dims itself

@@ -95,10 +95,13 @@ class TorchManager(Manager):
                 f"the process group says rank {self._rank} of {self._size} but the {launch.launcher} launcher "
                 f"announced rank {launch.rank} of {launch.size}"
             )
-        dist = self._dist  # torch >= 2.10 renamed the *_tensor calls *_single; deepspeed.comm has the old names
-        self._gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        ops = self._dist.ReduceOp
+        # torch >= 2.10 renamed the *_tensor calls *_single and warns on the old names, which deepspeed.comm
+        # still calls: take them from torch.distributed itself (the same default group under DeepSpeed).
+        import torch.distributed as tdist
+
+        self._gather_into = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+        self._reduce_scatter_into = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+        ops = tdist.ReduceOp  # deepspeed.comm takes torch's ops too
         self._ops = {ReduceOp.SUM: ops.SUM, ReduceOp.MIN: ops.MIN, ReduceOp.MAX: ops.MAX,
                      ReduceOp.PRODUCT: ops.PRODUCT}
 
@@ -129,7 +132,7 @@ class TorchManager(Manager):
     def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
         if send is not recv:
             recv.copy_(send)
-        return _work(self._dist.all_reduce(recv, self._ops[op], async_op=True), recv)
+        return _work(self._dist.all_reduce(recv, self._ops[op], async_op=True), send, recv)
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
         self._allgather_async(send, recv, counts).wait()
