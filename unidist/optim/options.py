@@ -26,7 +26,10 @@ __all__ = ["PREPARE_ARGS", "TrainOptions", "check_bucket_mb", "check_clip", "che
 
 def check_sync_op(op: ReduceOp | str, where: str) -> ReduceOp:
     """Gradients are averaged or summed; min/max/product make no sense for them."""
-    rop = resolve_op(op)
+    try:
+        rop = resolve_op(op)
+    except InvalidArgumentError as err:
+        raise InvalidArgumentError(f"{where}(op={op!r}): {err}") from None
     if rop not in (ReduceOp.MEAN, ReduceOp.SUM):
         raise InvalidArgumentError(f"{where}(op={rop.value!r}): gradients are combined with 'mean' or 'sum'")
     return rop
