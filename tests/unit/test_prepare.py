@@ -9,7 +9,7 @@ import torch
 
 import unidist
 from unidist import Config, InvalidArgumentError, LaunchInfo
-from unidist.optim.options import PREPARE_ARGS
+from unidist.train.options import PREPARE_ARGS
 
 
 @pytest.fixture

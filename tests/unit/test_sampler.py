@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unidist import InvalidArgumentError
-from unidist.optim import ShardSampler
+from unidist.train import ShardSampler
 
 
 @pytest.mark.parametrize(("n", "size"), [(10, 2), (10, 3), (7, 4), (0, 2), (1, 3), (100, 1)])

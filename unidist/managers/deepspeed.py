@@ -1,74 +1,19 @@
-"""DeepSpeedManager: collectives through ``deepspeed.comm``, training through ``deepspeed.initialize``.
+"""DeepSpeedManager: collectives through ``deepspeed.comm`` (TorchManager's primitives; only start-up differs).
 
-``deepspeed.comm`` mirrors torch.distributed, so every collective is TorchManager's; only start-up differs.
-``prepare`` builds a DeepSpeed engine from a config unidist generates (or the user's), so the training loop
-``mgr.backward(loss); opt.step(); opt.zero_grad()`` is the same as on every other backend.
-
-DeepSpeed's config has defaults that change the math of data-parallel training (gradient clipping at norm
-1.0 above all); ``NEUTRAL_CONFIG`` pins each to what one process with a plain torch optimizer does, so the same
-``prepare`` arguments train the same model as on the other backends. A user's ``deepspeed_config`` that sets
-one of them again is asking for it and wins.
+Training through ``deepspeed.initialize`` lives in unidist/train/deepspeed.py.
 """
 
 from __future__ import annotations
 
-import copy
 import datetime
-import json
 import logging
-from collections.abc import Iterator, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-
-from unidist.errors import BackendUnavailableError, ConfigError, InvalidArgumentError
+from unidist.errors import BackendUnavailableError
 from unidist.managers.torch import TorchManager
-from unidist.ops import ReduceOp
-from unidist.optim.view import OptimizerView
 from unidist.selector import spec
 
-if TYPE_CHECKING:
-    from unidist.optim.options import TrainOptions
-
-__all__ = ["NEUTRAL_CONFIG", "DeepSpeedManager", "EngineOptimizer"]
-
-# DeepSpeed 0.19 config defaults that would make training differ from one process on the whole batch, pinned.
-NEUTRAL_CONFIG: Mapping[str, Any] = {
-    "gradient_clipping": 0.0,  # default 1.0: clips by global norm 1 on every step (0 switches it off)
-    "prescale_gradients": False,  # (default False) dividing before the allreduce rounds differently
-    "gradient_predivide_factor": 1.0,  # (default 1.0) part of the averaging done before the sum
-    "fp16": {"enabled": False},  # no mixed precision, so no loss scaling, unless asked for
-    "bf16": {"enabled": False},
-    "torch_autocast": {"enabled": False},  # would run forward in a lower dtype
-}
-
-
-class EngineOptimizer(OptimizerView):
-    """The engine's optimizer as a torch Optimizer: ``step()`` steps the engine (which knows the accumulation
-    boundary and clears gradients after it); ``param_groups`` and ``state`` are the engine optimizer's, so LR
-    schedulers drive what the engine steps."""
-
-    def __init__(self, engine: Any) -> None:
-        super().__init__(engine.optimizer)
-        self.engine = engine
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        if closure is not None:
-            raise InvalidArgumentError("a DeepSpeed engine step takes no closure")
-        self.engine.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing: the engine clears gradients itself after the step at each accumulation boundary, and
-        clearing them between micro-batches would drop the accumulated part."""
-
-    def synchronize(self) -> None:
-        """Nothing to wait for: the engine averages gradients inside ``backward`` at the accumulation boundary."""
-
-    def __getattr__(self, name: str) -> Any:  # engine-specific attributes such as loss_scale
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.__dict__["_inner"], name)
+__all__ = ["DeepSpeedManager"]
 
 
 class DeepSpeedManager(TorchManager):
@@ -99,129 +44,3 @@ class DeepSpeedManager(TorchManager):
         self._dist.init_distributed(dist_backend=self._process_group_backend(), auto_mpi_discovery=False,
                                     verbose=False, init_method="env://",
                                     timeout=datetime.timedelta(seconds=self.config.timeout))
-
-    # ------------------------------------------------------------ training
-    def deepspeed_config(self, opts: TrainOptions | None = None) -> dict[str, Any]:
-        """The DeepSpeed config ``prepare`` uses for ``opts``: engine defaults that change the math pinned
-        (``NEUTRAL_CONFIG``), ``prepare``'s arguments mapped, then the user's config merged on top."""
-        from unidist.optim.options import TrainOptions
-
-        opts = opts if opts is not None else TrainOptions(zero_stage=self.config.zero_stage,
-                                                          bucket_mb=self.config.bucket_mb)
-        bucket = int(opts.bucket_mb * 2**20 / 4)  # elements
-        k = opts.backward_passes_per_step
-        cfg: dict[str, Any] = copy.deepcopy(dict(NEUTRAL_CONFIG))
-        _merge(cfg, {
-            "train_micro_batch_size_per_gpu": 1,  # bookkeeping only: unidist never hands DeepSpeed the data
-            "gradient_accumulation_steps": k,
-            "train_batch_size": k * self.size,
-            "zero_optimization": {"stage": opts.zero_stage, "reduce_bucket_size": bucket,
-                                  "allgather_bucket_size": bucket},
-            "zero_allow_untested_optimizer": True,  # any torch optimizer, as on every other backend
-            "steps_per_print": 2**31 - 1,
-            "wall_clock_breakdown": False,
-        })
-        if opts.clip_grad_norm is not None:
-            cfg["gradient_clipping"] = opts.clip_grad_norm
-        if opts.compression != "none":
-            cfg["communication_data_type"] = opts.compression
-        source = opts.deepspeed_config if opts.deepspeed_config is not None else self.config.deepspeed_config
-        if source is not None:
-            user = _load_config(source)
-            clip = user.get("gradient_clipping")
-            if opts.clip_grad_norm is not None and clip is not None and float(clip) != opts.clip_grad_norm:
-                raise InvalidArgumentError(
-                    f"prepare(clip_grad_norm={opts.clip_grad_norm}) and the DeepSpeed config's gradient_clipping="
-                    f"{clip} disagree; set one of them")
-            _merge(cfg, user)
-            if "train_batch_size" in user:  # the user's batch arithmetic wins; DeepSpeed derives the rest
-                if "train_micro_batch_size_per_gpu" not in user:
-                    cfg.pop("train_micro_batch_size_per_gpu")
-            else:
-                cfg["train_batch_size"] = (cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"]
-                                           * self.size)
-        return cfg
-
-    def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions) -> tuple[Any, EngineOptimizer]:
-        """Build the DeepSpeed engine from ``deepspeed_config(opts)``: returns (engine, optimizer).
-
-        ``backward_passes_per_step`` is DeepSpeed's gradient_accumulation_steps, ``compression`` its
-        communication_data_type, ``clip_grad_norm`` its gradient_clipping; DeepSpeed only averages, so op
-        must be 'mean'. ``optimizer`` may be None when the config has an 'optimizer' section."""
-        if opts.op is not ReduceOp.MEAN:
-            raise InvalidArgumentError("prepare(op='sum'): DeepSpeed averages gradients; use op='mean' on the "
-                                       "deepspeed backend")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise InvalidArgumentError(f"prepare(optimizer=...) takes a torch.optim.Optimizer, got "
-                                       f"{type(optimizer).__name__}")
-        ds_config = self.deepspeed_config(opts)
-        if optimizer is None and "optimizer" not in ds_config:
-            raise InvalidArgumentError("prepare() needs an optimizer, or an 'optimizer' section in deepspeed_config")
-        # The user's RNG stream stays as it was (dropout masks must not depend on the backend).
-        devices = [self._device] if self._device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            engine, _, _, _ = self._deepspeed.initialize(
-                model=model.to(self.device), optimizer=optimizer, config=ds_config,
-                model_parameters=None if optimizer is not None else model.parameters())
-        engine.__class__ = _module_keys(type(engine))
-        self._engine = engine
-        return engine, EngineOptimizer(engine)
-
-    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The user's module: a DeepSpeed engine's ``module``."""
-        return model.module if isinstance(model, self._deepspeed.DeepSpeedEngine) else model  # type: ignore[no-any-return]
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """``engine.backward``: scales for accumulation and reduces or partitions gradients."""
-        engine = getattr(self, "_engine", None)
-        if engine is None:
-            raise InvalidArgumentError("backward() comes after prepare(model, optimizer) on the deepspeed backend")
-        engine.backward(loss)
-
-    def gathered_parameters(self, module: torch.nn.Module) -> Iterator[Any]:
-        """Context manager giving full parameters even under ZeRO stage 3 (for checks and export)."""
-        return self._deepspeed.zero.GatheredParameters(list(module.parameters()))  # type: ignore[no-any-return]
-
-
-_KEYED: dict[type, type] = {}
-
-
-def _module_keys(engine_cls: type) -> type:
-    """The engine's class with ``state_dict``/``load_state_dict`` of the user's module, so the prepared model's
-    keys equal the user's model's on every backend (an engine would prefix them with ``module.``)."""
-    cls = _KEYED.get(engine_cls)
-    if cls is None:
-        def state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return self.module.state_dict(*args, **kwargs)
-
-        def load_state_dict(self: Any, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-                            ) -> Any:
-            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-        cls = type(engine_cls.__name__, (engine_cls,), {"state_dict": state_dict, "load_state_dict": load_state_dict,
-                                                         "__module__": engine_cls.__module__})
-        _KEYED[engine_cls] = cls
-    return cls
-
-
-def _load_config(source: Mapping[str, Any] | str | Path) -> dict[str, Any]:
-    if isinstance(source, Mapping):
-        return copy.deepcopy(dict(source))
-    path = Path(source)
-    try:
-        loaded = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"DeepSpeed config {str(path)!r} (UNIDIST_DEEPSPEED_CONFIG or config=) does not exist")\
-            from None
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {err}") from None
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"DeepSpeed config {str(path)!r} must hold a JSON object")
-    return loaded
-
-
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> None:
-    for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
-        else:
-            base[key] = copy.deepcopy(value)

@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import datetime
 import socket
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
-from unidist.errors import BackendUnavailableError, InvalidArgumentError
+from unidist.errors import BackendUnavailableError
 from unidist.managers.base import EngineWork, Manager, Work
 from unidist.ops import ReduceOp, resolve_op
-from unidist.optim.view import OptimizerView
 
-if TYPE_CHECKING:
-    from unidist.optim.options import TrainOptions
-
-__all__ = ["HorovodManager", "HorovodOptimizer"]
+__all__ = ["HorovodManager"]
 
 INSTALL_HINT = ("Horovod 0.28.1 needs a patched build against torch >= 2.1: run "
                 "`bash launch_scripts/install_horovod.sh` in this environment (see README, Horovod)")
@@ -139,127 +135,11 @@ class HorovodManager(Manager):
             return self._hvd.Average if all(x.dtype.is_floating_point for x in xs) else None
         return self._ops[rop]
 
-    # ------------------------------------------------------------ training, with Horovod's own tools
-    def broadcast_parameters(self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]
-                             | Iterable[tuple[str, torch.Tensor]], root: int = 0) -> None:
-        """``hvd.broadcast_parameters`` on a module's state_dict (or a state dict / named tensors)."""
-        self._check_root(root)
-        if isinstance(model_or_state, torch.nn.Module):
-            state: Any = model_or_state.state_dict()
-        else:
-            state = model_or_state if isinstance(model_or_state, Mapping) else dict(model_or_state)
-        self._hvd.broadcast_parameters(state, root_rank=root)
-
-    def distributed_optimizer(self, optimizer: torch.optim.Optimizer,
-                              named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
-                              op: ReduceOp | str = ReduceOp.MEAN, compression: str | None = None,
-                              backward_passes_per_step: int = 1, bucket_mb: float | None = None,
-                              clip_grad_norm: float | None = None) -> Any:
-        """``hvd.DistributedOptimizer`` with the contract's arguments, behind the uniform loop (``step`` and
-        ``zero_grad`` after every backward act on every k-th). Horovod fuses by its own
-        HOROVOD_FUSION_THRESHOLD (read at init), so ``bucket_mb`` is checked and otherwise unused.
-
-        Horovod's defaults that would change the math are pinned: gradients averaged after the sum
-        (``gradient_predivide_factor=1``), no sparse-as-dense or Adasum, and the optimizer's existing state
-        (e.g. a resumed Adam) carried over, which ``hvd.DistributedOptimizer`` alone would drop."""
-        from unidist.optim.options import check_bucket_mb, check_clip, check_passes, check_sync_op
-
-        where = "distributed_optimizer"
-        rop = check_sync_op(op, where)
-        check_passes(backward_passes_per_step, where)
-        check_clip(clip_grad_norm, where)
-        if bucket_mb is not None:
-            check_bucket_mb(bucket_mb, where)
-        hvd = self._hvd
-        compressor = self._compressor(compression if compression is not None else self.config.compression)
-        hvd_opt = hvd.DistributedOptimizer(
-            optimizer, named_parameters=list(named_parameters) if named_parameters is not None else None,
-            compression=compressor, backward_passes_per_step=backward_passes_per_step,
-            op=hvd.Average if rop is ReduceOp.MEAN else hvd.Sum, gradient_predivide_factor=1.0,
-            sparse_as_dense=False)
-        hvd_opt.load_state_dict(optimizer.state_dict())  # Horovod builds a fresh optimizer from param_groups
-        return HorovodOptimizer(hvd_opt, backward_passes_per_step, clip_grad_norm)
-
-    def _compressor(self, name: str) -> Any:
-        comp = self._hvd.Compression
-        if name == "none":
-            return comp.none
-        if name == "fp16":
-            return comp.fp16
-        if name == "bf16":
-            raise InvalidArgumentError("Horovod 0.28 cannot allreduce bfloat16 tensors, so compression='bf16' is "
-                                       "unavailable on the horovod backend; use compression='fp16'")
-        raise InvalidArgumentError(f"compression={name!r}; use none, fp16 or bf16")
-
-    def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions
-                 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """Model on ``device``, rank 0's parameters and optimizer state everywhere, Horovod's optimizer behind
-        the uniform loop."""
-        if opts.zero_stage:
-            raise InvalidArgumentError("Horovod has no ZeRO sharding; use zero_stage=0 or the deepspeed backend")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise InvalidArgumentError(f"prepare(optimizer=...) takes a torch.optim.Optimizer, got "
-                                       f"{type(optimizer).__name__}")
-        self._compressor(opts.compression)  # refuse bf16 before anything changes
-        model = model.to(self._device)
-        self.broadcast_parameters(model)
-        self.broadcast_optimizer_state(optimizer)
-        self._prepared = self.distributed_optimizer(
-            optimizer, model.named_parameters(), op=opts.op, compression=opts.compression,
-            backward_passes_per_step=opts.backward_passes_per_step, clip_grad_norm=opts.clip_grad_norm)
-        return model, self._prepared
-
     def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         self._p2p.send([t], dest, tag).wait()
 
     def _recv(self, t: torch.Tensor, source: int, tag: int) -> None:
         self._p2p.recv([t], source, tag).wait()
-
-
-class HorovodOptimizer(OptimizerView):
-    """``hvd.DistributedOptimizer`` as a torch Optimizer for the uniform loop.
-
-    Horovod expects ``step()`` once per k backward passes; the uniform loop calls it after every pass (as
-    with a DeepSpeed engine), so only every k-th call goes through. Clipping needs the averaged gradient:
-    ``synchronize()``, clip, then Horovod's step inside ``skip_synchronize()`` so nothing is reduced twice;
-    an explicit ``synchronize()`` by the user is honoured the same way.
-    """
-
-    def __init__(self, hvd_optimizer: Any, k: int, clip_grad_norm: float | None) -> None:
-        super().__init__(hvd_optimizer)
-        self.backward_passes_per_step, self.clip_grad_norm = k, clip_grad_norm
-        self._calls = 0
-        self._synced = False
-
-    def synchronize(self) -> None:
-        """Wait for the averaged gradients (written into ``p.grad``); the next ``step()`` uses them as they are."""
-        self.optimizer.synchronize()
-        self._synced = True
-
-    def step(self, closure: Any = None) -> Any:
-        if closure is not None:
-            raise InvalidArgumentError("the prepared optimizer's step takes no closure (the loss must be computed "
-                                       "before gradients are averaged)")
-        self._calls += 1
-        if self._calls % self.backward_passes_per_step:
-            return None
-        if self.clip_grad_norm is not None:
-            if not self._synced:
-                self.optimizer.synchronize()
-            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-            self._synced = True
-        try:
-            if self._synced:
-                with self.optimizer.skip_synchronize():
-                    return self.optimizer.step()
-            return self.optimizer.step()
-        finally:
-            self._synced = False
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._calls % self.backward_passes_per_step == 0:
-            self.optimizer.zero_grad()  # Horovod's zero_grad takes no set_to_none
 
 
 def _host_address() -> str:

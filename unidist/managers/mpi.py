@@ -15,8 +15,11 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from unidist.comm.group import Group
+from unidist.comm.primitives import Primitives
+from unidist.comm.work import DONE, EngineWork, Work
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
-from unidist.managers.base import DONE, EngineWork, Manager, Work
+from unidist.managers.base import Manager
 from unidist.ops import ReduceOp
 from unidist.selector import spec
 
@@ -44,54 +47,20 @@ def _displs(counts: Sequence[int]) -> list[int]:
     return [0, *accumulate(counts)][:-1]
 
 
-class MPIManager(Manager):
-    """MPI through mpi4py; topology from the engine (shared-memory split gives local rank and node)."""
+class MPIComm(Primitives):
+    """MPI primitives over one communicator ``_comm`` (the world's duplicate, or a group's Split of it)."""
 
-    name = "mpi"
+    # MPI has no 16-bit float reductions: reduce them in float32 (moving them needs no arithmetic)
     _upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {
         torch.float16: torch.float32, torch.bfloat16: torch.float32}
-
-    def _start(self) -> None:
-        MPI = import_mpi()
-        self._comm = MPI.COMM_WORLD.Dup()  # our own context: user MPI traffic cannot match ours
-        self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
-        if self.launch.launched and self.launch.size != self._size:
-            self._comm.Free()
-            raise LaunchEnvironmentError(
-                f"the {self.launch.launcher} launcher announced {self.launch.size} processes but MPI sees "
-                f"{self._size}: mpi4py is linked to a different MPI than the launcher that started this job. "
-                "Launch with the mpiexec of the MPI mpi4py uses (`unidist launch` picks it) or rebuild mpi4py."
-            )
-        self._node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._rank)
-        self._local_rank, self._local_size = self._node.Get_rank(), self._node.Get_size()
-        leaders = self._comm.Split(0 if self._local_rank == 0 else MPI.UNDEFINED, self._rank)
-        node_rank = np.array([leaders.Get_rank() if leaders != MPI.COMM_NULL else 0], dtype=np.int64)
-        if leaders != MPI.COMM_NULL:
-            leaders.Free()
-        self._node.Bcast([node_rank, 1, MPI.INT64_T], root=0)
-        self._node_rank = int(node_rank[0])
-        self._in_place = MPI.IN_PLACE
-        self._frombuffer = MPI.buffer.fromaddress
-        self._empty = np.empty(0, dtype=np.uint8)
-        self._specs: dict[tuple[Any, ...], list[Any]] = {}
-        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
-                     ReduceOp.PRODUCT: MPI.PROD}
-        self._types = {
-            torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
-            torch.float16: MPI.INT16_T, torch.bfloat16: MPI.INT16_T,  # moved as bits, never reduced here
-            torch.int8: MPI.INT8_T, torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T,
-            torch.int64: MPI.INT64_T, torch.uint8: MPI.UINT8_T, torch.bool: MPI.UINT8_T,
-        }
-        self._cuda_aware = _query_cuda_support(MPI)
-
-    def _shutdown(self) -> None:
-        self._specs.clear()
-        self._node.Free()
-        self._comm.Free()
-
-    def _abort_job(self, exc: BaseException) -> None:
-        self._report_failure(exc)
-        self._comm.Abort(1)
+    _comm: Any
+    _specs: dict[tuple[Any, ...], list[Any]]
+    _types: dict[torch.dtype, Any]
+    _ops: dict[ReduceOp, Any]
+    _in_place: Any
+    _frombuffer: Any
+    _empty: Any
+    _cuda_aware: bool
 
     # ------------------------------------------------------------ buffers
     def _spec(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> list[Any]:
@@ -210,6 +179,83 @@ class MPIManager(Manager):
         if not self._device_ok(t):
             return self._staged(lambda s, r: self._recv(r, source, tag), None, t)
         self._comm.Recv(self._spec(t), source, tag)
+
+
+
+
+class MPIGroup(MPIComm, Group):
+    """A sub-communicator made by ``Comm.Split``; shares the world's datatype and op tables."""
+
+    def __init__(self, owner: MPIManager, ranks: list[int], comm: Any) -> None:
+        for name in ("_types", "_ops", "_in_place", "_frombuffer", "_empty", "_cuda_aware"):
+            setattr(self, name, getattr(owner, name))
+        self._comm, self._specs = comm, {}
+        Group.__init__(self, owner, ranks)
+
+
+class MPIManager(MPIComm, Manager):
+    """MPI through mpi4py; topology from the engine (shared-memory split gives local rank and node)."""
+
+    name = "mpi"
+
+    def _start(self) -> None:
+        MPI = import_mpi()
+        self._comm = MPI.COMM_WORLD.Dup()  # our own context: user MPI traffic cannot match ours
+        self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
+        if self.launch.launched and self.launch.size != self._size:
+            self._comm.Free()
+            raise LaunchEnvironmentError(
+                f"the {self.launch.launcher} launcher announced {self.launch.size} processes but MPI sees "
+                f"{self._size}: mpi4py is linked to a different MPI than the launcher that started this job. "
+                "Launch with the mpiexec of the MPI mpi4py uses (`unidist launch` picks it) or rebuild mpi4py."
+            )
+        self._node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._rank)
+        self._local_rank, self._local_size = self._node.Get_rank(), self._node.Get_size()
+        leaders = self._comm.Split(0 if self._local_rank == 0 else MPI.UNDEFINED, self._rank)
+        node_rank = np.array([leaders.Get_rank() if leaders != MPI.COMM_NULL else 0], dtype=np.int64)
+        if leaders != MPI.COMM_NULL:
+            leaders.Free()
+        self._node.Bcast([node_rank, 1, MPI.INT64_T], root=0)
+        self._node_rank = int(node_rank[0])
+        self._in_place = MPI.IN_PLACE
+        self._frombuffer = MPI.buffer.fromaddress
+        self._empty = np.empty(0, dtype=np.uint8)
+        self._specs: dict[tuple[Any, ...], list[Any]] = {}
+        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+                     ReduceOp.PRODUCT: MPI.PROD}
+        self._types = {
+            torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
+            torch.float16: MPI.INT16_T, torch.bfloat16: MPI.INT16_T,  # moved as bits, never reduced here
+            torch.int8: MPI.INT8_T, torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T,
+            torch.int64: MPI.INT64_T, torch.uint8: MPI.UINT8_T, torch.bool: MPI.UINT8_T,
+        }
+        self._cuda_aware = _query_cuda_support(MPI)
+        self._undefined = MPI.UNDEFINED
+        self._subcomms: list[Any] = []
+
+    def _shutdown(self) -> None:
+        self._specs.clear()
+        for sub in self._subcomms:
+            sub.Free()
+        self._subcomms.clear()
+        self._node.Free()
+        self._comm.Free()
+
+    def _engine_groups(self, lists: list[list[int]]) -> list[Group | None]:
+        """One ``Comm.Split`` for all the (disjoint) lists: color = the list, key = the position in it."""
+        mine = next((i for i, ranks in enumerate(lists) if self._rank in ranks), None)
+        color = self._undefined if mine is None else mine
+        key = 0 if mine is None else lists[mine].index(self._rank)
+        sub = self._comm.Split(color, key)
+        out: list[Group | None] = [None] * len(lists)
+        if mine is not None:
+            self._subcomms.append(sub)
+            out[mine] = MPIGroup(self, lists[mine], sub)
+        return out
+
+    def _abort_job(self, exc: BaseException) -> None:
+        self._report_failure(exc)
+        self._comm.Abort(1)
 
 
 def _query_cuda_support(MPI: Any) -> bool:

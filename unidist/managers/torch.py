@@ -14,8 +14,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from unidist.comm.group import Group
+from unidist.comm.primitives import Primitives
+from unidist.comm.work import DONE, EngineWork, Work
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
-from unidist.managers.base import DONE, EngineWork, Manager, Work
+from unidist.managers.base import Manager
 from unidist.ops import ReduceOp
 
 __all__ = ["TorchManager"]
@@ -26,14 +29,98 @@ def _work(work: Any, *keep: object) -> Work:
     return EngineWork(work.wait, work.is_completed, *keep)
 
 
-class TorchManager(Manager):
-    """torch.distributed process group over env:// rendezvous."""
+class TorchComm(Primitives):
+    """torch.distributed (or deepspeed.comm) primitives over one process group: ``_pg`` None is the world.
 
-    name = "torch"
+    Both APIs name peers and roots by world rank, also inside a group: ``_world`` translates.
+    """
+
     # gloo and nccl have no int16 arithmetic or transport: reduce in int32, move the raw bits as float16
     _upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.int16: torch.int32}
     _wire_dtypes: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.int16: torch.float16}
     _dist: Any = None
+    _pg: Any = None
+    _members: tuple[int, ...] | None = None  # world ranks of the group's members; None: the world
+    _ops: dict[ReduceOp, Any]
+    _gather_into: Any
+    _reduce_scatter_into: Any
+
+    def _world(self, rank: int) -> int:
+        return rank if self._members is None else self._members[rank]
+
+    def _barrier(self) -> None:
+        self._dist.barrier(group=self._pg)
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> None:
+        self._dist.broadcast(t, self._world(root), group=self._pg)
+
+    def _broadcast_async(self, t: torch.Tensor, root: int) -> Work:
+        return _work(self._dist.broadcast(t, self._world(root), group=self._pg, async_op=True), t)
+
+    def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
+        if send is not recv:
+            recv.copy_(send)
+        self._dist.all_reduce(recv, self._ops[op], group=self._pg)
+
+    def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
+        if send is not recv:
+            recv.copy_(send)
+        return _work(self._dist.all_reduce(recv, self._ops[op], group=self._pg, async_op=True), send, recv)
+
+    def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
+        self._allgather_async(send, recv, counts).wait()
+
+    def _allgather_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Work:
+        width = max(counts) if counts else 0
+        flat_send, flat_recv = send.reshape(-1), recv.view(-1)
+        if all(c == width for c in counts):
+            return _work(self._gather_into(flat_recv, flat_send, group=self._pg, async_op=True), send, recv)
+        # engines need equal sizes: pad every rank's part to the widest, then drop the padding
+        padded = flat_send.new_zeros(width)
+        padded[: flat_send.numel()] = flat_send
+        staging = flat_send.new_empty(width * self._size)
+        self._gather_into(staging, padded, group=self._pg)
+        offset = 0
+        for rank, count in enumerate(counts):
+            flat_recv[offset:offset + count] = staging[rank * width:rank * width + count]
+            offset += count
+        return DONE
+
+    def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
+                  recv_counts: Sequence[int]) -> None:
+        self._dist.all_to_all_single(recv.view(-1), send.reshape(-1), list(recv_counts), list(send_counts),
+                                     group=self._pg)
+
+    def _reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
+                        op: ReduceOp) -> None:
+        if all(c == counts[0] for c in counts):
+            self._reduce_scatter_into(recv.view(-1), send.reshape(-1), self._ops[op], group=self._pg)
+        else:
+            super()._reduce_scatter(send, recv, counts, op)
+
+    def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+        self._dist.send(t, self._world(dest), group=self._pg, tag=tag)
+
+    def _recv(self, t: torch.Tensor, source: int, tag: int) -> None:
+        self._dist.recv(t, self._world(source), group=self._pg, tag=tag)
+
+
+
+
+class TorchGroup(TorchComm, Group):
+    """A torch (or DeepSpeed) process group made by ``new_group``."""
+
+    def __init__(self, owner: TorchManager, ranks: list[int], pg: Any) -> None:
+        self._dist, self._ops = owner._dist, owner._ops
+        self._gather_into, self._reduce_scatter_into = owner._gather_into, owner._reduce_scatter_into
+        self._pg, self._members = pg, tuple(ranks)
+        Group.__init__(self, owner, ranks)
+
+
+class TorchManager(TorchComm, Manager):
+    """torch.distributed process group over env:// rendezvous."""
+
+    name = "torch"
 
     # ------------------------------------------------------------ lifecycle
     def _import_dist(self) -> Any:
@@ -114,62 +201,13 @@ class TorchManager(Manager):
                 self._dist.barrier()
             self._dist.destroy_process_group()
 
-    # ------------------------------------------------------------ primitives
-    def _barrier(self) -> None:
-        self._dist.barrier()
-
-    def _broadcast(self, t: torch.Tensor, root: int) -> None:
-        self._dist.broadcast(t, root)
-
-    def _broadcast_async(self, t: torch.Tensor, root: int) -> Work:
-        return _work(self._dist.broadcast(t, root, async_op=True), t)
-
-    def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
-        if send is not recv:
-            recv.copy_(send)
-        self._dist.all_reduce(recv, self._ops[op])
-
-    def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
-        if send is not recv:
-            recv.copy_(send)
-        return _work(self._dist.all_reduce(recv, self._ops[op], async_op=True), send, recv)
-
-    def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
-        self._allgather_async(send, recv, counts).wait()
-
-    def _allgather_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Work:
-        width = max(counts) if counts else 0
-        flat_send, flat_recv = send.reshape(-1), recv.view(-1)
-        if all(c == width for c in counts):
-            return _work(self._gather_into(flat_recv, flat_send, async_op=True), send, recv)
-        # engines need equal sizes: pad every rank's part to the widest, then drop the padding
-        padded = flat_send.new_zeros(width)
-        padded[: flat_send.numel()] = flat_send
-        staging = flat_send.new_empty(width * self._size)
-        self._gather_into(staging, padded)
-        offset = 0
-        for rank, count in enumerate(counts):
-            flat_recv[offset:offset + count] = staging[rank * width:rank * width + count]
-            offset += count
-        return DONE
-
-    def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
-                  recv_counts: Sequence[int]) -> None:
-        self._dist.all_to_all_single(recv.view(-1), send.reshape(-1), list(recv_counts),
-                                     list(send_counts))
-
-    def _reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
-                        op: ReduceOp) -> None:
-        if all(c == counts[0] for c in counts):
-            self._reduce_scatter_into(recv.view(-1), send.reshape(-1), self._ops[op])
-        else:
-            super()._reduce_scatter(send, recv, counts, op)
-
-    def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
-        self._dist.send(t, dest, tag=tag)
-
-    def _recv(self, t: torch.Tensor, source: int, tag: int) -> None:
-        self._dist.recv(t, source, tag=tag)
+    def _engine_groups(self, lists: list[list[int]]) -> list[Group | None]:
+        """``new_group`` for each list, on every rank in the same order (the engine requires both)."""
+        out: list[Group | None] = []
+        for ranks in lists:
+            pg = self._dist.new_group(ranks)
+            out.append(TorchGroup(self, ranks, pg) if self._rank in ranks else None)
+        return out
 
 
 _MPI_FAMILIES = frozenset({"openmpi", "mpich", "mvapich", "pmix", "slurm"})

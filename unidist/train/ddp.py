@@ -1,4 +1,4 @@
-"""DistributedOptimizer: gradient averaging written once on the Manager's collectives.
+"""DistributedOptimizer: gradient averaging written once on a communicator's collectives (world or Group).
 
 Gradients are fused into flat buckets (reverse registration order, as DDP, since backward produces the
 last layers' gradients first). A post-accumulate-grad hook on every parameter launches a bucket's async
@@ -29,11 +29,12 @@ import torch
 
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
-from unidist.optim.options import check_bucket_mb, check_clip, check_compression, check_passes, check_sync_op
-from unidist.optim.view import OptimizerView
+from unidist.train.options import check_bucket_mb, check_clip, check_compression, check_passes, check_sync_op
+from unidist.train.view import OptimizerView
 
 if TYPE_CHECKING:
-    from unidist.managers.base import Handle, Manager
+    from unidist.comm.work import Handle
+    from unidist.train.protocol import Comm
 
 __all__ = ["DistributedOptimizer"]
 
@@ -56,7 +57,7 @@ class _Bucket:
 class DistributedOptimizer(OptimizerView):
     """Wraps any torch optimizer; see the module docstring for the protocol."""
 
-    def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer,
+    def __init__(self, comm: Comm, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
                  op: ReduceOp | str = ReduceOp.MEAN, compression: str = "none", backward_passes_per_step: int = 1,
                  bucket_mb: float = 25.0, clip_grad_norm: float | None = None) -> None:
@@ -75,7 +76,7 @@ class DistributedOptimizer(OptimizerView):
             if missing:
                 raise InvalidArgumentError(f"{len(missing)} optimizer parameters are not in named_parameters")
         super().__init__(optimizer)
-        self.manager = manager
+        self.comm = comm
         self.op, self.compression, self.backward_passes_per_step = rop, compression, backward_passes_per_step
         self._buckets: list[_Bucket] = []
         self._where: dict[int, _Bucket] = {}
@@ -121,7 +122,7 @@ class DistributedOptimizer(OptimizerView):
         return not self._no_sync and self._calls % self.backward_passes_per_step == self.backward_passes_per_step - 1
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._sync_pass or self.manager.size == 1:
+        if not self._sync_pass or self.comm.size == 1:
             return
         bucket = self._where[id(p)]
         bucket.ready.add(id(p))
@@ -131,7 +132,7 @@ class DistributedOptimizer(OptimizerView):
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        scale = 1.0 / self.manager.size if self.op is ReduceOp.MEAN else 1.0
+        scale = 1.0 / self.comm.size if self.op is ReduceOp.MEAN else 1.0
         offset = 0
         with torch.no_grad():
             for p in bucket.params:
@@ -142,13 +143,13 @@ class DistributedOptimizer(OptimizerView):
                 else:  # pre-scale before a narrow wire dtype so the sum cannot overflow it
                     piece.copy_(p.grad.reshape(-1).mul(scale) if scale != 1.0 else p.grad.reshape(-1))
                 offset += n
-        bucket.handle = self.manager.allreduce_async_(bucket.buffer, ReduceOp.SUM)
+        bucket.handle = self.comm.allreduce_async_(bucket.buffer, ReduceOp.SUM)
 
     def synchronize(self) -> None:
         """Finish every bucket's allreduce (launching those whose gradients never all arrived) and write the
         averaged gradients into ``p.grad``. The next ``step()`` uses them as they are."""
         self._synced = True
-        if self.manager.size == 1:
+        if self.comm.size == 1:
             return
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])

@@ -72,12 +72,13 @@ class TrainOptions:
     compression: str = "none"
     backward_passes_per_step: int = 1
     bucket_mb: float = 25.0
+    group: Any = None  # a Group of this Manager, or None for the whole world
     deepspeed_config: Mapping[str, Any] | str | Path | None = None
 
     @classmethod
     def parse(cls, config: Config, *, zero_stage: int | None, clip_grad_norm: float | None,
               op: ReduceOp | str, compression: str | None, backward_passes_per_step: int,
-              bucket_mb: float | None, deepspeed_config: Mapping[str, Any] | str | Path | None,
+              bucket_mb: float | None, group: Any, deepspeed_config: Mapping[str, Any] | str | Path | None,
               unknown: Mapping[str, Any]) -> TrainOptions:
         """``None`` takes the UNIDIST_* default; ``unknown`` are the keywords prepare did not recognise."""
         if unknown:
@@ -99,6 +100,7 @@ class TrainOptions:
             compression=check_compression(config.compression if compression is None else compression, "prepare"),
             backward_passes_per_step=check_passes(backward_passes_per_step, "prepare"),
             bucket_mb=check_bucket_mb(config.bucket_mb if bucket_mb is None else bucket_mb, "prepare"),
+            group=group,
             deepspeed_config=deepspeed_config,
         )
 

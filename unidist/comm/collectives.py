@@ -1,0 +1,460 @@
+"""Every public collective, written once on a handful of engine primitives, for the world and for groups.
+
+A communicator (the Manager for the whole world, a Group for a subset) implements primitives on contiguous
+torch tensors: ``_allreduce``, ``_broadcast``, ``_allgather``, ``_alltoall``, ``_send``/``_recv``,
+``_barrier`` (plus optional native ``_gather``, ``_scatter``, ``_reduce_scatter`` and async variants).
+Everything a user calls — numpy/torch conversion, in-place variants, ``mean``, bool and half-precision
+handling, uneven sizes, grouped and object collectives, argument checks, desync detection — lives here, so
+every backend and every group behaves the same. Ranks (``root``, ``dest``, ``source``) are this
+communicator's ranks.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from unidist.comm import check
+from unidist.comm.dtypes import (
+    BOOL_OP,
+    DTYPE_ID,
+    SUPPORTED_DTYPES,
+    Tensorish,
+    from_bytes,
+    inplace_tensor,
+    output,
+    row_numel,
+    rows_like,
+    split_sizes,
+    to_bytes,
+    to_tensor,
+)
+from unidist.comm.primitives import Primitives
+from unidist.comm.work import DONE, Array, Handle, Work
+from unidist.config import Config
+from unidist.errors import CollectiveMismatchError, InvalidArgumentError
+from unidist.ops import ReduceOp, resolve_op
+
+__all__ = ["Collectives"]
+
+_FAST_OPS: dict[object, ReduceOp] = {**{op: op for op in ReduceOp}, **{op.value: op for op in ReduceOp}}
+_MAX_DIMS = 12
+_INT64 = torch.int64
+
+
+class Collectives(Primitives):
+    """The collective API over one communicator; subclasses provide the engine primitives."""
+
+    config: Config
+    _device: torch.device
+
+    def _init_collectives(self) -> None:
+        self._seq = 0
+        self._fast_dtypes: frozenset[torch.dtype] = frozenset()  # filled by _enable_fast_path: see allreduce
+        self._fast_np_dtypes: frozenset[np.dtype[Any]] = frozenset()
+
+    def _enable_fast_path(self) -> None:
+        """The lean allreduce path for the common case (native dtype, contiguous, no checks)."""
+        if self.config.check_collectives and self._size > 1:
+            return
+        native = [d for d in SUPPORTED_DTYPES if d not in self._upcast_reduce and d is not torch.bool]
+        self._fast_dtypes = frozenset(native)
+        self._fast_np_dtypes = frozenset(np.dtype(str(d).replace("torch.", "")) for d in native
+                                         if d is not torch.bfloat16)
+
+    def _disable_fast_path(self) -> None:
+        self._fast_dtypes = frozenset()
+        self._fast_np_dtypes = frozenset()
+
+    @abc.abstractmethod
+    def _need_started(self) -> None:
+        """Raise NotInitializedError unless the engine behind this communicator is running."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in this communicator."""
+        self._need_started()
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in this communicator."""
+        self._need_started()
+        return self._size
+
+    def _wired(self, t: torch.Tensor) -> torch.Tensor:
+        wire = self._wire_dtypes.get(t.dtype)
+        return t if wire is None else t.view(wire)
+
+    # ----------------------------------------------------------------- input/output conversion
+    _input = staticmethod(to_tensor)
+    _inplace = staticmethod(inplace_tensor)
+    _output = staticmethod(output)
+
+    def _check_root(self, root: int, what: str = "root") -> int:
+        self._need_started()
+        return check.check_rank(root, self._size, what)
+
+    # ----------------------------------------------------------------- desync detection
+    def _signature(self, call: str, t: torch.Tensor | None = None, op: ReduceOp | None = None,
+                   root: int = -1, numel: int | None = None) -> None:
+        """With UNIDIST_CHECK_COLLECTIVES, every rank compares what it is about to call (see check.py)."""
+        self._need_started()
+        if self.config.check_collectives and self._size > 1:
+            check.signature(self, call, t, op, root, numel)
+
+    # ----------------------------------------------------------------- reductions (shared by several calls)
+    def _reduce_with(self, prim: Callable[..., Work | None], send: torch.Tensor, recv: torch.Tensor,
+                     op: ReduceOp, *extra: Any) -> tuple[Work, Callable[[], None] | None]:
+        """Map op and dtype to what engines reduce natively, call ``prim(send, recv, *extra, op)``."""
+        dtype = send.dtype
+        mean = op is ReduceOp.MEAN
+        if mean:
+            if not dtype.is_floating_point:
+                raise InvalidArgumentError(
+                    f"op='mean' needs a floating-point tensor, got {dtype}; use op='sum' and divide, or cast first"
+                )
+            op = ReduceOp.SUM
+        size = self._size
+        if dtype is torch.bool:  # reduce 0/1 bytes: max is or, min is and
+            in_place = send is recv
+            send = send.view(torch.uint8)
+            recv = send if in_place else recv.view(torch.uint8)
+            op, dtype = BOOL_OP[op], torch.uint8
+        wide_dtype = self._upcast_reduce.get(dtype)
+        if wide_dtype is not None:
+            wide = send.to(wide_dtype)
+            wide_out = wide if send is recv else torch.empty(recv.shape, dtype=wide_dtype, device=recv.device)
+            work = prim(wide, wide_out, *extra, op)
+
+            def narrow() -> None:
+                if mean and size > 1:
+                    wide_out.div_(size)
+                recv.copy_(wide_out)
+            return work or DONE, narrow
+        work = prim(send, recv, *extra, op)
+        if mean and size > 1:
+            def divide() -> None:
+                recv.div_(size)
+            return work or DONE, divide
+        return work or DONE, None
+
+    def _allreduce_impl(self, x: Tensorish, op: ReduceOp | str, inplace: bool, async_: bool) -> Any:
+        rop = resolve_op(op)
+        if inplace:
+            t, writeback = self._inplace(x)
+            out, as_np = t, False
+        else:
+            t, as_np = self._input(x)
+            writeback = None
+            out = torch.empty_like(t)
+        self._signature("allreduce", t, rop)
+        prim = self._allreduce_async if async_ else self._allreduce
+        work, post = self._reduce_with(prim, t, out, rop)
+
+        def finish() -> Any:
+            if post is not None:
+                post()
+            if writeback is not None:
+                writeback()
+            return x if inplace else self._output(out, as_np)
+        if async_:
+            return Handle(work, finish)
+        return finish()
+
+    # ----------------------------------------------------------------- public collectives
+    def barrier(self) -> None:
+        """Every rank waits here until all have arrived."""
+        self._signature("barrier")
+        self._barrier()
+
+    def _fast_tensor(self, x: Any) -> torch.Tensor | None:
+        """x as a tensor when it needs none of the general path's work (the common case, kept cheap)."""
+        if type(x) is torch.Tensor:
+            if x.dtype in self._fast_dtypes and x.is_contiguous() and not x.requires_grad:
+                return x
+        elif type(x) is np.ndarray and x.dtype in self._fast_np_dtypes and x.flags.c_contiguous \
+                and x.flags.writeable:
+            return torch.from_numpy(x)
+        return None
+
+    def allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Array:
+        """Elementwise reduction over ranks, returned as a new tensor/array on every rank."""
+        t = self._fast_tensor(x)
+        if t is not None:
+            fast_op = _FAST_OPS.get(op)
+            if fast_op is not None and (fast_op is not ReduceOp.MEAN or t.dtype.is_floating_point):
+                out = torch.empty_like(t)
+                self._allreduce(t, out, ReduceOp.SUM if fast_op is ReduceOp.MEAN else fast_op)
+                if fast_op is ReduceOp.MEAN:
+                    out.div_(self._size)
+                return out if type(x) is torch.Tensor else out.numpy()  # type: ignore[return-value]
+        return self._allreduce_impl(x, op, False, False)  # type: ignore[no-any-return]
+
+    def allreduce_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Array:
+        """In-place allreduce; returns x."""
+        t = self._fast_tensor(x)
+        if t is not None:
+            fast_op = _FAST_OPS.get(op)
+            if fast_op is not None and (fast_op is not ReduceOp.MEAN or t.dtype.is_floating_point):
+                self._allreduce(t, t, ReduceOp.SUM if fast_op is ReduceOp.MEAN else fast_op)
+                if fast_op is ReduceOp.MEAN:
+                    t.div_(self._size)
+                return x
+        return self._allreduce_impl(x, op, True, False)  # type: ignore[no-any-return]
+
+    def allreduce_async(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Handle[Array]:
+        """Start an allreduce; ``handle.wait()`` returns the result. Keep x unchanged until then."""
+        return self._allreduce_impl(x, op, False, True)  # type: ignore[no-any-return]
+
+    def allreduce_async_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Handle[Array]:
+        """Start an in-place allreduce; ``handle.wait()`` returns x."""
+        return self._allreduce_impl(x, op, True, True)  # type: ignore[no-any-return]
+
+    def grouped_allreduce(self, xs: Sequence[Array], op: ReduceOp | str = ReduceOp.SUM) -> list[Array]:
+        """Allreduce many tensors in one exchange per dtype (fused into a flat buffer)."""
+        return self._grouped(xs, op, inplace=False)
+
+    def grouped_allreduce_(self, xs: Sequence[Array], op: ReduceOp | str = ReduceOp.SUM) -> list[Array]:
+        """In-place grouped allreduce; returns the inputs."""
+        return self._grouped(xs, op, inplace=True)
+
+    def _grouped(self, xs: Sequence[Array], op: ReduceOp | str, inplace: bool) -> list[Any]:
+        rop = resolve_op(op)
+        items = [self._input(x) for x in xs]
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, (t, _) in enumerate(items):
+            groups.setdefault((t.dtype, t.device), []).append(i)
+        results: list[Any] = [None] * len(items)
+        for idx in groups.values():
+            flat = torch.cat([items[i][0].reshape(-1) for i in idx])
+            self._signature("allreduce", flat, rop)
+            work, post = self._reduce_with(self._allreduce, flat, flat, rop)
+            work.wait()
+            if post is not None:
+                post()
+            offset = 0
+            for i in idx:
+                t, as_np = items[i]
+                piece = flat[offset:offset + t.numel()].view(t.shape)
+                offset += t.numel()
+                if inplace:
+                    dst, writeback = self._inplace(xs[i])
+                    dst.copy_(piece)
+                    if writeback is not None:
+                        writeback()
+                    results[i] = xs[i]
+                else:
+                    results[i] = self._output(piece, as_np)
+        return results
+
+    def broadcast(self, x: Array, root: int = 0) -> Array:
+        """Root's value, returned as a new tensor/array on every rank (x's shape and dtype must match root's)."""
+        root = self._check_root(root)
+        t, as_np = self._input(x)
+        out = t.clone()
+        self._signature("broadcast", out, root=root)
+        self._broadcast(self._wired(out), root)
+        return self._output(out, as_np)  # type: ignore[no-any-return]
+
+    def broadcast_(self, x: Array, root: int = 0) -> Array:
+        """In-place broadcast; returns x."""
+        return self.broadcast_async_(x, root).wait()
+
+    def broadcast_async_(self, x: Array, root: int = 0) -> Handle[Array]:
+        """Start an in-place broadcast; ``handle.wait()`` returns x."""
+        root = self._check_root(root)
+        t, writeback = self._inplace(x)
+        self._signature("broadcast", t, root=root)
+        work = self._broadcast_async(self._wired(t), root)
+
+        def finish() -> Array:
+            if writeback is not None:
+                writeback()
+            return x
+        return Handle(work, finish)
+
+    def _row_meta(self, call: str, t: torch.Tensor) -> list[int]:
+        """Allgather (dtype, ndim, rows, row size) so uneven first dims work and mismatches raise everywhere."""
+        mine = [DTYPE_ID[t.dtype], t.dim(), t.shape[0], row_numel(t), hash(tuple(t.shape[1:])) & 0x7FFFFFFFFFFF]
+        table = torch.empty(self._size * len(mine), dtype=_INT64)
+        self._allgather(torch.tensor(mine, dtype=_INT64), table, [len(mine)] * self._size)
+        rows = table.view(self._size, -1).tolist()
+        if any(row[:2] != mine[:2] or row[3:] != mine[3:] for row in rows):
+            desc = "; ".join(f"rank {i}: dtype {SUPPORTED_DTYPES[v[0]]}, ndim {v[1]}, row of {v[3]} elements"
+                             for i, v in enumerate(rows))
+            raise CollectiveMismatchError(
+                f"{call}: ranks disagree on dtype or trailing shape (only dim 0 may differ): {desc}"
+            )
+        return [row[2] for row in rows]
+
+    def _allgather_rows(self, call: str, t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        if t.dim() == 0:
+            t = t.reshape(1)
+        self._signature(call, t, numel=-1)
+        rows = self._row_meta(call, t)
+        row = row_numel(t)
+        out = rows_like(t, sum(rows))
+        self._allgather(self._wired(t), self._wired(out), [r * row for r in rows])
+        return out, rows
+
+    def allgather(self, x: Array) -> Array:
+        """Every rank's x concatenated along dim 0, everywhere; first dims may differ per rank."""
+        t, as_np = self._input(x)
+        out, _ = self._allgather_rows("allgather", t)
+        return self._output(out, as_np)  # type: ignore[no-any-return]
+
+    def allgather_async(self, x: Array) -> Handle[Array]:
+        """Start an allgather (sizes are exchanged first, synchronously); ``wait()`` returns the result."""
+        t, as_np = self._input(x)
+        if t.dim() == 0:
+            t = t.reshape(1)
+        self._signature("allgather", t, numel=-1)
+        rows = self._row_meta("allgather", t)
+        row = row_numel(t)
+        out = rows_like(t, sum(rows))
+        work = self._allgather_async(self._wired(t), self._wired(out), [r * row for r in rows])
+        return Handle(work, lambda: self._output(out, as_np))
+
+    def gather(self, x: Array, root: int = 0) -> Array | None:
+        """Every rank's x concatenated along dim 0 at root; None on the other ranks."""
+        root = self._check_root(root)
+        t, as_np = self._input(x)
+        if t.dim() == 0:
+            t = t.reshape(1)
+        self._signature("gather", t, root=root, numel=-1)
+        rows = self._row_meta("gather", t)
+        row = row_numel(t)
+        out = rows_like(t, sum(rows)) if self._rank == root else None
+        self._gather(self._wired(t), None if out is None else self._wired(out), [r * row for r in rows], root)
+        return None if out is None else self._output(out, as_np)  # type: ignore[no-any-return]
+
+    def scatter(self, x: Array | None, root: int = 0) -> Array:
+        """Root's x split along dim 0 (numpy.array_split sizes); rank i gets chunk i. x is ignored off root."""
+        root = self._check_root(root)
+        meta = torch.zeros(4 + _MAX_DIMS, dtype=_INT64)
+        t: torch.Tensor | None = None
+        problem: Exception | None = None
+        if self._rank == root:
+            try:
+                if x is None:
+                    raise InvalidArgumentError("scatter: the root rank must pass the tensor to scatter, got None")
+                t, as_np = self._input(x)
+                if t.dim() == 0 or t.dim() > _MAX_DIMS:
+                    raise InvalidArgumentError(f"scatter needs 1 to {_MAX_DIMS} dimensions, got {t.dim()}")
+                meta[:4] = torch.tensor([1, DTYPE_ID[t.dtype], int(as_np), t.dim()])
+                meta[4:4 + t.dim()] = torch.tensor(t.shape)
+            except InvalidArgumentError as err:
+                problem = err  # tell the other ranks before raising, so nobody waits for data
+        self._signature("scatter", root=root)
+        self._broadcast(meta, root)
+        status, dtype_id, as_np_flag, ndim = meta[:4].tolist()
+        if status != 1:
+            if problem is not None:
+                raise problem
+            raise InvalidArgumentError(f"scatter: root rank {root} rejected its input (see its error)")
+        shape: list[int] = meta[4:4 + ndim].tolist()
+        dtype = SUPPORTED_DTYPES[dtype_id]
+        rows = split_sizes(shape[0], self._size)
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        if t is not None:
+            device = t.device
+        elif as_np_flag:
+            device = torch.device("cpu")
+        else:
+            device = x.device if isinstance(x, torch.Tensor) else self._device
+        out = torch.empty((rows[self._rank], *shape[1:]), dtype=dtype, device=device)
+        self._scatter(None if t is None else self._wired(t), self._wired(out), [r * row for r in rows], root)
+        return self._output(out, bool(as_np_flag))  # type: ignore[no-any-return]
+
+    def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Array:
+        """Reduce x over ranks, then rank i keeps chunk i of dim 0 (numpy.array_split sizes)."""
+        rop = resolve_op(op)
+        t, as_np = self._input(x)
+        if t.dim() == 0:
+            raise InvalidArgumentError("reduce_scatter needs at least one dimension to split")
+        self._signature("reduce_scatter", t, rop)
+        rows = split_sizes(t.shape[0], self._size)
+        row = row_numel(t)
+        out = rows_like(t, rows[self._rank])
+        work, post = self._reduce_with(self._reduce_scatter, t, out, rop, [r * row for r in rows])
+        work.wait()
+        if post is not None:
+            post()
+        return self._output(out, as_np)  # type: ignore[no-any-return]
+
+    def alltoall(self, x: Array, splits: Sequence[int] | None = None) -> Array:
+        """Send ``splits[i]`` rows of x (dim 0, in order) to rank i; returns what every rank sent here,
+        concatenated in rank order. Default splits: numpy.array_split sizes."""
+        t, as_np = self._input(x)
+        if t.dim() == 0:
+            raise InvalidArgumentError("alltoall needs at least one dimension to split")
+        n = t.shape[0]
+        if splits is None:
+            send_rows = split_sizes(n, self._size)
+        else:
+            send_rows = [int(s) for s in splits]
+            if len(send_rows) != self._size or any(s < 0 for s in send_rows) or sum(send_rows) != n:
+                raise InvalidArgumentError(
+                    f"alltoall splits {list(splits)} must be {self._size} non-negative row counts summing to "
+                    f"x.shape[0]={n}"
+                )
+        self._signature("alltoall", t, numel=-1)
+        ones = [1] * self._size
+        recv_rows_t = torch.empty(self._size, dtype=_INT64)
+        self._alltoall(torch.tensor(send_rows, dtype=_INT64), recv_rows_t, ones, ones)
+        recv_rows = recv_rows_t.tolist()
+        row = row_numel(t)
+        out = rows_like(t, sum(recv_rows))
+        self._alltoall(self._wired(t), self._wired(out), [r * row for r in send_rows], [r * row for r in recv_rows])
+        return self._output(out, as_np)  # type: ignore[no-any-return]
+
+    def send(self, x: Tensorish, dest: int, tag: int = 0) -> None:
+        """Blocking send to ``dest``; the receiver calls ``recv`` with a buffer of the same shape and dtype."""
+        dest = self._check_root(dest, "dest")
+        t, _ = self._input(x)
+        self._send(self._wired(t), dest, check.check_tag(tag))
+
+    def recv(self, x: Array, source: int, tag: int = 0) -> Array:
+        """Receive into x (in place) from ``source``; returns x."""
+        source = self._check_root(source, "source")
+        t, writeback = self._inplace(x)
+        self._recv(self._wired(t), source, check.check_tag(tag))
+        if writeback is not None:
+            writeback()
+        return x
+    def mean(self, value: float | torch.Tensor) -> float:
+        """The mean of a scalar over ranks, for logging metrics."""
+        t = value.detach().reshape(1).to(torch.float64) if isinstance(value, torch.Tensor) else \
+            torch.tensor([float(value)], dtype=torch.float64)
+        return float(self.allreduce_(t.cpu(), ReduceOp.MEAN).item())
+
+    # ----------------------------------------------------------------- Python objects
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Root's picklable object on every rank (root gets its own object back)."""
+        root = self._check_root(root)
+        self._signature("broadcast", root=root)
+        if self._rank == root:
+            payload = to_bytes(obj)
+            length = torch.tensor([payload.numel()], dtype=_INT64)
+        else:
+            length = torch.zeros(1, dtype=_INT64)
+        self._broadcast(length, root)
+        if self._rank != root:
+            payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._broadcast(payload, root)
+        return obj if self._rank == root else from_bytes(payload.numpy())
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable object, as a list indexed by rank."""
+        out, rows = self._allgather_rows("allgather", to_bytes(obj))
+        data, objs, start = out.numpy(), [], 0
+        for n in rows:
+            objs.append(from_bytes(data[start:start + n]))
+            start += n
+        return objs
+

@@ -1,0 +1,31 @@
+"""What the training layer needs from a communicator: the world (a Manager) or a Group, on any backend."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from unidist.comm.work import Handle
+from unidist.ops import ReduceOp
+
+__all__ = ["Comm"]
+
+
+class Comm(Protocol):
+    """The few collectives unidist.train is written on."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def allreduce_async_(self, x: torch.Tensor, op: ReduceOp | str = ...) -> Handle[torch.Tensor]: ...
+
+    def broadcast_(self, x: torch.Tensor, root: int = ...) -> torch.Tensor: ...
+
+    def broadcast_object(self, obj: Any, root: int = ...) -> Any: ...

@@ -1,0 +1,113 @@
+"""Trainer: the training entry points of a Manager, written once on its collectives.
+
+``Manager.prepare``, ``backward``, ``unwrap`` and friends hand over to the Trainer of their backend:
+this one (unidist's DistributedOptimizer; local, MPI, torch, and any backend when ``group=`` is given), or a
+subclass that uses an engine's own training machinery (train/deepspeed.py, train/horovod.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Mapping, Sized
+from typing import Any
+
+import torch
+
+from unidist.comm.group import Group
+from unidist.errors import InvalidArgumentError
+from unidist.ops import ReduceOp
+from unidist.train.ddp import DistributedOptimizer
+from unidist.train.options import TrainOptions
+from unidist.train.sampler import ShardSampler
+from unidist.train.state import broadcast_optimizer_state, broadcast_parameters
+
+__all__ = ["ENGINE_OPTIONS", "Trainer"]
+
+# Options only one engine understands, by name -> the backend that does (refused elsewhere).
+ENGINE_OPTIONS: Mapping[str, str] = {"deepspeed_config": "deepspeed"}
+
+
+class Trainer:
+    """unidist's own data-parallel training over a Manager (or one of its Groups)."""
+
+    def __init__(self, manager: Any) -> None:
+        self.mgr = manager
+        self.prepared: Any = None  # the optimizer prepare returned last
+
+    # ----------------------------------------------------------------- prepare
+    def prepare(self, model: torch.nn.Module, optimizer: Any, *, unknown: Mapping[str, Any],
+                **given: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Validate everything (see ``Manager.prepare``), then build."""
+        opts = TrainOptions.parse(self.mgr.config, unknown=unknown, **given)
+        if not isinstance(model, torch.nn.Module):
+            raise InvalidArgumentError(f"prepare(model=...) takes a torch.nn.Module, got {type(model).__name__}")
+        for name, backend in ENGINE_OPTIONS.items():
+            if getattr(opts, name) is not None and backend != self.mgr.name:
+                raise InvalidArgumentError(
+                    f"prepare({name}=...) is understood by the {backend} backend only, and this run uses "
+                    f"{self.mgr.name}; pass it only when mgr.backend == {backend!r}"
+                )
+        if opts.group is not None and not (isinstance(opts.group, Group) and opts.group._owner is self.mgr):
+            raise InvalidArgumentError(f"prepare(group=...) takes a Group made by this Manager's new_group() or "
+                                       f"split(), got {opts.group!r}")
+        if opts.group is not None:
+            return self._prepare_unidist(model, optimizer, opts)
+        return self._prepare(model, optimizer, opts)
+
+    def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions
+                 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """The backend's way; engines with their own training override this."""
+        return self._prepare_unidist(model, optimizer, opts)
+
+    def _prepare_unidist(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions
+                         ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        if opts.zero_stage:
+            raise InvalidArgumentError(
+                f"zero_stage={opts.zero_stage} needs the deepspeed backend without group= for now (unidist's own "
+                f"ZeRO is not built yet); use zero_stage=0 here"
+            )
+        comm = opts.group if opts.group is not None else self.mgr
+        wrapped = DistributedOptimizer(
+            comm, optimizer, model.named_parameters(), op=opts.op, compression=opts.compression,
+            backward_passes_per_step=opts.backward_passes_per_step, bucket_mb=opts.bucket_mb,
+            clip_grad_norm=opts.clip_grad_norm)
+        model = model.to(self.mgr.device)
+        broadcast_parameters(comm, model)
+        broadcast_optimizer_state(comm, optimizer)
+        self.prepared = wrapped
+        return model, wrapped
+
+    # ----------------------------------------------------------------- the loop
+    def backward(self, loss: torch.Tensor) -> None:
+        k = getattr(self.prepared, "backward_passes_per_step", 1)
+        (loss / k if k > 1 else loss).backward()  # type: ignore[no-untyped-call]
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def gathered_parameters(self, module: torch.nn.Module) -> Any:
+        """Parameters are whole on every rank without ZeRO stage 3: nothing to gather."""
+        del module
+        return contextlib.nullcontext()
+
+    # ----------------------------------------------------------------- building blocks
+    def distributed_optimizer(self, optimizer: torch.optim.Optimizer,
+                              named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+                              op: ReduceOp | str = ReduceOp.MEAN, compression: str | None = None,
+                              backward_passes_per_step: int = 1, bucket_mb: float | None = None,
+                              clip_grad_norm: float | None = None) -> torch.optim.Optimizer:
+        config = self.mgr.config
+        return DistributedOptimizer(
+            self.mgr, optimizer, named_parameters, op=op,
+            compression=compression if compression is not None else config.compression,
+            backward_passes_per_step=backward_passes_per_step,
+            bucket_mb=bucket_mb if bucket_mb is not None else config.bucket_mb, clip_grad_norm=clip_grad_norm)
+
+    def broadcast_parameters(self, model_or_state: Any, root: int = 0) -> None:
+        broadcast_parameters(self.mgr, model_or_state, self.mgr._check_root(root))
+
+    def broadcast_optimizer_state(self, optimizer: Any, root: int = 0) -> None:
+        broadcast_optimizer_state(self.mgr, optimizer, self.mgr._check_root(root))
+
+    def shard(self, data: Sized | int, *, shuffle: bool, seed: int, drop_last: bool) -> ShardSampler:
+        return ShardSampler(data, self.mgr.rank, self.mgr.size, shuffle=shuffle, seed=seed, drop_last=drop_last)
