@@ -15,8 +15,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from unidist.comm.group import Group
+from unidist.comm.primitives import Primitives
+from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError
-from unidist.managers.base import EngineWork, Manager, Work
+from unidist.managers.base import Manager
 from unidist.ops import ReduceOp, resolve_op
 
 __all__ = ["HorovodManager"]
@@ -25,18 +28,115 @@ INSTALL_HINT = ("Horovod 0.28.1 needs a patched build against torch >= 2.1: run 
                 "`bash launch_scripts/install_horovod.sh` in this environment (see README, Horovod)")
 
 
-class HorovodManager(Manager):
-    """Horovod collectives; topology from Horovod (cross_rank is the node)."""
+class HorovodComm(Primitives):
+    """horovod.torch primitives over one process set (``global_process_set`` for the world).
 
-    # Not hvd.broadcast_optimizer_state: on an optimizer without state it takes a step with zero gradients
-    # to create some, which makes Adam's step count 1 before training starts (weights 8e-3 away from one
-    # process after 6 steps). The base class broadcasts the state as it is.
-    name = "horovod"
+    Horovod keeps a process set's ranks sorted and names broadcast roots by world rank; a Group ordered
+    otherwise (``split`` with a key) has its chunks permuted on the way in and out of allgather/alltoall.
+    send/recv go over the world's side gloo group (Horovod has no point-to-point), peers translated.
+    """
+
     # horovod.torch reduces neither bfloat16 nor 8/16-bit integers
     _upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {
         torch.bfloat16: torch.float32, torch.int8: torch.int32, torch.int16: torch.int32, torch.uint8: torch.int32}
     # ... nor moves bfloat16 or bool tensors: their bits travel as float16 and uint8
     _wire_dtypes: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.bfloat16: torch.float16, torch.bool: torch.uint8}
+    _hvd: Any
+    _ops: dict[ReduceOp, Any]
+    _p2p: Any
+    _ps: Any
+    _members: tuple[int, ...] | None = None  # world ranks in group order; None: the world
+    _perm: tuple[int, ...] | None = None  # Horovod's (sorted) position -> group rank, when they differ
+
+    _calls = 0
+
+    def _world(self, rank: int) -> int:
+        return rank if self._members is None else self._members[rank]
+
+    def _name(self, kind: str) -> str:
+        """Horovod matches ops across ranks by name, and its default names count every op this process
+        started, on any process set: ranks of different groups would disagree and wait forever. Ours count
+        per communicator, which all its members call alike."""
+        self._calls += 1
+        return f"unidist.{self._ps.process_set_id}.{kind}.{self._calls}"
+
+    def _permuted(self, counts: Sequence[int]) -> list[int]:
+        return list(counts) if self._perm is None else [counts[g] for g in self._perm]
+
+    def _to_horovod_order(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        if self._perm is None:
+            return flat
+        parts = list(torch.split(flat, list(counts)))
+        return torch.cat([parts[g] for g in self._perm])
+
+    def _from_horovod_order(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        if self._perm is None:
+            return flat
+        parts = dict(zip(self._perm, torch.split(flat, self._permuted(counts)), strict=True))
+        return torch.cat([parts[g] for g in range(len(counts))])
+
+    def _work(self, handle: Any, *keep: object) -> Work:
+        hvd = self._hvd
+        return EngineWork(lambda: hvd.synchronize(handle), lambda: hvd.poll(handle), *keep)
+
+    def _barrier(self) -> None:
+        self._hvd.barrier(process_set=self._ps)
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> None:
+        self._hvd.broadcast_(t, self._world(root), name=self._name("bc"), process_set=self._ps)
+
+    def _broadcast_async(self, t: torch.Tensor, root: int) -> Work:
+        return self._work(self._hvd.broadcast_async_(t, self._world(root), name=self._name("bc"), process_set=self._ps),
+                          t)
+
+    def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
+        if send is not recv:
+            recv.copy_(send)
+        self._hvd.allreduce_(recv, op=self._ops[op], name=self._name("ar"), process_set=self._ps)
+
+    def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
+        if send is not recv:
+            recv.copy_(send)
+        return self._work(self._hvd.allreduce_async_(recv, op=self._ops[op], name=self._name("ar"),
+                                                      process_set=self._ps), send, recv)
+
+    def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
+        out = self._hvd.allgather(send.reshape(-1), name=self._name("ag"), process_set=self._ps)  # uneven: fine
+        recv.view(-1).copy_(self._from_horovod_order(out, counts))
+
+    def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
+                  recv_counts: Sequence[int]) -> None:
+        flat = self._to_horovod_order(send.reshape(-1), send_counts)
+        splits = torch.tensor(self._permuted(send_counts), dtype=torch.int32)
+        out = self._hvd.alltoall(flat, splits=splits, name=self._name("a2a"), process_set=self._ps)
+        if isinstance(out, tuple):  # newer Horovod also returns the received splits
+            out = out[0]
+        recv.view(-1).copy_(self._from_horovod_order(out, recv_counts))
+
+    def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+        self._p2p.send([t], self._world(dest), tag).wait()
+
+    def _recv(self, t: torch.Tensor, source: int, tag: int) -> None:
+        self._p2p.recv([t], self._world(source), tag).wait()
+
+
+
+
+class HorovodGroup(HorovodComm, Group):
+    """A Horovod process set (registered once per set of ranks; Horovod refuses duplicates)."""
+
+    def __init__(self, owner: HorovodManager, ranks: list[int], process_set: Any) -> None:
+        self._hvd, self._ops, self._p2p, self._ps = owner._hvd, owner._ops, owner._p2p, process_set
+        self._members = tuple(ranks)
+        order = sorted(ranks)
+        self._perm = None if order == list(ranks) else tuple(ranks.index(w) for w in order)
+        Group.__init__(self, owner, ranks)
+
+
+class HorovodManager(HorovodComm, Manager):
+    """Horovod collectives; topology from Horovod (cross_rank is the node)."""
+
+    name = "horovod"
 
     def _start(self) -> None:
         try:
@@ -44,8 +144,10 @@ class HorovodManager(Manager):
         except ImportError as err:
             raise BackendUnavailableError(f"the 'horovod' backend needs horovod.torch ({err}); {INSTALL_HINT}") \
                 from err
-        hvd.init()
+        hvd.init(process_sets="dynamic")  # groups are registered at run time (split, new_group)
         self._hvd = hvd
+        self._ps = hvd.global_process_set
+        self._process_sets: dict[tuple[int, ...], Any] = {}
         self._rank, self._size = hvd.rank(), hvd.size()
         self._local_rank, self._local_size, self._node_rank = hvd.local_rank(), hvd.local_size(), hvd.cross_rank()
         self._ops = {ReduceOp.SUM: hvd.Sum, ReduceOp.MIN: hvd.Min, ReduceOp.MAX: hvd.Max,
@@ -71,42 +173,24 @@ class HorovodManager(Manager):
         return dist.ProcessGroupGloo(dist.PrefixStore("unidist_p2p", store), self._rank, self._size, timeout)
 
     def _shutdown(self) -> None:
+        for ps in self._process_sets.values():
+            if ps is not self._hvd.global_process_set:
+                self._hvd.remove_process_set(ps)
+        self._process_sets.clear()
         self._p2p = None
         self._hvd.shutdown()
 
-    # ------------------------------------------------------------ primitives
-    def _work(self, handle: Any, *keep: object) -> Work:
-        hvd = self._hvd
-        return EngineWork(lambda: hvd.synchronize(handle), lambda: hvd.poll(handle), *keep)
-
-    def _barrier(self) -> None:
-        self._hvd.barrier()
-
-    def _broadcast(self, t: torch.Tensor, root: int) -> None:
-        self._hvd.broadcast_(t, root)
-
-    def _broadcast_async(self, t: torch.Tensor, root: int) -> Work:
-        return self._work(self._hvd.broadcast_async_(t, root), t)
-
-    def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
-        if send is not recv:
-            recv.copy_(send)
-        self._hvd.allreduce_(recv, op=self._ops[op])
-
-    def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
-        if send is not recv:
-            recv.copy_(send)
-        return self._work(self._hvd.allreduce_async_(recv, op=self._ops[op]), send, recv)
-
-    def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
-        recv.view(-1).copy_(self._hvd.allgather(send.reshape(-1)))  # Horovod takes uneven first dims itself
-
-    def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
-                  recv_counts: Sequence[int]) -> None:
-        out = self._hvd.alltoall(send.reshape(-1), splits=torch.tensor(send_counts, dtype=torch.int32))
-        if isinstance(out, tuple):  # newer Horovod also returns the received splits
-            out = out[0]
-        recv.view(-1).copy_(out)
+    def _engine_groups(self, lists: list[list[int]]) -> list[Group | None]:
+        """A process set per list (every rank registers every set, in the same order)."""
+        out: list[Group | None] = []
+        for ranks in lists:
+            key = tuple(sorted(ranks))
+            ps = self._process_sets.get(key)
+            if ps is None:
+                ps = self._hvd.global_process_set if len(key) == self._size else self._hvd.add_process_set(key)
+                self._process_sets[key] = ps
+            out.append(HorovodGroup(self, ranks, ps) if self._rank in ranks else None)
+        return out
 
     # ------------------------------------------------------------ grouped ops: Horovod's own call
     def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM) -> list[Any]:
@@ -115,14 +199,14 @@ class HorovodManager(Manager):
         hvd_op = self._grouped_op(xs, op)
         if hvd_op is None:
             return super().grouped_allreduce(xs, op)
-        return list(self._hvd.grouped_allreduce([x.detach() for x in xs], op=hvd_op))
+        return list(self._hvd.grouped_allreduce([x.detach() for x in xs], op=hvd_op, name=self._name("gar")))
 
     def grouped_allreduce_(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM) -> list[Any]:
         """``hvd.grouped_allreduce_`` in place, under the same conditions as ``grouped_allreduce``."""
         hvd_op = self._grouped_op(xs, op)
         if hvd_op is None or not all(x.is_contiguous() for x in xs):
             return super().grouped_allreduce_(xs, op)
-        self._hvd.grouped_allreduce_([x.detach() for x in xs], op=hvd_op)
+        self._hvd.grouped_allreduce_([x.detach() for x in xs], op=hvd_op, name=self._name("gar"))
         return list(xs)
 
     def _grouped_op(self, xs: Sequence[Any], op: ReduceOp | str) -> Any:
@@ -134,12 +218,6 @@ class HorovodManager(Manager):
         if rop is ReduceOp.MEAN:
             return self._hvd.Average if all(x.dtype.is_floating_point for x in xs) else None
         return self._ops[rop]
-
-    def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
-        self._p2p.send([t], dest, tag).wait()
-
-    def _recv(self, t: torch.Tensor, source: int, tag: int) -> None:
-        self._p2p.recv([t], source, tag).wait()
 
 
 def _host_address() -> str:
