@@ -65,8 +65,19 @@ def python(n: int, *args: str) -> list[str]:
     return [sys.executable, *args]
 
 
+def launcher(backend: str, n: int, *args: str) -> list[str]:
+    """The command line of ``backend``'s launcher family (the table in unidist.launch, as ``unidist launch``
+    spells it), with the program installed beside this interpreter."""
+    from unidist.launch import command_family
+
+    fam = command_family(backend)
+    if fam is None or fam.command is None:
+        raise ValueError(f"no launcher command for {backend!r}")
+    return fam.command.argv(str(BIN / fam.command.programs[0]), n, sys.executable, free_port(), list(args))
+
+
 def mpiexec(n: int, *args: str) -> list[str]:
-    return [str(BIN / "mpiexec"), "-n", str(n), sys.executable, *args]
+    return launcher("mpi", n, *args)
 
 
 def results(out: Path, size: int) -> dict[int, dict[str, str]]:
@@ -75,7 +86,7 @@ def results(out: Path, size: int) -> dict[int, dict[str, str]]:
 
 
 def torchrun(n: int, *args: str) -> list[str]:
-    return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(n), *args]
+    return launcher("torch", n, *args)
 
 
 def require(engine: str) -> None:
@@ -92,21 +103,20 @@ def require(engine: str) -> None:
 
 
 def free_port() -> int:
-    import socket
+    from unidist.net import free_port as port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return port()
 
 
 def deepspeed(n: int, *args: str) -> list[str]:
-    """The deepspeed launcher on this CPU-only machine: its CPU accelerator starts n local processes."""
-    return [str(BIN / "deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()), *args]
+    """The deepspeed launcher on this CPU-only machine: its CPU accelerator starts n local processes. Tests
+    leave out --no_local_rank so the launcher appends --local_rank=N and unidist's stripping of it runs."""
+    return [a for a in launcher("deepspeed", n, *args) if a != "--no_local_rank"]
 
 
 def horovodrun(n: int, *args: str) -> list[str]:
     """horovodrun with its gloo controller (no MPI needed), all ranks on this host."""
-    return [str(BIN / "horovodrun"), "-np", str(n), "--gloo", "-H", f"localhost:{n}", sys.executable, *args]
+    return launcher("horovod", n, *args)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from typing import Any
 import unidist
 from unidist.config import ENV_VARS, Config
 from unidist.errors import UnidistError
-from unidist.launch import LAUNCHERS, detect
+from unidist.launch import LAUNCHERS, NO_LAUNCHER_BACKEND, command_family, detect
+from unidist.net import free_port
 
 __all__ = ["launch_command", "main"]
 
@@ -99,35 +100,23 @@ def _print_info(report: dict[str, Any]) -> None:
 
 
 def launch_command(backend: str, nprocs: int, script: str, args: Sequence[str]) -> list[str]:
-    """The argv that starts ``script`` on ``nprocs`` processes under ``backend``'s launcher."""
-    from unidist.selector import spec
+    """The argv that starts ``script`` on ``nprocs`` processes under ``backend``'s launcher (its row of
+    ``unidist.launch.LAUNCHERS``)."""
+    from unidist.selector import registered, spec
 
-    python = sys.executable
-    if backend == "local":
+    if backend == NO_LAUNCHER_BACKEND:
         if nprocs != 1:
             raise UnidistError("the local backend runs one process; use -n 1 or another --backend")
-        return [python, script, *args]
-    if backend == "mpi":
-        return [_need("mpiexec", "mpirun", hint="pip install mpich installs one"),
-                "-n", str(nprocs), python, script, *args]
-    if backend == "torch":
-        return [_need("torchrun", hint="it comes with torch"), "--standalone", "--nproc_per_node", str(nprocs),
-                script, *args]
-    if backend == "deepspeed":
-        # --num_gpus also sets the process count with DeepSpeed's CPU accelerator; a free port avoids a clash
-        # with another job on the default 29500; --no_local_rank keeps the script's argv as given.
-        return [_need("deepspeed", hint=spec("deepspeed").install), "--num_gpus", str(nprocs),
-                "--master_port", str(_free_port()), "--no_local_rank", script, *args]
-    if backend == "horovod":
-        # Horovod's gloo controller: horovodrun's MPI mode does not recognise every MPI (the mpich wheel's
-        # hydra prints no "MPICH" in its version); for MPI, start with mpiexec and UNIDIST_BACKEND=horovod.
-        return [_need("horovodrun", hint="build Horovod with `bash launch_scripts/install_horovod.sh`"),
-                "-np", str(nprocs), "--gloo", "-H", f"localhost:{nprocs}", python, script, *args]
-    raise UnidistError(f"`unidist launch` has no launcher for backend {backend!r}; "
-                       f"use one of {', '.join(LAUNCH_BACKENDS)}")
-
-
-LAUNCH_BACKENDS = ("local", "mpi", "torch", "deepspeed", "horovod")
+        return [sys.executable, script, *args]
+    fam = command_family(backend)
+    if fam is None or fam.command is None:
+        choices = [NO_LAUNCHER_BACKEND] + [f.backend for f in LAUNCHERS if f.command is not None]
+        raise UnidistError(f"`unidist launch` has no launcher for backend {backend!r}; use one of "
+                           f"{', '.join(choices)}")
+    cmd = fam.command
+    hint = spec(fam.backend).install if fam.backend in registered() else ""
+    port = free_port() if any("{port}" in a for a in cmd.args) else None
+    return cmd.argv(_need(*cmd.programs, hint=hint), nprocs, sys.executable, port, [script, *args])
 
 
 def _need(*names: str, hint: str) -> str:
@@ -136,14 +125,6 @@ def _need(*names: str, hint: str) -> str:
         if found:
             return found
     raise UnidistError(f"no {' or '.join(names)} found on PATH; {hint}")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _default_backend() -> str:

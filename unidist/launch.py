@@ -1,7 +1,10 @@
 """What the launcher told this process: a pure function of an environment mapping.
 
-Each launcher family is a row of variable names; detection walks the rows in the documented order and
-the first family whose rank variable is present wins. Nothing here imports an engine or touches MPI.
+Each launcher family is one row of ``LAUNCHERS``: the variables it sets, the backend it implies, whether it
+is MPI-like (its ranks share an MPI world, so mpi4py can carry a rendezvous) and, for the launchers
+``unidist launch`` drives, how to spell its command line. Detection walks the rows in the documented order
+and the first family whose rank variable is present wins; the selector, the torch rendezvous, the CLI and
+the tests read these rows. Nothing here imports an engine or touches MPI.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from dataclasses import dataclass
 
 from unidist.errors import LaunchEnvironmentError
 
-__all__ = ["LAUNCHERS", "Family", "LaunchInfo", "detect", "strip_local_rank_arg"]
+__all__ = ["LAUNCHERS", "NO_LAUNCHER_BACKEND", "Command", "Family", "LaunchInfo", "backend_of", "command_family",
+           "detect", "family", "strip_local_rank_arg"]
 
 
 @dataclass(frozen=True)
@@ -35,8 +39,25 @@ class LaunchInfo:
 
 
 @dataclass(frozen=True)
+class Command:
+    """How ``unidist launch`` starts N processes with this launcher.
+
+    ``args`` follow the program and precede the script and its arguments; ``{n}`` is the process count,
+    ``{python}`` this interpreter, ``{port}`` a free TCP port.
+    """
+
+    programs: tuple[str, ...]  # the first one found beside the interpreter or on PATH is used
+    args: tuple[str, ...]
+
+    def argv(self, program: str, n: int, python: str, port: int | None, rest: list[str]) -> list[str]:
+        values = {"n": str(n), "python": python, "port": str(port)}
+        return [program, *(a.format(**values) for a in self.args), *rest]
+
+
+@dataclass(frozen=True)
 class Family:
-    """The variable names one launcher family sets; ``marker`` must be present for the family to match."""
+    """One launcher family: the variables it sets (``marker`` must be present for it to match), the backend
+    it implies, whether it is MPI-like, and its command line when ``unidist launch`` can drive it."""
 
     name: str
     rank: str
@@ -47,29 +68,62 @@ class Family:
     marker: tuple[str, ...] = ()
     master_addr: str | None = None
     master_port: str | None = None
+    backend: str = "mpi"
+    mpi_like: bool = False
+    command: Command | None = None
+
+
+NO_LAUNCHER_BACKEND = "local"  # a plain ``python script.py``: no family matches
 
 
 # Order is the detection order of DESIGN.md: torchrun, horovodrun, deepspeed, MPI launchers, SLURM, plain.
 LAUNCHERS: tuple[Family, ...] = (
     Family("torchrun", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-           marker=("TORCHELASTIC_RUN_ID",), master_addr="MASTER_ADDR", master_port="MASTER_PORT"),
+           marker=("TORCHELASTIC_RUN_ID",), master_addr="MASTER_ADDR", master_port="MASTER_PORT",
+           backend="torch",
+           command=Command(("torchrun",), ("--standalone", "--nproc_per_node", "{n}"))),
+    # Horovod's gloo controller: horovodrun's MPI mode does not recognise every MPI (the mpich wheel's hydra
+    # prints no "MPICH" in its version); for MPI, start with mpiexec and UNIDIST_BACKEND=horovod.
     Family("horovodrun", "HOROVOD_RANK", ("HOROVOD_SIZE",), "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
-           "HOROVOD_CROSS_RANK"),
+           "HOROVOD_CROSS_RANK", backend="horovod",
+           command=Command(("horovodrun",), ("-np", "{n}", "--gloo", "-H", "localhost:{n}", "{python}"))),
+    # --num_gpus also sets the process count with DeepSpeed's CPU accelerator; a free port avoids a clash
+    # with another job on the default 29500; --no_local_rank keeps the script's argv as given.
     Family("deepspeed", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK",
-           marker=("CROSS_RANK",), master_addr="MASTER_ADDR", master_port="MASTER_PORT"),
+           marker=("CROSS_RANK",), master_addr="MASTER_ADDR", master_port="MASTER_PORT", backend="deepspeed",
+           command=Command(("deepspeed",), ("--num_gpus", "{n}", "--master_port", "{port}", "--no_local_rank"))),
     Family("openmpi", "OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",), "OMPI_COMM_WORLD_LOCAL_RANK",
-           "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    Family("mpich", "PMI_RANK", ("PMI_SIZE",), "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+           "OMPI_COMM_WORLD_LOCAL_SIZE", mpi_like=True),
+    # `mpiexec -n N` is the MPI standard's spelling, so this row also stands for Open MPI's and MVAPICH's
+    Family("mpich", "PMI_RANK", ("PMI_SIZE",), "MPI_LOCALRANKID", "MPI_LOCALNRANKS", mpi_like=True,
+           command=Command(("mpiexec", "mpirun"), ("-n", "{n}", "{python}"))),
     Family("mvapich", "MV2_COMM_WORLD_RANK", ("MV2_COMM_WORLD_SIZE",), "MV2_COMM_WORLD_LOCAL_RANK",
-           "MV2_COMM_WORLD_LOCAL_SIZE"),
+           "MV2_COMM_WORLD_LOCAL_SIZE", mpi_like=True),
     # PMIx exports no world size of its own; the launchers that use it (prterun, srun --mpi=pmix) do.
-    Family("pmix", "PMIX_RANK", ("OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")),
+    Family("pmix", "PMIX_RANK", ("OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), mpi_like=True),
     # Inside an sbatch script SLURM_PROCID/SLURM_NTASKS are set too, but only srun steps set SLURM_STEP_ID.
     Family("slurm", "SLURM_PROCID", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"), "SLURM_LOCALID",
-           None, "SLURM_NODEID", marker=("SLURM_STEP_ID",)),
+           None, "SLURM_NODEID", marker=("SLURM_STEP_ID",), mpi_like=True),
+    # plain env:// variables (torch.distributed.launch, a hand-written script): torch's rendezvous
     Family("env", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-           master_addr="MASTER_ADDR", master_port="MASTER_PORT"),
+           master_addr="MASTER_ADDR", master_port="MASTER_PORT", backend="torch"),
 )
+
+
+def family(name: str) -> Family | None:
+    """The row named ``name`` (a ``LaunchInfo.launcher``); None for ``"none"`` or an unknown name."""
+    return next((fam for fam in LAUNCHERS if fam.name == name), None)
+
+
+def backend_of(launcher: str) -> str:
+    """The backend a launcher family implies (``"none"``: no launcher, the local backend)."""
+    fam = family(launcher)
+    return fam.backend if fam is not None else NO_LAUNCHER_BACKEND
+
+
+def command_family(backend: str) -> Family | None:
+    """The family whose command line ``unidist launch --backend <backend>`` uses (None: no launcher)."""
+    return next((fam for fam in LAUNCHERS if fam.backend == backend and fam.command is not None), None)
 
 
 def _int(environ: Mapping[str, str], name: str, family: str) -> int:

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 from unidist.config import Config
 from unidist.errors import BackendUnavailableError, ConfigError
-from unidist.launch import LaunchInfo, detect
+from unidist.launch import LaunchInfo, backend_of, detect
 
 if TYPE_CHECKING:
     from unidist.managers.base import Manager
 
-__all__ = ["BackendSpec", "backend_for", "register", "registered", "select", "spec"]
+__all__ = ["BackendSpec", "backend_for", "register", "registered", "select", "spec", "unregister"]
 
 
 @dataclass(frozen=True)
@@ -37,24 +37,30 @@ class BackendSpec:
 
 _REGISTRY: dict[str, BackendSpec] = {}
 
-# launcher family (unidist.launch) -> backend it implies
-LAUNCHER_BACKEND: Mapping[str, str] = {
-    "torchrun": "torch",
-    "horovodrun": "horovod",
-    "deepspeed": "deepspeed",
-    "openmpi": "mpi",
-    "mpich": "mpi",
-    "mvapich": "mpi",
-    "pmix": "mpi",
-    "slurm": "mpi",
-    "env": "torch",
-    "none": "local",
-}
+def register(name: str, target: str, requires: tuple[str, ...] = (), install: str = "", *,
+             replace: bool = False) -> None:
+    """Add a backend, importable later by name.
 
-
-def register(name: str, target: str, requires: tuple[str, ...] = (), install: str = "") -> None:
-    """Add (or replace) a backend; ``target`` is ``"package.module:ManagerClass"``."""
+    Args:
+        name: the value of ``UNIDIST_BACKEND`` that selects it.
+        target: ``"package.module:ManagerClass"``, imported only when selected.
+        requires: packages that must be importable (checked first, for a clear error).
+        install: the command that installs them, shown when one is missing.
+        replace: allow replacing a backend already registered under ``name`` (refused otherwise, so a
+            plugin cannot silently shadow a built-in backend).
+    """
+    if not name or not isinstance(name, str):
+        raise ConfigError(f"a backend name must be a non-empty string, not {name!r}")
+    old = _REGISTRY.get(name)
+    if old is not None and not replace:
+        raise ConfigError(f"a backend named {name!r} is already registered ({old.target}); pick another name, "
+                          "or pass replace=True to replace it")
     _REGISTRY[name] = BackendSpec(name, target, requires, install)
+
+
+def unregister(name: str) -> None:
+    """Remove a backend (a no-op for an unknown name)."""
+    _REGISTRY.pop(name, None)
 
 
 def registered() -> tuple[str, ...]:
@@ -78,7 +84,7 @@ def backend_for(config: Config, launch: LaunchInfo) -> str:
     """The backend name: UNIDIST_BACKEND if set, else what the launcher implies."""
     if config.backend is not None:
         return spec(config.backend).name
-    return LAUNCHER_BACKEND.get(launch.launcher, "local")
+    return backend_of(launch.launcher)
 
 
 def select(config: Config | None = None, launch: LaunchInfo | None = None,

@@ -6,7 +6,8 @@ import pytest
 
 import unidist
 from unidist import BackendUnavailableError, Config, ConfigError, LaunchInfo
-from unidist.selector import backend_for, register, registered, select
+from unidist.launch import LAUNCHERS, backend_of, command_family
+from unidist.selector import backend_for, register, registered, select, spec, unregister
 
 MPICH = {"PMI_RANK": "0", "PMI_SIZE": "1"}
 
@@ -51,9 +52,40 @@ def test_missing_package_gives_pip_command() -> None:
         assert "no_such_engine_pkg" in str(info.value)
         assert "pip install no-such-engine" in str(info.value)
     finally:
-        from unidist import selector
-        selector._REGISTRY.pop("fake")
+        unregister("fake")
     assert "fake" not in registered()
+
+
+def test_registry_refuses_duplicates() -> None:
+    with pytest.raises(ConfigError, match=r"already registered \(unidist.managers.mpi:MPIManager\).*replace=True"):
+        register("mpi", "my_plugin:FastMPI")
+    assert spec("mpi").target == "unidist.managers.mpi:MPIManager"
+    register("mine", "a:B")
+    try:
+        register("mine", "c:D", replace=True)
+        assert spec("mine").target == "c:D"
+    finally:
+        unregister("mine")
+    with pytest.raises(ConfigError, match="non-empty"):
+        register("", "a:B")
+
+
+def test_launcher_table_is_consistent() -> None:
+    """Every family implies a registered backend; MPI-like ones imply mpi; each backend unidist launch
+    drives has exactly one command row."""
+    for fam in LAUNCHERS:
+        assert fam.backend in registered(), fam
+        assert backend_of(fam.name) == fam.backend
+        assert not fam.mpi_like or fam.backend == "mpi", fam
+    assert backend_of("none") == "local"
+    drivable = [fam.backend for fam in LAUNCHERS if fam.command is not None]
+    assert sorted(drivable) == sorted(set(drivable)) == ["deepspeed", "horovod", "mpi", "torch"]
+    for backend in drivable:
+        fam = command_family(backend)
+        assert fam is not None and fam.command is not None
+        argv = fam.command.argv("prog", 3, "py", 1234, ["s.py", "--x"])
+        assert argv[0] == "prog" and argv[-2:] == ["s.py", "--x"] and "3" in " ".join(argv)
+        assert not any("{" in a for a in argv), argv
 
 
 def test_init_returns_unstarted_manager() -> None:
