@@ -16,7 +16,7 @@ from unidist.comm.collectives import Collectives
 from unidist.comm.primitives import Primitives
 from unidist.errors import InvalidArgumentError, NotInitializedError
 
-__all__ = ["Group", "SoloComm", "SoloGroup"]
+__all__ = ["Group", "SoloComm", "SoloGroup", "SortedOrder"]
 
 
 class Group(Collectives):
@@ -47,6 +47,36 @@ class Group(Collectives):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank {self._rank}/{self._size} of world ranks {list(self._ranks)}>"
+
+
+class SortedOrder:
+    """For engines that order a group's members by world rank whatever order they were given in (torch and
+    DeepSpeed ``new_group``, Horovod process sets): a Group ordered otherwise (``split`` with a key) has its
+    per-rank chunks permuted on the way into and out of allgather, alltoall and reduce_scatter."""
+
+    _perm: tuple[int, ...] | None = None  # the engine's (sorted) position -> group rank, when they differ
+
+    def _set_order(self, ranks: Sequence[int]) -> None:
+        order = sorted(ranks)
+        self._perm = None if order == list(ranks) else tuple(list(ranks).index(w) for w in order)
+
+    def _permuted(self, counts: Sequence[int]) -> list[int]:
+        """Per-group-rank counts, listed in the engine's order."""
+        return list(counts) if self._perm is None else [counts[g] for g in self._perm]
+
+    def _to_engine_order(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Chunks in group-rank order (sizes ``counts``) rearranged into the engine's order."""
+        if self._perm is None:
+            return flat
+        parts = list(torch.split(flat, list(counts)))
+        return torch.cat([parts[g] for g in self._perm])
+
+    def _from_engine_order(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Chunks in the engine's order rearranged into group-rank order (``counts`` per group rank)."""
+        if self._perm is None:
+            return flat
+        parts = dict(zip(self._perm, torch.split(flat, self._permuted(counts)), strict=True))
+        return torch.cat([parts[g] for g in range(len(counts))])
 
 
 class SoloComm(Primitives):

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import traceback
+import weakref
 from collections.abc import Iterable, Mapping, Sequence, Sized
 from types import TracebackType
 from typing import Any, ClassVar, Literal
@@ -54,6 +55,7 @@ class Manager(Collectives):
         self._saved_env: dict[str, str | None] = {}
         self._failing = False  # set by __exit__ when an exception is leaving the with block
         self._trainer: Any = None
+        self._made_groups: weakref.WeakSet[Group] = weakref.WeakSet()  # disabled at shutdown
         self._init_collectives()
 
     # ----------------------------------------------------------------- lifecycle
@@ -89,6 +91,9 @@ class Manager(Collectives):
         finally:
             self._started = False
             self._disable_fast_path()
+            for group in list(self._made_groups):  # their fast path skips the started check too
+                group._disable_fast_path()
+            self._made_groups.clear()
             if _active is self:
                 _active = None
             self._restore_env()
@@ -235,6 +240,7 @@ class Manager(Collectives):
                 out.append(next(engine))
             else:
                 out.append(SoloGroup(self, members) if self._rank in members else None)
+        self._made_groups.update(g for g in out if g is not None)
         return out
 
     def _engine_groups(self, lists: list[list[int]]) -> list[Group | None]:
@@ -328,10 +334,14 @@ class Manager(Collectives):
 
 
 def _rank_list(ranks: Sequence[int], size: int) -> list[int]:
-    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or not ranks:
-        raise InvalidArgumentError(f"new_group(ranks={ranks!r}) takes a non-empty list of world ranks")
+    """World ranks in group order from a list, tuple, range, array or tensor (a set has no order: refused)."""
+    if isinstance(ranks, (str, bytes, set, frozenset, Mapping)) or not hasattr(ranks, "__iter__"):
+        raise InvalidArgumentError(f"new_group(ranks={ranks!r}) takes a list of world ranks, in group order")
+    listed = list(ranks)
+    if not listed:
+        raise InvalidArgumentError("new_group(ranks=[]) names no rank; a group needs at least one")
     members = []
-    for r in ranks:
+    for r in listed:
         if isinstance(r, bool) or not hasattr(r, "__index__") or not 0 <= int(r) < size:
             raise InvalidArgumentError(f"new_group: {r!r} is not a world rank (0..{size - 1})")
         members.append(int(r))

@@ -9,17 +9,17 @@ on a TCPStore whose address rank 0 broadcasts with Horovod itself.
 from __future__ import annotations
 
 import datetime
-import socket
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from unidist.comm.group import Group
+from unidist.comm.group import Group, SortedOrder
 from unidist.comm.primitives import Primitives
 from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError
 from unidist.managers.base import Manager
+from unidist.net import rendezvous_address
 from unidist.ops import ReduceOp, resolve_op
 
 __all__ = ["HorovodManager"]
@@ -28,11 +28,11 @@ INSTALL_HINT = ("Horovod 0.28.1 needs a patched build against torch >= 2.1: run 
                 "`bash launch_scripts/install_horovod.sh` in this environment (see README, Horovod)")
 
 
-class HorovodComm(Primitives):
+class HorovodComm(SortedOrder, Primitives):
     """horovod.torch primitives over one process set (``global_process_set`` for the world).
 
-    Horovod keeps a process set's ranks sorted and names broadcast roots by world rank; a Group ordered
-    otherwise (``split`` with a key) has its chunks permuted on the way in and out of allgather/alltoall.
+    Horovod keeps a process set's ranks sorted (``SortedOrder`` permutes chunks for groups ordered otherwise)
+    and names broadcast roots by world rank.
     send/recv go over the world's side gloo group (Horovod has no point-to-point), peers translated.
     """
 
@@ -46,7 +46,6 @@ class HorovodComm(Primitives):
     _p2p: Any
     _ps: Any
     _members: tuple[int, ...] | None = None  # world ranks in group order; None: the world
-    _perm: tuple[int, ...] | None = None  # Horovod's (sorted) position -> group rank, when they differ
 
     _calls = 0
 
@@ -59,21 +58,6 @@ class HorovodComm(Primitives):
         per communicator, which all its members call alike."""
         self._calls += 1
         return f"unidist.{self._ps.process_set_id}.{kind}.{self._calls}"
-
-    def _permuted(self, counts: Sequence[int]) -> list[int]:
-        return list(counts) if self._perm is None else [counts[g] for g in self._perm]
-
-    def _to_horovod_order(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        if self._perm is None:
-            return flat
-        parts = list(torch.split(flat, list(counts)))
-        return torch.cat([parts[g] for g in self._perm])
-
-    def _from_horovod_order(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        if self._perm is None:
-            return flat
-        parts = dict(zip(self._perm, torch.split(flat, self._permuted(counts)), strict=True))
-        return torch.cat([parts[g] for g in range(len(counts))])
 
     def _work(self, handle: Any, *keep: object) -> Work:
         hvd = self._hvd
@@ -102,16 +86,16 @@ class HorovodComm(Primitives):
 
     def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
         out = self._hvd.allgather(send.reshape(-1), name=self._name("ag"), process_set=self._ps)  # uneven: fine
-        recv.view(-1).copy_(self._from_horovod_order(out, counts))
+        recv.view(-1).copy_(self._from_engine_order(out, counts))
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
                   recv_counts: Sequence[int]) -> None:
-        flat = self._to_horovod_order(send.reshape(-1), send_counts)
+        flat = self._to_engine_order(send.reshape(-1), send_counts)
         splits = torch.tensor(self._permuted(send_counts), dtype=torch.int32)
         out = self._hvd.alltoall(flat, splits=splits, name=self._name("a2a"), process_set=self._ps)
         if isinstance(out, tuple):  # newer Horovod also returns the received splits
             out = out[0]
-        recv.view(-1).copy_(self._from_horovod_order(out, recv_counts))
+        recv.view(-1).copy_(self._from_engine_order(out, recv_counts))
 
     def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         self._p2p.send([t], self._world(dest), tag).wait()
@@ -128,8 +112,7 @@ class HorovodGroup(HorovodComm, Group):
     def __init__(self, owner: HorovodManager, ranks: list[int], process_set: Any) -> None:
         self._hvd, self._ops, self._p2p, self._ps = owner._hvd, owner._ops, owner._p2p, process_set
         self._members = tuple(ranks)
-        order = sorted(ranks)
-        self._perm = None if order == list(ranks) else tuple(ranks.index(w) for w in order)
+        self._set_order(ranks)
         Group.__init__(self, owner, ranks)
 
 
@@ -164,7 +147,7 @@ class HorovodManager(HorovodComm, Manager):
         if self._rank == 0:
             store = dist.TCPStore("0.0.0.0", 0, self._size, is_master=True, timeout=timeout,  # noqa: S104
                                   wait_for_workers=False)
-            address = (_host_address(), store.port)
+            address = (rendezvous_address(self._local_size == self._size), store.port)
         else:
             address = None
         host, port = self._hvd.broadcast_object(address, root_rank=0, name="unidist.p2p.address")
@@ -218,10 +201,3 @@ class HorovodManager(HorovodComm, Manager):
         if rop is ReduceOp.MEAN:
             return self._hvd.Average if all(x.dtype.is_floating_point for x in xs) else None
         return self._ops[rop]
-
-
-def _host_address() -> str:
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"

@@ -8,17 +8,18 @@ a free port are shared through mpi4py when it is installed, so no MASTER_ADDR/MA
 from __future__ import annotations
 
 import datetime
-import socket
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from unidist.comm.group import Group
+from unidist.comm.group import Group, SortedOrder
 from unidist.comm.primitives import Primitives
-from unidist.comm.work import DONE, EngineWork, Work
+from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
+from unidist.launch import family
 from unidist.managers.base import Manager
+from unidist.net import free_port, rendezvous_address
 from unidist.ops import ReduceOp
 
 __all__ = ["TorchManager"]
@@ -29,10 +30,11 @@ def _work(work: Any, *keep: object) -> Work:
     return EngineWork(work.wait, work.is_completed, *keep)
 
 
-class TorchComm(Primitives):
+class TorchComm(SortedOrder, Primitives):
     """torch.distributed (or deepspeed.comm) primitives over one process group: ``_pg`` None is the world.
 
-    Both APIs name peers and roots by world rank, also inside a group: ``_world`` translates.
+    Both APIs name peers and roots by world rank, also inside a group (``_world`` translates), and order a
+    group's members by world rank (``SortedOrder`` permutes chunks for groups ordered otherwise).
     """
 
     # gloo and nccl have no int16 arithmetic or transport: reduce in int32, move the raw bits as float16
@@ -73,28 +75,37 @@ class TorchComm(Primitives):
     def _allgather_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Work:
         width = max(counts) if counts else 0
         flat_send, flat_recv = send.reshape(-1), recv.view(-1)
-        if all(c == width for c in counts):
+        if all(c == width for c in counts) and self._perm is None:
             return _work(self._gather_into(flat_recv, flat_send, group=self._pg, async_op=True), send, recv)
-        # engines need equal sizes: pad every rank's part to the widest, then drop the padding
+        # engines need equal sizes: pad every rank's part to the widest, then drop the padding (and put the
+        # parts in group order: the engine's is by world rank)
         padded = flat_send.new_zeros(width)
         padded[: flat_send.numel()] = flat_send
         staging = flat_send.new_empty(width * self._size)
         self._gather_into(staging, padded, group=self._pg)
+        staging = self._from_engine_order(staging, [width] * self._size)
         offset = 0
         for rank, count in enumerate(counts):
             flat_recv[offset:offset + count] = staging[rank * width:rank * width + count]
             offset += count
-        return DONE
+        return EngineWork(lambda: None, lambda: True, send, recv)  # done; kept like an engine's handle
 
     def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
                   recv_counts: Sequence[int]) -> None:
-        self._dist.all_to_all_single(recv.view(-1), send.reshape(-1), list(recv_counts), list(send_counts),
-                                     group=self._pg)
+        if self._perm is None:
+            self._dist.all_to_all_single(recv.view(-1), send.reshape(-1), list(recv_counts), list(send_counts),
+                                         group=self._pg)
+            return
+        staging = recv.new_empty(recv.numel()).view(-1)
+        self._dist.all_to_all_single(staging, self._to_engine_order(send.reshape(-1), send_counts),
+                                     self._permuted(recv_counts), self._permuted(send_counts), group=self._pg)
+        recv.view(-1).copy_(self._from_engine_order(staging, recv_counts))
 
     def _reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
                         op: ReduceOp) -> None:
         if all(c == counts[0] for c in counts):
-            self._reduce_scatter_into(recv.view(-1), send.reshape(-1), self._ops[op], group=self._pg)
+            flat = self._to_engine_order(send.reshape(-1), counts)
+            self._reduce_scatter_into(recv.view(-1), flat, self._ops[op], group=self._pg)
         else:
             super()._reduce_scatter(send, recv, counts, op)
 
@@ -114,6 +125,7 @@ class TorchGroup(TorchComm, Group):
         self._dist, self._ops = owner._dist, owner._ops
         self._gather_into, self._reduce_scatter_into = owner._gather_into, owner._reduce_scatter_into
         self._pg, self._members = pg, tuple(ranks)
+        self._set_order(ranks)  # torch numbers a group's members by world rank, whatever order they came in
         Group.__init__(self, owner, ranks)
 
 
@@ -143,9 +155,11 @@ class TorchManager(TorchComm, Manager):
             return
         if launch.size == 1:
             self._setenv("MASTER_ADDR", "127.0.0.1")
-            self._setenv("MASTER_PORT", str(_free_port()))
+            self._setenv("MASTER_PORT", str(free_port()))
             return
-        addr_port = _share_address_over_mpi(launch.rank) if launch.launcher in _MPI_FAMILIES else None
+        fam = family(launch.launcher)
+        single_node = launch.local_size == launch.size
+        addr_port = _share_address_over_mpi(launch.rank, single_node) if fam and fam.mpi_like else None
         if addr_port is None:
             raise LaunchEnvironmentError(
                 f"the {self.name} backend needs MASTER_ADDR and MASTER_PORT for a {launch.size}-process run "
@@ -210,17 +224,8 @@ class TorchManager(TorchComm, Manager):
         return out
 
 
-_MPI_FAMILIES = frozenset({"openmpi", "mpich", "mvapich", "pmix", "slurm"})
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
-def _share_address_over_mpi(rank: int) -> tuple[str, int] | None:
-    """Rank 0's host address and a free port, broadcast with mpi4py's buffer Bcast; None without mpi4py."""
+def _share_address_over_mpi(rank: int, single_node: bool) -> tuple[str, int] | None:
+    """Rank 0's address and a free port, broadcast with mpi4py's buffer Bcast; None without mpi4py."""
     try:
         from mpi4py import MPI
     except ImportError:
@@ -229,12 +234,8 @@ def _share_address_over_mpi(rank: int) -> tuple[str, int] | None:
 
     buf = np.zeros(256, dtype=np.uint8)
     if rank == 0:
-        host = socket.gethostname()
-        try:
-            addr = socket.gethostbyname(host)
-        except OSError:
-            addr = "127.0.0.1"
-        text = f"{addr}:{_free_port()}".encode()
+        addr = rendezvous_address(single_node)
+        text = f"{addr}:{free_port(addr)}".encode()
         buf[: len(text)] = np.frombuffer(text, dtype=np.uint8)
     MPI.COMM_WORLD.Bcast([buf, MPI.BYTE], root=0)
     addr, _, port = bytes(buf).rstrip(b"\0").decode().rpartition(":")
