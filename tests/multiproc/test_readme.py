@@ -45,9 +45,12 @@ def test_readme_command(cmd: str) -> None:
     tokens = [sys.executable if t == "python" else t for t in tokens]
     proc = run(tokens, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.describe()
-    n = 1 if cmd.startswith("python") else 2
+    count = re.search(r"(?:-n|-np|--nproc_per_node|--num_gpus|\.sh) (\d+)", cmd)
+    n = int(count.group(1)) if count else 1
     if "hello_collectives" in cmd:
         assert f"7/7 collectives correct on {n} process(es)" in proc.stdout, proc.describe()
+    elif "groups.py" in cmd:
+        assert f"groups: all checks correct on {n} process(es)" in proc.stdout, proc.describe()
     elif "train_digits" in cmd:
         m = re.search(r"backend=(\w+) ranks=(\d) final test accuracy ([\d.]+) .* max parameter difference across "
                       r"ranks (\S+)", proc.stdout)

@@ -1,9 +1,13 @@
-"""``import unidist`` stays light: no engine, no MPI start, not even torch."""
+"""``import unidist`` stays light: no engine, no MPI start, not even torch; layers import only those below."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 import unidist
 
@@ -32,3 +36,37 @@ def test_error_family() -> None:
         assert issubclass(cls, unidist.UnidistError)
     assert issubclass(unidist.BackendUnavailableError, ImportError)
     assert unidist.ReduceOp("mean") is unidist.ReduceOp.MEAN
+
+
+# Each layer may import only these unidist modules (README "Layout"); the one lazy import of unidist.train
+# from Manager._training (prepare/backward's entry point) is listed by name.
+LAYERS = {
+    "comm": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm"),
+    "train": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm", "unidist.train"),
+    "managers": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm", "unidist.managers",
+                 "unidist.launch", "unidist.net", "unidist.selector", "unidist.train"),
+}
+LAZY = {("unidist/managers/base.py", "unidist.train")}
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return [n for n in names if n == "unidist" or n.startswith("unidist.")]
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_layers_import_only_below(layer: str) -> None:
+    root = Path(unidist.__file__).parent
+    for path in sorted((root / layer).glob("*.py")):
+        rel = f"unidist/{layer}/{path.name}"
+        for name in _imports(path):
+            allowed = any(name == a or name.startswith(a + ".") for a in LAYERS[layer])
+            if layer == "managers" and name.startswith("unidist.train"):
+                allowed = (rel, "unidist.train") in LAZY
+            assert allowed, f"{rel} imports {name}: {layer}/ may import only {LAYERS[layer]}"
