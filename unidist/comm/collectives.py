@@ -387,6 +387,24 @@ class Collectives(Primitives):
             post()
         return self._output(out, as_np)  # type: ignore[no-any-return]
 
+    def reduce_scatter_async(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Handle[Array]:
+        """Start a reduce_scatter; ``wait()`` returns this rank's chunk (for overlap with backward)."""
+        rop = resolve_op(op)
+        t, as_np = self._input(x)
+        if t.dim() == 0:
+            raise InvalidArgumentError("reduce_scatter needs at least one dimension to split")
+        self._signature("reduce_scatter", t, rop)
+        rows = split_sizes(t.shape[0], self._size)
+        row = row_numel(t)
+        out = rows_like(t, rows[self._rank])
+        work, post = self._reduce_with(self._reduce_scatter_async, t, out, rop, [r * row for r in rows])
+
+        def finish() -> Array:
+            if post is not None:
+                post()
+            return self._output(out, as_np)  # type: ignore[no-any-return]
+        return Handle(work, finish)
+
     def alltoall(self, x: Array, splits: Sequence[int] | None = None) -> Array:
         """Send ``splits[i]`` rows of x (dim 0, in order) to rank i; returns what every rank sent here,
         concatenated in rank order. Default splits: numpy.array_split sizes."""

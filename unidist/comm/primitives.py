@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from unidist.comm.work import DONE, Work
+from unidist.comm.work import DONE, EngineWork, Work
 from unidist.ops import ReduceOp
 
 __all__ = ["Primitives"]
@@ -82,6 +82,18 @@ class Primitives(abc.ABC):
     def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
         self._allreduce(send, recv, op)
         return DONE
+
+    def _reduce_scatter_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
+                              op: ReduceOp) -> Work:
+        """An async allreduce of the whole input; this rank's chunk is copied out when it ends."""
+        full = torch.empty_like(send)
+        work = self._allreduce_async(send, full, op)
+        start = sum(counts[: self._rank])
+
+        def finish() -> None:
+            work.wait()
+            recv.view(-1).copy_(full.view(-1)[start:start + recv.numel()])
+        return EngineWork(finish, work.test, send, recv, full)
 
     def _broadcast_async(self, t: torch.Tensor, root: int) -> Work:
         self._broadcast(t, root)

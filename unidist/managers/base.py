@@ -273,7 +273,8 @@ class Manager(Collectives):
         Args:
             model: the user's module. ``mgr.unwrap(returned_model)`` gives it back on every backend.
             optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
-            zero_stage: 0-3 (default ``UNIDIST_ZERO_STAGE``); needs the deepspeed backend for now.
+            zero_stage: 0-3 (default ``UNIDIST_ZERO_STAGE``): 1 shards optimizer state, 2 also gradients,
+                3 also parameters; DeepSpeed's own ZeRO on the deepspeed backend, unidist's elsewhere.
             clip_grad_norm: clip the averaged gradient to this global L2 norm, as
                 ``torch.nn.utils.clip_grad_norm_`` on one process would; None (default) never clips, on every
                 backend (DeepSpeed's own default of 1.0 is switched off).
@@ -327,6 +328,29 @@ class Manager(Collectives):
     def gathered_parameters(self, module: torch.nn.Module) -> Any:
         """Context manager with the module's full parameters inside (ZeRO stage 3 partitions them)."""
         return self._training().gathered_parameters(module)
+
+    def memory_stats(self) -> dict[str, int]:
+        """This rank's bytes for the prepared model: ``param_bytes``, ``grad_bytes`` (gradients and the
+        buffers that keep them between steps), ``optimizer_bytes`` (optimizer state, with DeepSpeed's fp32
+        master partitions) and ``peak_bytes`` (the process: CUDA peak allocation, or peak RSS on CPU)."""
+        return self._training().memory_stats()  # type: ignore[no-any-return]
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The prepared model's state dict as one process would hold it, on every rank (ZeRO gathered).
+
+        Args:
+            model: what ``prepare`` returned (or the user's module behind it).
+        """
+        return self._training().full_state_dict(model)  # type: ignore[no-any-return]
+
+    def full_optimizer_state_dict(self, optimizer: Any) -> dict[str, Any]:
+        """The prepared optimizer's state dict as one process would hold it (every parameter's state, indexed
+        as in the user's optimizer), on every rank; a collective under ZeRO.
+
+        Args:
+            optimizer: what ``prepare`` returned.
+        """
+        return self._training().full_optimizer_state_dict(optimizer)  # type: ignore[no-any-return]
 
     def shard(self, data: Sized | int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> Any:
         """A sampler giving this rank its disjoint share, reshuffled by ``set_epoch`` (same on every rank)."""

@@ -170,6 +170,15 @@ class MPIComm(Primitives):
             return self._staged(self._reduce_scatter, send, recv, counts, op)
         self._comm.Reduce_scatter(self._spec(send), self._spec(recv), list(counts), self._ops[op])
 
+    def _reduce_scatter_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
+                              op: ReduceOp) -> Work:
+        if not self._device_ok(send, recv):
+            self._reduce_scatter(send, recv, counts, op)
+            return DONE
+        sspec, rspec = self._spec(send), self._spec(recv)
+        return _request(self._comm.Ireduce_scatter(sspec, rspec, list(counts), self._ops[op]), send, recv, sspec,
+                        rspec)
+
     def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         if not self._device_ok(t):
             t = t.cpu()

@@ -109,6 +109,14 @@ class TorchComm(SortedOrder, Primitives):
         else:
             super()._reduce_scatter(send, recv, counts, op)
 
+    def _reduce_scatter_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
+                              op: ReduceOp) -> Work:
+        if not all(c == counts[0] for c in counts):
+            return super()._reduce_scatter_async(send, recv, counts, op)
+        flat = self._to_engine_order(send.reshape(-1), counts)
+        return _work(self._reduce_scatter_into(recv.view(-1), flat, self._ops[op], group=self._pg, async_op=True),
+                     send, flat, recv)
+
     def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         self._dist.send(t, self._world(dest), group=self._pg, tag=tag)
 

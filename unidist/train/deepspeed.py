@@ -18,6 +18,7 @@ import torch
 
 from unidist.errors import ConfigError, InvalidArgumentError
 from unidist.ops import ReduceOp
+from unidist.train.memory import optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import TrainOptions
 from unidist.train.trainer import Trainer
 from unidist.train.view import OptimizerView
@@ -66,6 +67,9 @@ class DeepSpeedTrainer(Trainer):
     """A DeepSpeed engine per ``prepare``; with ``group=`` unidist's own optimizer over that group."""
 
     engine: Any = None
+    full_optimizer: Any = None  # the user's optimizer, and its groups as one process holds them
+    full_groups: list[list[torch.nn.Parameter]]
+    engine_zero = True  # zero_stage is the engine's own ZeRO
 
     def deepspeed_config(self, opts: TrainOptions | None = None) -> dict[str, Any]:
         """The DeepSpeed config ``prepare`` uses for ``opts``: engine defaults that change the math pinned
@@ -121,6 +125,8 @@ class DeepSpeedTrainer(Trainer):
             raise InvalidArgumentError(f"prepare(optimizer=...) takes a torch.optim.Optimizer, got "
                                        f"{type(optimizer).__name__}")
         ds_config = self.deepspeed_config(opts)
+        self.full_optimizer = optimizer
+        self.full_groups = [list(g["params"]) for g in optimizer.param_groups] if optimizer is not None else []
         if optimizer is None and "optimizer" not in ds_config:
             raise InvalidArgumentError("prepare() needs an optimizer, or an 'optimizer' section in deepspeed_config")
         # The user's RNG stream stays as it was (dropout masks must not depend on the backend).
@@ -149,7 +155,71 @@ class DeepSpeedTrainer(Trainer):
 
     def gathered_parameters(self, module: torch.nn.Module) -> Any:
         """Context manager giving full parameters even under ZeRO stage 3 (for checks and export)."""
+        if not isinstance(self.prepared, EngineOptimizer):
+            return super().gathered_parameters(module)
         return self.mgr._deepspeed.zero.GatheredParameters(list(module.parameters()))  # type: ignore[no-any-return]
+
+    # ----------------------------------------------------------------- what a rank holds, consolidated state
+    def _zero_optimizer(self) -> Any:
+        """The engine's ZeRO optimizer (None at stage 0, where the engine steps the user's optimizer)."""
+        engine_opt = self.engine.optimizer
+        return engine_opt if engine_opt is not self.full_optimizer else None
+
+    def memory_stats(self) -> dict[str, int]:
+        """As ``Trainer.memory_stats``, from the engine: stage 3 parameters are their ``ds_tensor``
+        partitions; the fp32 master partitions the engine's inner optimizer steps count as optimizer state
+        (the ZeRO paper's accounting), their gradients and ``averaged_gradients`` as gradients."""
+        if not isinstance(self.prepared, EngineOptimizer):
+            return super().memory_stats()
+        module = self.engine.module
+        params: list[Any] = []
+        grads: list[Any] = []
+        for p in module.parameters():
+            params.append(getattr(p, "ds_tensor", None))
+            params.append(p)
+            grads.append(p.grad)
+        zero = self._zero_optimizer()
+        inner = zero.optimizer if zero is not None else self.engine.optimizer
+        masters = [*{id(q): q for q in [*(q for g in inner.param_groups for q in g["params"]), *inner.state]}.values()
+                   ] if zero is not None else []
+        grads += [q.grad for q in masters]
+        for value in (getattr(zero, "averaged_gradients", None) or {}).values() if zero is not None else ():
+            grads += list(value) if isinstance(value, list) else [value]
+        return {"param_bytes": storage_bytes(params), "grad_bytes": storage_bytes(grads),
+                "optimizer_bytes": storage_bytes([*masters, *optimizer_tensors(inner)]),
+                "peak_bytes": peak_bytes(self.mgr.device)}
+
+    def full_optimizer_state_dict(self, optimizer: Any) -> dict[str, Any]:
+        """One process's ``state_dict()``: at stage 0 the user's optimizer's; under ZeRO assembled from the
+        engine's partitions with DeepSpeed's ``safe_get_full_optimizer_state`` (a collective)."""
+        zero = self._zero_optimizer() if isinstance(optimizer, EngineOptimizer) else None
+        if zero is None:
+            return super().full_optimizer_state_dict(optimizer)
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        inner = zero.optimizer
+        # keyed by the fp32 master partitions (stage 3 empties the inner param_groups between steps)
+        master, flat_state = next(((q, st) for q, st in inner.state.items() if st), (None, {}))
+        per_element = sorted(k for k, v in flat_state.items()
+                             if isinstance(v, torch.Tensor) and master is not None and v.shape == master.shape)
+        scalars = {k: v for k, v in flat_state.items() if k not in per_element}
+        state: dict[int, dict[str, Any]] = {}
+        params = [p for g in self.full_groups for p in g]
+        for i, p in enumerate(params):
+            entry: dict[str, Any] = {}
+            for key in per_element:
+                full = safe_get_full_optimizer_state(p, key)
+                if full is not None:
+                    entry[key] = full.detach().clone().view(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+            if entry:
+                entry.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()})
+                state[i] = entry
+        groups, start = [], 0
+        for g, members in zip(inner.param_groups, self.full_groups, strict=True):
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": list(range(start, start + len(members)))})
+            start += len(members)
+        return {"state": state, "param_groups": groups}
 
 
 _KEYED: dict[type, type] = {}

@@ -79,8 +79,6 @@ class HorovodTrainer(Trainer):
                  ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Model on ``device``, rank 0's parameters and optimizer state everywhere, Horovod's optimizer behind
         the uniform loop."""
-        if opts.zero_stage:
-            raise InvalidArgumentError("Horovod has no ZeRO sharding; use zero_stage=0 or the deepspeed backend")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidArgumentError(f"prepare(optimizer=...) takes a torch.optim.Optimizer, got "
                                        f"{type(optimizer).__name__}")

@@ -8,6 +8,7 @@ subclass that uses an engine's own training machinery (train/deepspeed.py, train
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterable, Mapping, Sized
 from typing import Any
 
@@ -17,9 +18,11 @@ from unidist.comm.group import Group
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.ddp import DistributedOptimizer
+from unidist.train.memory import MemoryStats, optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import TrainOptions
 from unidist.train.sampler import ShardSampler
 from unidist.train.state import broadcast_optimizer_state, broadcast_parameters
+from unidist.train.zero import ZeroOptimizer
 
 __all__ = ["ENGINE_OPTIONS", "Trainer"]
 
@@ -33,6 +36,7 @@ class Trainer:
     def __init__(self, manager: Any) -> None:
         self.mgr = manager
         self.prepared: Any = None  # the optimizer prepare returned last
+        self.model: torch.nn.Module | None = None  # the user's module prepare saw last
 
     # ----------------------------------------------------------------- prepare
     def prepare(self, model: torch.nn.Module, optimizer: Any, *, unknown: Mapping[str, Any],
@@ -50,9 +54,12 @@ class Trainer:
         if opts.group is not None and not (isinstance(opts.group, Group) and opts.group._owner is self.mgr):
             raise InvalidArgumentError(f"prepare(group=...) takes a Group made by this Manager's new_group() or "
                                        f"split(), got {opts.group!r}")
-        if opts.group is not None:
+        self.model = model
+        if opts.group is not None or (opts.zero_stage and not self.engine_zero):
             return self._prepare_unidist(model, optimizer, opts)
         return self._prepare(model, optimizer, opts)
+
+    engine_zero = False  # True where the engine shards itself (DeepSpeed): zero_stage goes to _prepare
 
     def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions
                  ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -61,19 +68,24 @@ class Trainer:
 
     def _prepare_unidist(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions
                          ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        if opts.zero_stage:
-            raise InvalidArgumentError(
-                f"zero_stage={opts.zero_stage} needs the deepspeed backend without group= for now (unidist's own "
-                f"ZeRO is not built yet); use zero_stage=0 here"
-            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidArgumentError(f"prepare(optimizer=...) takes a torch.optim.Optimizer, got "
+                                       f"{type(optimizer).__name__}")
         comm = opts.group if opts.group is not None else self.mgr
-        wrapped = DistributedOptimizer(
-            comm, optimizer, model.named_parameters(), op=opts.op, compression=opts.compression,
-            backward_passes_per_step=opts.backward_passes_per_step, bucket_mb=opts.bucket_mb,
-            clip_grad_norm=opts.clip_grad_norm)
         model = model.to(self.mgr.device)
         broadcast_parameters(comm, model)
         broadcast_optimizer_state(comm, optimizer)
+        wrapped: DistributedOptimizer | ZeroOptimizer
+        if opts.zero_stage:
+            wrapped = ZeroOptimizer(
+                comm, model, optimizer, opts.zero_stage, op=opts.op, compression=opts.compression,
+                backward_passes_per_step=opts.backward_passes_per_step, bucket_mb=opts.bucket_mb,
+                clip_grad_norm=opts.clip_grad_norm)
+        else:
+            wrapped = DistributedOptimizer(
+                comm, optimizer, model.named_parameters(), op=opts.op, compression=opts.compression,
+                backward_passes_per_step=opts.backward_passes_per_step, bucket_mb=opts.bucket_mb,
+                clip_grad_norm=opts.clip_grad_norm)
         self.prepared = wrapped
         return model, wrapped
 
@@ -86,9 +98,45 @@ class Trainer:
         return model
 
     def gathered_parameters(self, module: torch.nn.Module) -> Any:
-        """Parameters are whole on every rank without ZeRO stage 3: nothing to gather."""
+        """Full parameters inside the block (ZeRO stage 3 gathers them; otherwise they are whole)."""
         del module
+        if isinstance(self.prepared, ZeroOptimizer):
+            return self.prepared.gathered()
         return contextlib.nullcontext()
+
+    # ----------------------------------------------------------------- what a rank holds
+    def memory_stats(self) -> MemoryStats:
+        """This rank's bytes for the prepared model (see unidist.train.memory)."""
+        opt = self._need_prepared("memory_stats")
+        model = self.unwrap(self.model) if self.model is not None else None
+        params = list(model.parameters()) if model is not None else []
+        grads: list[Any] = [p.grad for p in params]
+        if isinstance(opt, ZeroOptimizer):
+            params += [u.shard for u in opt.units]
+            grads += [u.shard.grad for u in opt.units]
+        elif isinstance(opt, DistributedOptimizer):
+            grads += [b.buffer for b in opt._buckets]  # fusion buckets persist between steps
+        return {"param_bytes": storage_bytes(params), "grad_bytes": storage_bytes(grads),
+                "optimizer_bytes": storage_bytes(optimizer_tensors(opt.optimizer)),
+                "peak_bytes": peak_bytes(self.mgr.device)}
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The model's state dict as one process would hold it (copies), on every rank."""
+        module = self.unwrap(model)
+        with self.gathered_parameters(model):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def full_optimizer_state_dict(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state dict as one process would hold it, on every rank."""
+        if isinstance(optimizer, ZeroOptimizer):
+            return optimizer.full_state_dict()
+        inner = getattr(optimizer, "optimizer", optimizer)
+        return copy.deepcopy(inner.state_dict())  # type: ignore[no-any-return]
+
+    def _need_prepared(self, what: str) -> Any:
+        if self.prepared is None:
+            raise InvalidArgumentError(f"{what}() describes the prepared model; call mgr.prepare(model, opt) first")
+        return self.prepared
 
     # ----------------------------------------------------------------- building blocks
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer,

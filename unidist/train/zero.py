@@ -1,0 +1,389 @@
+"""ZeRO stages 1-3 (Rajbhandari et al. 2020) on any communicator, written once on its collectives.
+
+Parameters are flattened into units, as FSDP's FlatParameter: one unit per gradient bucket (stages 1 and 2,
+reverse registration order, as DDP) or per module that owns parameters (stage 3), each within one param
+group, dtype and device. A unit is padded to N equal chunks and rank r owns chunk r: its *shard*, the one
+tensor per unit the user's optimizer (same class, same param_group settings, rewritten in place to hold the
+shards) steps. So every rank keeps optimizer state for 1/N of the parameters.
+
+- stage 1: after backward, each unit's gradient is reduce-scattered; each rank steps its shard; the updated
+  shards are all-gathered into the full parameters (which are views into the unit's flat buffer).
+- stage 2: the reduce-scatter of a unit starts from the gradient hooks as soon as its gradients are ready
+  (in unit order, overlapping the rest of backward, as the DistributedOptimizer does), and the full
+  gradients are freed: each rank keeps only its gradient shard.
+- stage 3: as stage 2, and each rank keeps only its parameter shard: a module's full parameters are
+  all-gathered just before its forward and again before its backward (a hook on its outputs) and freed
+  after each. Outside forward/backward, use ``gathered_parameters``. A module's parameters must be used by
+  that module's forward only (no weight tying across modules) and once per forward.
+
+With ``backward_passes_per_step=k`` the first k-1 passes accumulate full gradients locally and the k-th
+reduces them, so the update equals one k-times larger batch (stage 2/3 save gradient memory on that pass).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unidist.errors import InvalidArgumentError
+from unidist.ops import ReduceOp
+from unidist.train.options import check_bucket_mb, check_clip, check_compression, check_passes, check_sync_op
+from unidist.train.view import OptimizerView
+
+if TYPE_CHECKING:
+    from unidist.comm.work import Handle
+    from unidist.train.protocol import Comm
+
+__all__ = ["ZeroOptimizer"]
+
+_WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class _Unit:
+    """Parameters flattened together and split into ``comm.size`` equal chunks; this rank owns one."""
+
+    def __init__(self, comm: Comm, params: list[torch.nn.Parameter], group: int, keep_full: bool) -> None:
+        self.comm, self.params, self.group = comm, params, group
+        self.shapes = [p.shape for p in params]  # stage 3 empties the parameters themselves
+        self.numels = [p.numel() for p in params]
+        self.numel = sum(self.numels)
+        self.chunk = -(-self.numel // comm.size)  # ceil: the last rank's chunk is padded with zeros
+        self.lo = comm.rank * self.chunk
+        first = params[0]
+        self.dtype, self.device = first.dtype, first.device
+        full = torch.zeros(self.chunk * comm.size, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            torch.cat([p.detach().reshape(-1) for p in params], out=full[: self.numel])
+        self.full: torch.Tensor | None = None
+        if keep_full:  # stages 1-2: parameters are views into the flat buffer; the shard is a view of it too
+            self._bind(full)
+            self.shard = torch.nn.Parameter(full[self.lo:self.lo + self.chunk])
+        else:
+            self.shard = torch.nn.Parameter(full[self.lo:self.lo + self.chunk].clone())
+            self.release()
+        self.ready: set[int] = set()
+        self.handle: Handle[torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ parameters
+    def _bind(self, full: torch.Tensor) -> None:
+        self.full = full
+        offset = 0
+        for p, shape, n in zip(self.params, self.shapes, self.numels, strict=True):
+            p.data = full[offset:offset + n].view(shape)
+            offset += n
+
+    def gather(self) -> None:
+        """Full parameters from every rank's shard (stage 3; a no-op while gathered)."""
+        if self.full is None:
+            self._bind(self.comm.allgather(self.shard.detach()))
+
+    def release(self) -> None:
+        """Free the full parameters (stage 3): each becomes an empty tensor until the next gather."""
+        for p in self.params:
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.full = None
+
+    def write_back(self) -> None:
+        """Copy this rank's chunk of the full parameters into its shard (after edits inside a gather)."""
+        if self.full is not None:
+            with torch.no_grad():
+                self.shard.copy_(self.full[self.lo:self.lo + self.chunk])
+
+    def refresh(self) -> None:
+        """Stages 1-2 after a step: every rank's updated shard into the full parameters."""
+        if self.full is not None:
+            with torch.no_grad():
+                self.full.copy_(self.comm.allgather(self.shard.detach()))
+
+    # ------------------------------------------------------------------ gradients
+    def launch(self, scale: float, wire: torch.dtype | None, free_grads: bool) -> None:
+        """Start the reduce-scatter of this unit's (local) gradients; missing gradients count as zeros."""
+        flat = torch.zeros(self.chunk * self.comm.size, dtype=wire or self.dtype, device=self.device)
+        offset = 0
+        with torch.no_grad():
+            for p, n in zip(self.params, self.numels, strict=True):
+                if p.grad is not None:  # pre-scaled so a narrow wire dtype cannot overflow in the sum
+                    flat[offset:offset + n].copy_(p.grad.reshape(-1).mul(scale) if scale != 1.0 else
+                                                  p.grad.reshape(-1))
+                    if free_grads:
+                        p.grad = None
+                offset += n
+        self.handle = self.comm.reduce_scatter_async(flat, ReduceOp.SUM)
+
+    def finish(self) -> None:
+        """Wait for the reduce-scatter and make its result the shard's gradient."""
+        if self.handle is None:
+            return
+        got = self.handle.wait()
+        self.handle = None
+        self.shard.grad = got if got.dtype == self.dtype else got.to(self.dtype)
+
+
+class ZeroOptimizer(OptimizerView):
+    """The user's optimizer stepping this rank's shards; see the module docstring."""
+
+    def __init__(self, comm: Comm, model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, *,
+                 op: ReduceOp | str = ReduceOp.MEAN, compression: str = "none", backward_passes_per_step: int = 1,
+                 bucket_mb: float = 25.0, clip_grad_norm: float | None = None) -> None:
+        where = "ZeroOptimizer"
+        if stage not in (1, 2, 3):
+            raise InvalidArgumentError(f"{where}(stage={stage!r}); use 1, 2 or 3 (0 is the DistributedOptimizer)")
+        self.op = check_sync_op(op, where)
+        self.compression = check_compression(compression, where)
+        self.backward_passes_per_step = check_passes(backward_passes_per_step, where)
+        bucket_bytes = check_bucket_mb(bucket_mb, where) * 2**20
+        self.clip_grad_norm = check_clip(clip_grad_norm, where)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidArgumentError(f"{where} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        super().__init__(optimizer)
+        self.comm, self.stage, self.model = comm, stage, model
+        # the optimizer as one process would hold it: kept to consolidate (full_optimizer_state_dict)
+        self.full_groups = [list(g["params"]) for g in optimizer.param_groups]
+        full_state = _full_state(optimizer)
+        trainable = {id(p) for g in self.full_groups for p in g if p.requires_grad}
+        self.units = self._make_units(model, bucket_bytes, trainable)
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        for gi, group in enumerate(optimizer.param_groups):
+            group["params"] = [u.shard for u in self.units if u.group == gi] + \
+                [p for p in group["params"] if id(p) not in trainable]
+        optimizer.state.clear()
+        if full_state:
+            self.load_full_state(full_state)
+        self._next = 0  # units launch in this order on every rank
+        self._calls = 0
+        self._synced = False
+        self._hooks: list[Any] = [p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+                                  for u in self.units for p in u.params]
+        if stage == 3:
+            self._hooks += self._module_hooks(model)
+
+    def _make_units(self, model: torch.nn.Module, limit: float, trainable: set[int]) -> list[_Unit]:
+        group_of = {id(p): gi for gi, g in enumerate(self.full_groups) for p in g}
+        chunks: list[tuple[int, list[torch.nn.Parameter]]] = []
+        if self.stage == 3:  # one unit per module's own parameters (and param group), in reverse order
+            seen: set[int] = set()
+            for module in reversed(list(model.modules())):
+                own = [p for p in module.parameters(recurse=False) if id(p) in trainable and id(p) not in seen]
+                seen.update(id(p) for p in own)
+                by_group: dict[tuple[int, torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+                for p in own:
+                    by_group.setdefault((group_of[id(p)], p.dtype, p.device), []).append(p)
+                chunks += [(key[0], ps) for key, ps in by_group.items()]
+            missing = trainable - seen
+            if missing:
+                raise InvalidArgumentError(f"zero_stage=3: {len(missing)} optimizer parameters are not in the "
+                                           "model; pass the model the optimizer was built for")
+        else:  # gradient buckets: reverse registration order, as backward produces them
+            order = [p for g in self.full_groups for p in g if id(p) in trainable]
+            current: list[torch.nn.Parameter] = []
+            size = 0.0
+            for p in reversed(order):
+                key = (group_of[id(p)], p.dtype, p.device)
+                if current and (size + p.numel() * p.element_size() > limit or
+                                (group_of[id(current[0])], current[0].dtype, current[0].device) != key):
+                    chunks.append((group_of[id(current[0])], current))
+                    current, size = [], 0.0
+                current.append(p)
+                size += p.numel() * p.element_size()
+            if current:
+                chunks.append((group_of[id(current[0])], current))
+        return [_Unit(self.comm, ps, gi, keep_full=self.stage < 3) for gi, ps in chunks]
+
+    def _module_hooks(self, model: torch.nn.Module) -> list[Any]:
+        hooks: list[Any] = []
+        for module in model.modules():
+            units = list({id(u): u for p in module.parameters(recurse=False)
+                          if (u := self._unit_of.get(id(p))) is not None}.values())
+            if not units:
+                continue
+
+            def pre(mod: torch.nn.Module, args: Any, units: list[_Unit] = units) -> None:
+                for u in units:
+                    u.gather()
+
+            def post(mod: torch.nn.Module, args: Any, out: Any, units: list[_Unit] = units) -> None:
+                if torch.is_grad_enabled():
+                    for t in _tensors(out):
+                        if t.requires_grad:
+                            t.register_hook(lambda grad, units=units: _gather_all(units))  # type: ignore[no-untyped-call]
+                for u in units:
+                    u.release()
+            hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        return hooks
+
+    # ------------------------------------------------------------------ gradients
+    @property
+    def _sync_pass(self) -> bool:
+        return self._calls % self.backward_passes_per_step == self.backward_passes_per_step - 1
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        unit = self._unit_of[id(p)]
+        unit.ready.add(id(p))
+        if len(unit.ready) < len(unit.params):
+            return
+        if not (self._sync_pass and self.stage >= 2):  # stage 1 reduces in synchronize()
+            if self.stage == 3:
+                unit.release()
+            unit.ready.clear()
+            return
+        while self._next < len(self.units) and len(self.units[self._next].ready) == len(self.units[self._next].params):
+            self._launch(self.units[self._next])
+            self._next += 1
+
+    def _launch(self, unit: _Unit) -> None:
+        scale = 1.0 / self.comm.size if self.op is ReduceOp.MEAN else 1.0
+        wire = _WIRE[self.compression] if self.comm.size > 1 else None  # nothing travels: keep full precision
+        unit.launch(scale, wire, free_grads=self.stage >= 2)
+        unit.ready.clear()
+        if self.stage == 3:
+            unit.release()
+
+    def synchronize(self) -> None:
+        """Reduce-scatter whatever has not started yet and wait for all: shard gradients are then final."""
+        self._synced = True
+        while self._next < len(self.units):
+            self._launch(self.units[self._next])
+            self._next += 1
+        for unit in self.units:
+            unit.finish()
+        self._next = 0
+
+    # ------------------------------------------------------------------ optimizer protocol
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """On a sync pass: finish the gradient reduction, clip, step this rank's shards, share them."""
+        if closure is not None:
+            raise InvalidArgumentError("ZeroOptimizer.step takes no closure (the loss must be computed before "
+                                       "gradients are reduced)")
+        sync = self._sync_pass
+        self._calls += 1
+        if not sync:
+            return None
+        if not self._synced:
+            self.synchronize()
+        self._synced = False
+        if self.clip_grad_norm is not None:
+            self._clip(self.clip_grad_norm)
+        self.optimizer.step()
+        for unit in self.units:
+            unit.refresh()
+        return None
+
+    def _clip(self, max_norm: float) -> None:
+        """torch.nn.utils.clip_grad_norm_ over the whole model: the shards' squared norms summed over ranks."""
+        grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
+        local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        total = float(self.comm.allreduce(local.reshape(1).double(), "sum").sqrt())
+        coef = min(max_norm / (total + 1e-6), 1.0)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears shard and local gradients after a step; between accumulation passes it keeps them."""
+        if self._calls % self.backward_passes_per_step != 0:
+            return
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for unit in self.units:
+            for p in unit.params:
+                p.grad = None
+
+    def _added_param_group(self, group: dict[str, Any]) -> None:
+        raise InvalidArgumentError("add_param_group after prepare(zero_stage>0) is not supported: the parameters "
+                                   "are already sharded; add the group before prepare()")
+
+    # ------------------------------------------------------------------ whole parameters and state
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Full parameters inside; edits made inside (identically on every rank) are kept."""
+        if self.stage < 3:
+            yield
+            return
+        gathered = [u for u in self.units if u.full is None]
+        for u in gathered:
+            u.gather()
+        try:
+            yield
+        finally:
+            for u in gathered:
+                u.write_back()
+                u.release()
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The optimizer's ``state_dict()`` as one process holding every parameter would return it."""
+        index = {id(p): i for i, p in enumerate(p for g in self.full_groups for p in g)}
+        state: dict[int, dict[str, Any]] = {}
+        for unit in self.units:
+            shard_state = self.optimizer.state.get(unit.shard, {})
+            for key in sorted(shard_state):
+                value = shard_state[key]
+                if isinstance(value, torch.Tensor) and value.shape == unit.shard.shape:
+                    flat = self.comm.allgather(value.detach().contiguous())
+                    offset = 0
+                    for p, shape, n in zip(unit.params, unit.shapes, unit.numels, strict=True):
+                        state.setdefault(index[id(p)], {})[key] = flat[offset:offset + n].view(shape).clone()
+                        offset += n
+                else:  # per-parameter scalars (Adam's step) are the same for every member of the unit
+                    for p in unit.params:
+                        state.setdefault(index[id(p)], {})[key] = value.clone() if isinstance(
+                            value, torch.Tensor) else value
+        groups = []
+        start = 0
+        for g, params in zip(self.optimizer.param_groups, self.full_groups, strict=True):
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": list(range(start, start + len(params)))})
+            start += len(params)
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_full_state(self, full: dict[int, dict[str, Any]]) -> None:
+        """Shard a one-process optimizer state (keys: parameter indices) onto this rank's shards."""
+        index = {id(p): i for i, p in enumerate(p for g in self.full_groups for p in g)}
+        for unit in self.units:
+            per_param = [full.get(index[id(p)], {}) for p in unit.params]
+            keys = set().union(*per_param)
+            target: dict[str, Any] = {}
+            for key in sorted(keys):
+                values = [s.get(key) for s in per_param]
+                tensors = [v for v in values if isinstance(v, torch.Tensor)]
+                if len(tensors) == len(values) and all(t.shape == shape for t, shape in zip(
+                        tensors, unit.shapes, strict=True)) and any(len(shape) for shape in unit.shapes):
+                    flat = torch.zeros(unit.chunk * self.comm.size, dtype=tensors[0].dtype, device=unit.device)
+                    torch.cat([t.reshape(-1).to(unit.device) for t in tensors], out=flat[: unit.numel])
+                    target[key] = flat[unit.lo:unit.lo + unit.chunk].clone()
+                else:
+                    v = next(v for v in values if v is not None)
+                    target[key] = v.clone() if isinstance(v, torch.Tensor) else v
+            if target:
+                self.optimizer.state[unit.shard] = target
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def __repr__(self) -> str:
+        return (f"ZeroOptimizer({type(self.optimizer).__name__}, stage={self.stage}, units={len(self.units)}, "
+                f"op={self.op.value}, compression={self.compression}, k={self.backward_passes_per_step})")
+
+
+def _full_state(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """The optimizer's existing state by parameter index (empty for a fresh optimizer)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return {i: dict(optimizer.state[p]) for i, p in enumerate(params) if optimizer.state.get(p)}
+
+
+def _gather_all(units: list[_Unit]) -> None:
+    for u in units:
+        u.gather()
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
