@@ -4,11 +4,12 @@ The same file under every launcher, for example:
 
     python examples/train_digits.py
     unidist launch -n 2 examples/train_digits.py
-    torchrun --standalone --nproc_per_node 2 examples/train_digits.py --zero-stage 0
+    torchrun --standalone --nproc_per_node 2 examples/train_digits.py --zero-stage 3
     deepspeed --num_gpus 2 --no_local_rank examples/train_digits.py --zero-stage 2
 
 Each rank trains on its shard of every batch; ``mgr.prepare`` averages gradients (or builds the DeepSpeed
-engine), so the model is the one a single process would train on the whole batch.
+engine), so the model is the one a single process would train on the whole batch. ``--zero-stage k``
+shards optimizer state (1), gradients (2) and parameters (3) across the ranks on every backend.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, split across ranks")
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage (deepspeed backend)")
+    parser.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage 0-3, on every backend")
     parser.add_argument("--backend", default=None, help="override the detected backend (UNIDIST_BACKEND)")
     parser.add_argument("--plot", default=None, help="write the loss/accuracy curve to this PNG")
     parser.add_argument("--seed", type=int, default=0)
@@ -86,12 +87,15 @@ def main() -> int:
             progress(f"epoch {epoch + 1}/{args.epochs} loss {history[-1][0]:.4f} test accuracy {history[-1][1]:.4f}")
         elapsed = time.perf_counter() - started
 
-        params = torch.cat([p.detach().reshape(-1).float().cpu() for p in mgr.unwrap(model).parameters()])
+        # the whole model as one process would hold it (ZeRO-3 gathers it), compared across ranks
+        params = torch.cat([t.reshape(-1).float().cpu() for t in mgr.full_state_dict(model).values()])
         spread = (mgr.allreduce(params, "max") - mgr.allreduce(params, "min")).abs().max().item()
+        mem = mgr.memory_stats()
         if mgr.is_main:
             print(f"backend={mgr.backend} ranks={mgr.size} final test accuracy {history[-1][1]:.4f} "
                   f"loss {history[-1][0]:.4f} | {samples / elapsed:.0f} samples/s | "
-                  f"max parameter difference across ranks {spread:g}", flush=True)
+                  f"max parameter difference across ranks {spread:g} | rank 0 holds "
+                  f"{mem['param_bytes']} parameter and {mem['optimizer_bytes']} optimizer-state bytes", flush=True)
             if args.plot:
                 _plot(history, args.plot)
         return 0 if spread == 0.0 else 1

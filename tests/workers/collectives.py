@@ -389,6 +389,22 @@ def plan(size: int) -> list[Case]:
                     want = np.array_split(reference(op, stack, dtype), mgr.size)[mgr.rank]
                     expect(got, want, dtype, "torch", name)
 
+    for op, dtype, kind in (("sum", "float32", "torch"), ("mean", "float32", "numpy"), ("sum", "bfloat16", "torch"),
+                            ("max", "int16", "torch"), ("sum", "float16", "numpy")):
+        for shape in ("even", "uneven"):
+            name = f"reduce_scatter_async[{op}-{dtype}-{kind}-{shape}]"
+
+            @add(name)
+            def _(mgr: Any, name: str = name, op: str = op, dtype: str = dtype, kind: str = kind,
+                  shape: str = shape) -> None:
+                rows = 3 * mgr.size if shape == "even" else 7  # even: the engines' native equal-chunk path
+                x = data(name, mgr.rank, (rows, 2), dtype, kind)
+                handle = mgr.reduce_scatter_async(x, op)
+                got = handle.wait()
+                assert handle.done(), f"{name}: handle not done after wait()"
+                stack = np.stack([f64(data(name, r, (rows, 2), dtype, kind)) for r in range(mgr.size)])
+                expect(got, np.array_split(reference(op, stack, dtype), mgr.size)[mgr.rank], dtype, kind, name)
+
     @add("reduce_scatter[big-numpy]")
     def _(mgr: Any) -> None:
         name = "reduce_scatter[big-numpy]"

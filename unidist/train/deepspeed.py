@@ -86,7 +86,10 @@ class DeepSpeedTrainer(Trainer):
             "gradient_accumulation_steps": k,
             "train_batch_size": k * self.mgr.size,
             "zero_optimization": {"stage": opts.zero_stage, "reduce_bucket_size": bucket,
-                                  "allgather_bucket_size": bucket},
+                                  "allgather_bucket_size": bucket,
+                                  # default 1e5: parameters below 100k elements stay whole on every rank,
+                                  # which keeps small models entirely unsharded at stage 3
+                                  "stage3_param_persistence_threshold": 0},
             "zero_allow_untested_optimizer": True,  # any torch optimizer, as on every other backend
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
