@@ -85,7 +85,7 @@ def test_errors(mgr: unidist.Manager) -> None:
         zopt.step(lambda: 0.0)
     with pytest.raises(InvalidArgumentError, match="zero_stage=5"):
         mgr.prepare(*make(), zero_stage=5)
-    with pytest.raises(InvalidArgumentError, match="torch.optim.Optimizer"):
+    with pytest.raises(InvalidArgumentError, match=r"torch\.optim\.Optimizer"):
         mgr.prepare(make()[0], "adam", zero_stage=1)  # type: ignore[arg-type]
 
 
