@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any
 from unidist.config import Config
 from unidist.errors import (
     BackendUnavailableError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     ConfigError,
@@ -35,6 +38,9 @@ strip_local_rank_arg(sys.argv)
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointMismatchError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "Config",

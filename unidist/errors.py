@@ -7,6 +7,9 @@ from __future__ import annotations
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointMismatchError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigError",
@@ -47,3 +50,17 @@ class CollectiveMismatchError(UnidistError, RuntimeError):
 
 class CollectiveTimeoutError(UnidistError, TimeoutError):
     """A collective did not complete within ``UNIDIST_TIMEOUT`` seconds."""
+
+
+class CheckpointError(UnidistError, RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the path."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint does not fit the model or optimizer: names the first mismatching parameter. Nothing
+    was modified."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file is missing, truncated or altered (size or checksum differ): names the file. Nothing
+    was modified."""

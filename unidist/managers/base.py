@@ -15,6 +15,7 @@ import sys
 import traceback
 import weakref
 from collections.abc import Iterable, Mapping, Sequence, Sized
+from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, Literal
 
@@ -351,6 +352,50 @@ class Manager(Collectives):
             optimizer: what ``prepare`` returned.
         """
         return self._training().full_optimizer_state_dict(optimizer)  # type: ignore[no-any-return]
+
+    # ----------------------------------------------------------------- checkpoints (unidist.checkpoint)
+    def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
+                        keep: int | None = None, **extra: Any) -> Path:
+        """Save model (and optimizer) state to the directory ``path``, atomically; every rank calls it.
+
+        The format depends on neither the backend, nor the world size, nor the ZeRO stage: each rank writes
+        the slices it owns, rank 0 the manifest, and the directory appears complete or not at all.
+
+        Args:
+            path: the checkpoint directory (an existing checkpoint there is replaced only once the new one
+                is complete).
+            model: what ``prepare`` returned. optimizer: what ``prepare`` returned, or None for weights only.
+            keep: keep only the newest ``keep`` checkpoints in ``path``'s parent directory (None: keep all).
+            extra: anything else to restore (step counters, ``scheduler.state_dict()``): tensors, numbers,
+                strings, lists and dicts, as ``torch.load(weights_only=True)`` accepts.
+        """
+        from unidist.checkpoint import save_checkpoint
+
+        self._need_started()
+        return save_checkpoint(self, path, model, optimizer, keep=keep, extra=extra)
+
+    def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
+                        ) -> dict[str, Any]:
+        """Load a checkpoint saved by any backend, world size and ZeRO stage into the prepared model (and
+        optimizer), and return its ``extra``. Every rank checks the whole checkpoint first: a mismatch is a
+        CheckpointMismatchError naming the first differing parameter, a damaged file a CheckpointCorruptError
+        naming it, and then nothing was modified on any rank.
+
+        Args:
+            path: a checkpoint directory (``latest_checkpoint(dir)`` finds the newest).
+            model, optimizer: what ``prepare`` returned (optimizer None: the weights only).
+        """
+        from unidist.checkpoint import load_checkpoint
+
+        self._need_started()
+        return load_checkpoint(self, path, model, optimizer)
+
+    @staticmethod
+    def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+        """The newest complete checkpoint directly inside ``directory``, or None (no collective)."""
+        from unidist.checkpoint import latest_checkpoint
+
+        return latest_checkpoint(directory)
 
     def shard(self, data: Sized | int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> Any:
         """A sampler giving this rank its disjoint share, reshuffled by ``set_epoch`` (same on every rank)."""

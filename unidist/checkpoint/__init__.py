@@ -1,0 +1,223 @@
+"""Checkpoints whose format depends on neither the backend, nor the world size, nor the ZeRO stage.
+
+A checkpoint is a directory: ``manifest.json`` (format version, every model state-dict entry's name, shape
+and dtype, the optimizer's class, parameter names and param groups, which file holds which slice of which
+tensor, and each file's size and sha256), ``meta.pt`` (param-group settings, per-parameter scalars such as
+Adam's step, the caller's ``extra``) and one ``shard-R-of-N.pt`` per saving rank holding the slices of the
+*full* tensors that rank owns (see layout.py). A run saved by N ranks at stage s on one backend loads on M
+ranks at stage s' on another: each rank reads the slices it needs. Writes are atomic (files.py); loads use
+``torch.load(weights_only=True)`` after checking sizes and checksums, and every rank validates the whole
+checkpoint against the model and optimizer before anything is modified.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unidist.checkpoint.files import (
+    FORMAT,
+    VERSION,
+    latest,
+    load_tensors,
+    publish,
+    read_manifest,
+    remove_old,
+    save_tensors,
+)
+from unidist.checkpoint.layout import DeepSpeedLayout, FullLayout, Layout, ZeroLayout
+from unidist.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, InvalidArgumentError
+
+__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+_ERRORS = {cls.__name__: cls for cls in (CheckpointError, CheckpointMismatchError, CheckpointCorruptError,
+                                         InvalidArgumentError)}
+
+
+def _layout(mgr: Any, model: torch.nn.Module, optimizer: Any) -> Layout:
+    from unidist.train.zero import ZeroOptimizer
+
+    trainer = mgr._training()
+    # the optimizer holds the sharding; with optimizer=None (the model only) the one prepare returned does
+    prepared = optimizer if optimizer is not None else trainer.prepared
+    comm = getattr(prepared, "comm", mgr)
+    if comm is not mgr:
+        raise InvalidArgumentError("checkpoints of a model prepared with group= are not supported yet; prepare "
+                                   "over the whole world to save and load checkpoints")
+    layout: Layout
+    engine = getattr(trainer, "engine", None)
+    if isinstance(prepared, ZeroOptimizer):
+        layout = ZeroLayout(prepared)
+    elif engine is not None and prepared is trainer.prepared and trainer._zero_optimizer() is not None:
+        layout = DeepSpeedLayout(mgr.rank, mgr.size, engine, trainer.full_groups)
+    else:
+        inner = trainer.full_optimizer if engine is not None and prepared is trainer.prepared else \
+            getattr(prepared, "optimizer", prepared)
+        layout = FullLayout(mgr.rank, mgr.size, trainer.unwrap(model), inner)
+    if optimizer is None:
+        layout.optimizer = None  # the model only
+    return layout
+
+
+def _agree(mgr: Any, problem: BaseException | None) -> None:
+    """Raise on every rank if any rank failed (the first rank's error, same type), so nobody waits alone."""
+    seen = mgr.allgather_object(None if problem is None else (type(problem).__name__, str(problem)))
+    for rank, item in enumerate(seen):
+        if item is not None:
+            if problem is not None:
+                raise problem
+            cls = _ERRORS.get(item[0], CheckpointError)
+            raise cls(f"rank {rank}: {item[1]}")
+
+
+def save_checkpoint(mgr: Any, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
+                    keep: int | None = None, extra: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint directory atomically; every rank calls it. See ``Manager.save_checkpoint``."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise InvalidArgumentError(f"save_checkpoint(keep={keep!r}) must be an int >= 1, or None to keep all")
+    final = Path(path).absolute()
+    layout = _layout(mgr, model, optimizer)
+    tmp_name = mgr.broadcast_object(f".{final.name}.tmp-{time.time_ns()}-{os.getpid()}")
+    tmp = final.parent / tmp_name
+    problem: BaseException | None = None
+    try:
+        if mgr.rank == 0:
+            tmp.mkdir(parents=True)
+    except OSError as err:
+        problem = CheckpointError(f"cannot create {tmp}: {err}")
+    _agree(mgr, problem)
+    pieces = layout.pieces()  # a collective on DeepSpeed engines: every rank, same order
+    info: dict[str, Any] = {}
+    try:
+        shard = tmp / f"shard-{mgr.rank:05d}-of-{mgr.size:05d}.pt"
+        size, sha = save_tensors(pieces, shard)
+        info = {"file": shard.name, "bytes": size, "sha256": sha,
+                "model": {k: [s, s + t.numel()] for k, (s, t) in pieces["model"].items()},
+                "optim": {n: {k: [s, s + t.numel()] for k, (s, t) in st.items()} for n, st in pieces["optim"].items()}}
+    except OSError as err:
+        problem = CheckpointError(f"rank {mgr.rank} cannot write {tmp}: {err}")
+    infos = mgr.allgather_object(info if problem is None else None)
+    _agree(mgr, problem if problem is not None else (CheckpointError("a rank failed to write its shard")
+                                                     if any(i is None for i in infos) else None))
+    meta = layout.meta()
+    if mgr.rank == 0:
+        try:
+            meta_file = tmp / "meta.pt"
+            meta_size, meta_sha = save_tensors({"meta": meta, "extra": dict(extra or {})}, meta_file)
+            load_tensors(meta_file, meta_size, meta_sha)  # what will not load safely is refused now
+            keys: dict[str, set[str]] = {}
+            for i in infos:
+                for name, st in i["optim"].items():
+                    keys.setdefault(name, set()).update(st)
+            manifest = {"format": FORMAT, "version": VERSION, "created_ns": time.time_ns(), "backend": mgr.backend,
+                        "world_size": mgr.size, "zero_stage": getattr(optimizer, "stage", 0),
+                        "state": layout.describe(), "state_keys": {n: sorted(k) for n, k in keys.items()},
+                        "files": infos, "meta": {"file": "meta.pt", "bytes": meta_size, "sha256": meta_sha}}
+            publish(tmp, final, manifest)
+            if keep is not None:
+                remove_old(final.parent, keep)
+        except CheckpointCorruptError as err:
+            problem = CheckpointError(f"save_checkpoint(extra=...) holds something torch.load(weights_only=True) "
+                                      f"refuses; pass tensors, numbers, strings, lists and dicts ({err.__cause__})")
+        except (OSError, CheckpointError) as err:
+            problem = CheckpointError(f"cannot publish {final}: {err}")
+    _agree(mgr, problem)
+    return final
+
+
+def _check(manifest: dict[str, Any], layout: Layout, with_optimizer: bool, path: Path) -> None:
+    """The first difference between the checkpoint and the model/optimizer, as a CheckpointMismatchError."""
+    saved, mine = manifest["state"]["model"], layout.describe()["model"]
+    for name, want in mine.items():
+        got = saved.get(name)
+        if got is None:
+            raise CheckpointMismatchError(f"{path}: the model has {name!r} ({want['dtype']} {want['shape']}) but the "
+                                          "checkpoint does not")
+        if got != want:
+            raise CheckpointMismatchError(f"{path}: {name!r} is {got['dtype']} {got['shape']} in the checkpoint and "
+                                          f"{want['dtype']} {want['shape']} in the model")
+    for name in saved:
+        if name not in mine:
+            raise CheckpointMismatchError(f"{path}: the checkpoint has {name!r}, which the model does not")
+    if not with_optimizer:
+        return
+    opt = manifest["state"].get("optimizer")
+    want_opt = layout.describe()["optimizer"]
+    if opt is None:
+        raise CheckpointMismatchError(f"{path} was saved without an optimizer; load it with optimizer=None")
+    if opt["class"] != want_opt["class"]:
+        raise CheckpointMismatchError(f"{path} holds {opt['class']} state and the optimizer is {want_opt['class']}")
+    saved_groups = dict(zip(opt["params"], opt["groups"], strict=True))
+    for name, group in zip(want_opt["params"], want_opt["groups"], strict=True):
+        if name not in saved_groups:
+            raise CheckpointMismatchError(f"{path}: the optimizer updates {name!r}, which the checkpoint's does not")
+        if saved_groups[name] != group:
+            raise CheckpointMismatchError(f"{path}: {name!r} is in param group {saved_groups[name]} in the "
+                                          f"checkpoint and in group {group} here")
+    if len(saved_groups) != len(want_opt["params"]):
+        extra = next(n for n in opt["params"] if n not in set(want_opt["params"]))
+        raise CheckpointMismatchError(f"{path}: the checkpoint's optimizer updates {extra!r}, this one does not")
+
+
+class _Reader:
+    """Slices of full tensors, assembled from the shard files that hold them."""
+
+    def __init__(self, path: Path, files: list[dict[str, Any]]) -> None:
+        self.path = path
+        self.files = files
+        self.data = [load_tensors(path / f["file"], f["bytes"], f["sha256"]) for f in files]
+
+    def read(self, kind: str, name: str, key: str, start: int, end: int) -> torch.Tensor:
+        out: torch.Tensor | None = None
+        covered = 0
+        for info, data in zip(self.files, self.data, strict=True):
+            span = info[kind].get(name) if kind == "model" else info[kind].get(name, {}).get(key)
+            if not span or span[1] <= start or span[0] >= end:
+                continue
+            s, e = max(start, span[0]), min(end, span[1])
+            src = data[kind][name][1] if kind == "model" else data[kind][name][key][1]
+            if out is None:
+                out = torch.empty(end - start, dtype=src.dtype)
+            out[s - start:e - start] = src[s - span[0]:e - span[0]]
+            covered += e - s
+        if covered != end - start or (out is None and end > start):
+            raise CheckpointCorruptError(f"{self.path}: no file holds all of {kind} {name!r} {key} "
+                                         f"[{start}, {end})")
+        return out if out is not None else torch.empty(0)
+
+
+def load_checkpoint(mgr: Any, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
+                    ) -> dict[str, Any]:
+    """Load a checkpoint into the prepared model (and optimizer); returns ``extra``. Every rank calls it."""
+    where = Path(path).absolute()
+    problem: BaseException | None = None
+    reader: _Reader | None = None
+    layout: Layout | None = None
+    manifest: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    try:
+        layout = _layout(mgr, model, optimizer)
+        manifest = read_manifest(where)
+        _check(manifest, layout, optimizer is not None, where)
+        m = manifest["meta"]
+        meta = load_tensors(where / m["file"], m["bytes"], m["sha256"])
+        reader = _Reader(where, manifest["files"])
+    except (CheckpointError, InvalidArgumentError) as err:
+        problem = err
+    _agree(mgr, problem)  # nothing was modified on any rank if any of them found a problem
+    if reader is None or layout is None:  # unreachable: _agree raised
+        raise CheckpointError(f"{where}: could not be read")
+    keys = manifest["state_keys"] if optimizer is not None else {}
+    inner_meta = meta["meta"] if optimizer is not None else {"param_groups": [], "scalars": {}}
+    layout.load(reader.read, inner_meta, keys)
+    mgr.barrier()
+    return dict(meta.get("extra", {}))
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint directly inside ``directory`` (None if there is none)."""
+    return latest(Path(directory))

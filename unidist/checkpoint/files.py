@@ -1,0 +1,135 @@
+"""The checkpoint directory on disk: atomic publication, checksums, safe loading, retention.
+
+A checkpoint is written into a hidden sibling directory, every file fsynced, the manifest written last, then
+renamed into place (a rename within one directory is atomic on POSIX file systems); a checkpoint that
+already had the name is moved aside first and deleted only after the new one is in place. So a crash at any
+point leaves either the previous checkpoint or the new one, both complete; an unfinished temporary directory
+has no manifest and is never taken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unidist.errors import CheckpointCorruptError, CheckpointError
+
+__all__ = ["FORMAT", "MANIFEST", "VERSION", "checkpoints_in", "file_digest", "fsync_dir", "latest", "load_tensors",
+           "publish", "read_manifest", "remove_old", "save_tensors"]
+
+FORMAT, VERSION, MANIFEST = "unidist-checkpoint", 1, "manifest.json"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return path.stat().st_size, h.hexdigest()
+
+
+def save_tensors(obj: Any, path: Path) -> tuple[int, str]:
+    """torch.save, fsynced; returns the file's size and checksum for the manifest."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return file_digest(path)
+
+
+def load_tensors(path: Path, size: int, sha256: str) -> Any:
+    """torch.load(weights_only=True) after checking size and checksum: a truncated or altered file is a
+    CheckpointCorruptError naming it, never a partial load."""
+    if not path.is_file():
+        raise CheckpointCorruptError(f"checkpoint file {path} is missing")
+    got_size, got_sha = file_digest(path)
+    if got_size != size:
+        raise CheckpointCorruptError(f"checkpoint file {path} has {got_size} bytes, the manifest says {size} "
+                                     "(truncated or replaced)")
+    if got_sha != sha256:
+        raise CheckpointCorruptError(f"checkpoint file {path} does not match its checksum in the manifest "
+                                     "(altered or corrupted)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointCorruptError(f"checkpoint file {path} cannot be read: {type(err).__name__}: {err}") from err
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint directory ``path``; a CheckpointError if there is none or it is not ours."""
+    file = Path(path) / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not a complete unidist checkpoint (no {MANIFEST}); pass a directory "
+                              "written by save_checkpoint, or use latest_checkpoint(dir) to find one")
+    try:
+        manifest: dict[str, Any] = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointCorruptError(f"{file} cannot be read: {err}") from err
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a unidist checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{file} has format version {manifest.get('version')}; this unidist reads {VERSION}")
+    return manifest
+
+
+def publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest last, fsync, and rename ``tmp`` to ``final`` (replacing an older one safely)."""
+    data = json.dumps(manifest, indent=1).encode()
+    with open(tmp / MANIFEST, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    aside = None
+    if final.exists():
+        aside = final.with_name(f".{final.name}.replaced-{time.time_ns()}")
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def checkpoints_in(directory: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints directly inside ``directory``, oldest first, as (creation ns, path)."""
+    found: list[tuple[int, Path]] = []
+    if not Path(directory).is_dir():
+        return found
+    for child in Path(directory).iterdir():
+        if child.name.startswith(".") or not (child / MANIFEST).is_file():
+            continue
+        try:
+            found.append((int(read_manifest(child)["created_ns"]), child))
+        except (CheckpointError, KeyError, ValueError):
+            continue
+    return sorted(found)
+
+
+def latest(directory: Path) -> Path | None:
+    found = checkpoints_in(directory)
+    return found[-1][1] if found else None
+
+
+def remove_old(directory: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints in ``directory`` (and stale temporaries)."""
+    found = checkpoints_in(directory)
+    doomed = [p for _, p in found[:-keep]] if keep > 0 else []
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
