@@ -282,12 +282,36 @@ class DeepSpeedLayout(Layout):
         self.zero.refresh_fp32_params()  # the fp32 master partitions from the loaded parameters
         if self.optimizer is None:
             return
+        saved = meta["scalars"].get(self.opt_names[0], {}) if self.opt_names else {}
+        keys = sorted({k for name in self.opt_names for k in state_keys.get(name, [])})
+        # A fresh engine has no optimizer state yet (it is made at the first step): make it, zeros, on the
+        # fp32 master partitions, and have DeepSpeed link its per-parameter views into it.
+        masters = getattr(self.zero, "single_partition_of_fp32_groups", None) or \
+            getattr(self.zero, "fp32_partitioned_groups_flat", [])
+        for q in masters:
+            if not self.inner.state.get(q):
+                self.inner.state[q] = {**{k: torch.zeros_like(q) for k in keys}, **_scalars(saved)}
+        if hasattr(self.zero, "_lazy_init_hp_params_optimizer_state"):
+            self.zero._hp_optimizer_states_linked = False
+            self.zero._lazy_init_hp_params_optimizer_state()
         for p, name in zip(self.params, self.opt_names, strict=True):
             for key in state_keys.get(name, []):
-                safe_set_full_optimizer_state(p, read("optim", name, key, 0, p.ds_numel if hasattr(p, "ds_numel")
-                                                      else p.numel()).view(-1), key)
-        saved = meta["scalars"].get(self.opt_names[0], {}) if self.opt_names else {}
+                if hasattr(p, "ds_id"):
+                    self._set_stage3(p, read("optim", name, key, 0, p.ds_numel), key)
+                else:
+                    safe_set_full_optimizer_state(p, read("optim", name, key, 0, p.numel()), key)
         for st in self.inner.state.values():
             for k, v in saved.items():
                 st[k] = v.clone() if isinstance(v, torch.Tensor) else v
         self._set_settings(meta["param_groups"])
+
+    def _set_stage3(self, p: Any, value: torch.Tensor, key: str) -> None:
+        """This rank's partition of a stage-3 parameter's optimizer state. DeepSpeed 0.19.8's own
+        ``set_full_hp_param`` reads past the end of the value when the parameter's size is not a multiple of
+        the world size (the last partition is padded), so the padding is added here."""
+        part, _ = self.zero._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)
+        padded = torch.zeros(part.numel() * self.size, dtype=value.dtype)
+        padded[: value.numel()] = value.reshape(-1)
+        rank = self.zero._get_param_partition_rank(p)
+        part.data.copy_(padded[rank * part.numel():(rank + 1) * part.numel()])
+
