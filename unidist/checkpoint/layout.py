@@ -296,8 +296,9 @@ class DeepSpeedLayout(Layout):
             self.zero._lazy_init_hp_params_optimizer_state()
         for p, name in zip(self.params, self.opt_names, strict=True):
             for key in state_keys.get(name, []):
+                numel: int = getattr(p, "ds_numel", p.numel())  # stage 3 parameters are empty here
                 if hasattr(p, "ds_id"):
-                    self._set_stage3(p, read("optim", name, key, 0, p.ds_numel), key)
+                    self._set_stage3(p, read("optim", name, key, 0, numel), key)
                 else:
                     safe_set_full_optimizer_state(p, read("optim", name, key, 0, p.numel()), key)
         for st in self.inner.state.values():
