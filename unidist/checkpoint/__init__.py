@@ -13,6 +13,8 @@ checkpoint against the model and optimizer before anything is modified.
 from __future__ import annotations
 
 import os
+import pickle
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,7 @@ def _layout(mgr: Any, model: torch.nn.Module, optimizer: Any) -> Layout:
 
     trainer = mgr._training()
     # the optimizer holds the sharding; with optimizer=None (the model only) the one prepare returned does
-    prepared = optimizer if optimizer is not None else trainer.prepared
+    prepared = optimizer if optimizer is not None else trainer.prepared_for.get(trainer.unwrap(model))
     comm = getattr(prepared, "comm", mgr)
     if comm is not mgr:
         raise InvalidArgumentError("checkpoints of a model prepared with group= are not supported yet; prepare "
@@ -90,42 +92,51 @@ def save_checkpoint(mgr: Any, path: str | os.PathLike[str], model: torch.nn.Modu
     except OSError as err:
         problem = CheckpointError(f"cannot create {tmp}: {err}")
     _agree(mgr, problem)
-    pieces = layout.pieces()  # a collective on DeepSpeed engines: every rank, same order
-    info: dict[str, Any] = {}
     try:
-        shard = tmp / f"shard-{mgr.rank:05d}-of-{mgr.size:05d}.pt"
-        size, sha = save_tensors(pieces, shard)
-        info = {"file": shard.name, "bytes": size, "sha256": sha,
-                "model": {k: [s, s + t.numel()] for k, (s, t) in pieces["model"].items()},
-                "optim": {n: {k: [s, s + t.numel()] for k, (s, t) in st.items()} for n, st in pieces["optim"].items()}}
-    except OSError as err:
-        problem = CheckpointError(f"rank {mgr.rank} cannot write {tmp}: {err}")
-    infos = mgr.allgather_object(info if problem is None else None)
-    _agree(mgr, problem if problem is not None else (CheckpointError("a rank failed to write its shard")
-                                                     if any(i is None for i in infos) else None))
-    meta = layout.meta()
-    if mgr.rank == 0:
+        pieces = layout.pieces()  # a collective on DeepSpeed engines: every rank, same order
+        info: dict[str, Any] = {}
         try:
-            meta_file = tmp / "meta.pt"
-            meta_size, meta_sha = save_tensors({"meta": meta, "extra": dict(extra or {})}, meta_file)
-            load_tensors(meta_file, meta_size, meta_sha)  # what will not load safely is refused now
-            keys: dict[str, set[str]] = {}
-            for i in infos:
-                for name, st in i["optim"].items():
-                    keys.setdefault(name, set()).update(st)
-            manifest = {"format": FORMAT, "version": VERSION, "created_ns": time.time_ns(), "backend": mgr.backend,
-                        "world_size": mgr.size, "zero_stage": getattr(optimizer, "stage", 0),
-                        "state": layout.describe(), "state_keys": {n: sorted(k) for n, k in keys.items()},
-                        "files": infos, "meta": {"file": "meta.pt", "bytes": meta_size, "sha256": meta_sha}}
-            publish(tmp, final, manifest)
-            if keep is not None:
-                remove_old(final.parent, keep)
-        except CheckpointCorruptError as err:
-            problem = CheckpointError(f"save_checkpoint(extra=...) holds something torch.load(weights_only=True) "
-                                      f"refuses; pass tensors, numbers, strings, lists and dicts ({err.__cause__})")
-        except (OSError, CheckpointError) as err:
-            problem = CheckpointError(f"cannot publish {final}: {err}")
-    _agree(mgr, problem)
+            shard = tmp / f"shard-{mgr.rank:05d}-of-{mgr.size:05d}.pt"
+            size, sha = save_tensors(pieces, shard)
+            info = {"file": shard.name, "bytes": size, "sha256": sha,
+                    "model": {k: [s, s + t.numel()] for k, (s, t) in pieces["model"].items()},
+                    "optim": {n: {k: [s, s + t.numel()] for k, (s, t) in st.items()}
+                              for n, st in pieces["optim"].items()}}
+        except OSError as err:
+            problem = CheckpointError(f"rank {mgr.rank} cannot write {tmp}: {err}")
+        infos = mgr.allgather_object(info if problem is None else None)
+        _agree(mgr, problem if problem is not None else (CheckpointError("a rank failed to write its shard")
+                                                         if any(i is None for i in infos) else None))
+        meta = layout.meta()
+        if mgr.rank == 0:
+            try:
+                meta_file = tmp / "meta.pt"
+                try:
+                    meta_size, meta_sha = save_tensors({"meta": meta, "extra": dict(extra or {})}, meta_file)
+                except (pickle.PicklingError, AttributeError, TypeError) as err:
+                    raise CheckpointCorruptError("cannot be pickled") from err
+                load_tensors(meta_file, meta_size, meta_sha)  # what will not load safely is refused now
+                keys: dict[str, set[str]] = {}
+                for i in infos:
+                    for name, st in i["optim"].items():
+                        keys.setdefault(name, set()).update(st)
+                manifest = {"format": FORMAT, "version": VERSION, "created_ns": time.time_ns(), "backend": mgr.backend,
+                            "world_size": mgr.size, "zero_stage": getattr(optimizer, "stage", 0),
+                            "state": layout.describe(), "state_keys": {n: sorted(k) for n, k in keys.items()},
+                            "files": infos, "meta": {"file": "meta.pt", "bytes": meta_size, "sha256": meta_sha}}
+                publish(tmp, final, manifest)
+                if keep is not None:
+                    remove_old(final.parent, keep)
+            except CheckpointCorruptError as err:
+                problem = CheckpointError(f"save_checkpoint(extra=...) holds something torch.load(weights_only=True) "
+                                          f"refuses; pass tensors, numbers, strings, lists and dicts ({err.__cause__})")
+            except (OSError, CheckpointError) as err:
+                problem = CheckpointError(f"cannot publish {final}: {err}")
+        _agree(mgr, problem)
+    except BaseException:
+        if mgr.rank == 0:  # an unfinished save leaves no temporary directory behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 

@@ -141,6 +141,7 @@ class DeepSpeedTrainer(Trainer):
         engine.__class__ = _module_keys(type(engine))
         self.engine = engine
         self.prepared = EngineOptimizer(engine)
+        self.prepared_for[model] = self.prepared
         return engine, self.prepared
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Iterable, Mapping, Sized
 from typing import Any
 
@@ -37,6 +38,8 @@ class Trainer:
         self.mgr = manager
         self.prepared: Any = None  # the optimizer prepare returned last
         self.model: torch.nn.Module | None = None  # the user's module prepare saw last
+        # every prepared module's optimizer (ZeRO stage 3 must find its optimizer from the module alone)
+        self.prepared_for: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 
     # ----------------------------------------------------------------- prepare
     def prepare(self, model: torch.nn.Module, optimizer: Any, *, unknown: Mapping[str, Any],
@@ -87,6 +90,7 @@ class Trainer:
                 backward_passes_per_step=opts.backward_passes_per_step, bucket_mb=opts.bucket_mb,
                 clip_grad_norm=opts.clip_grad_norm)
         self.prepared = wrapped
+        self.prepared_for[model] = wrapped
         return model, wrapped
 
     # ----------------------------------------------------------------- the loop
@@ -99,9 +103,9 @@ class Trainer:
 
     def gathered_parameters(self, module: torch.nn.Module) -> Any:
         """Full parameters inside the block (ZeRO stage 3 gathers them; otherwise they are whole)."""
-        del module
-        if isinstance(self.prepared, ZeroOptimizer):
-            return self.prepared.gathered()
+        opt = self.prepared_for.get(self.unwrap(module))
+        if isinstance(opt, ZeroOptimizer):
+            return opt.gathered()
         return contextlib.nullcontext()
 
     # ----------------------------------------------------------------- what a rank holds
