@@ -38,15 +38,16 @@ def test_error_family() -> None:
     assert unidist.ReduceOp("mean") is unidist.ReduceOp.MEAN
 
 
-# Each layer may import only these unidist modules (README "Layout"); the one lazy import of unidist.train
-# from Manager._training (prepare/backward's entry point) is listed by name.
+# Each layer may import only these unidist modules (README "Layout"); the lazy imports of unidist.train and
+# unidist.checkpoint from Manager's entry points (prepare/backward, save/load_checkpoint) are listed by name.
 LAYERS = {
     "comm": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm"),
     "train": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm", "unidist.train"),
+    "checkpoint": ("unidist.errors", "unidist.comm", "unidist.train", "unidist.checkpoint"),
     "managers": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm", "unidist.managers",
-                 "unidist.launch", "unidist.net", "unidist.selector", "unidist.train"),
+                 "unidist.launch", "unidist.net", "unidist.selector", "unidist.train", "unidist.checkpoint"),
 }
-LAZY = {("unidist/managers/base.py", "unidist.train")}
+LAZY = {("unidist/managers/base.py", "unidist.train"), ("unidist/managers/base.py", "unidist.checkpoint")}
 
 
 def _imports(path: Path) -> list[str]:
@@ -67,6 +68,7 @@ def test_layers_import_only_below(layer: str) -> None:
         rel = f"unidist/{layer}/{path.name}"
         for name in _imports(path):
             allowed = any(name == a or name.startswith(a + ".") for a in LAYERS[layer])
-            if layer == "managers" and name.startswith("unidist.train"):
-                allowed = (rel, "unidist.train") in LAZY
+            for lazy in ("unidist.train", "unidist.checkpoint"):
+                if layer == "managers" and name.startswith(lazy):
+                    allowed = (rel, lazy) in LAZY
             assert allowed, f"{rel} imports {name}: {layer}/ may import only {LAYERS[layer]}"
