@@ -29,6 +29,7 @@ from unidist.checkpoint.files import (
     publish,
     read_manifest,
     remove_old,
+    resolve,
     save_tensors,
 )
 from unidist.checkpoint.layout import DeepSpeedLayout, FullLayout, Layout, ZeroLayout
@@ -204,7 +205,7 @@ class _Reader:
 def load_checkpoint(mgr: Any, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
                     ) -> dict[str, Any]:
     """Load a checkpoint into the prepared model (and optimizer); returns ``extra``. Every rank calls it."""
-    where = Path(path).absolute()
+    where = resolve(Path(path).absolute())
     problem: BaseException | None = None
     reader: _Reader | None = None
     layout: Layout | None = None

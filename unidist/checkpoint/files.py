@@ -4,7 +4,8 @@ A checkpoint is written into a hidden sibling directory, every file fsynced, the
 renamed into place (a rename within one directory is atomic on POSIX file systems); a checkpoint that
 already had the name is moved aside first and deleted only after the new one is in place. So a crash at any
 point leaves either the previous checkpoint or the new one, both complete; an unfinished temporary directory
-has no manifest and is never taken for a checkpoint.
+has no manifest and is never taken for a checkpoint. Between the two renames of an in-place replacement the
+old checkpoint exists only under its aside name: ``resolve`` and ``checkpoints_in`` find it there.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from unidist.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "checkpoints_in", "file_digest", "fsync_dir", "latest", "load_tensors",
-           "publish", "read_manifest", "remove_old", "save_tensors"]
+           "publish", "read_manifest", "remove_old", "resolve", "save_tensors"]
 
 FORMAT, VERSION, MANIFEST = "unidist-checkpoint", 1, "manifest.json"
 
@@ -106,13 +107,30 @@ def publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
+def _aside(path: Path) -> list[Path]:
+    """Copies of ``path`` moved aside by an in-place replacement that did not finish, newest last."""
+    return sorted(path.parent.glob(f".{path.name}.replaced-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
+
+
+def resolve(path: Path) -> Path:
+    """``path``, or the copy an interrupted in-place replacement left aside when ``path`` is gone."""
+    if (path / MANIFEST).is_file():
+        return path
+    aside = [p for p in _aside(path) if (p / MANIFEST).is_file()]
+    return aside[-1] if aside else path
+
+
 def checkpoints_in(directory: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints directly inside ``directory``, oldest first, as (creation ns, path)."""
     found: list[tuple[int, Path]] = []
     if not Path(directory).is_dir():
         return found
     for child in Path(directory).iterdir():
-        if child.name.startswith(".") or not (child / MANIFEST).is_file():
+        if ".replaced-" in child.name and child.name.startswith("."):  # an interrupted replacement's old copy
+            original = child.parent / child.name[1:].rsplit(".replaced-", 1)[0]
+            if (original / MANIFEST).is_file() or resolve(original) != child:
+                continue
+        elif child.name.startswith(".") or not (child / MANIFEST).is_file():
             continue
         try:
             found.append((int(read_manifest(child)["created_ns"]), child))
@@ -127,9 +145,14 @@ def latest(directory: Path) -> Path | None:
 
 
 def remove_old(directory: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints in ``directory`` (and stale temporaries)."""
+    """Delete all but the newest ``keep`` complete checkpoints in ``directory``, and what interrupted saves
+    left (temporary directories, old copies whose replacement completed)."""
     found = checkpoints_in(directory)
     doomed = [p for _, p in found[:-keep]] if keep > 0 else []
+    kept = {p for _, p in found[-keep:]} if keep > 0 else set()
+    for child in Path(directory).iterdir():
+        if child.name.startswith(".") and (".tmp-" in child.name or ".replaced-" in child.name) and child not in kept:
+            doomed.append(child)
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

@@ -1,0 +1,85 @@
+"""Checkpoints across backends, world sizes and ZeRO stages, and crash safety, under the real launchers.
+
+Each pair saves under one launch (tests/workers/checkpoint.py --phase save: SGD momentum and Adam, 3 steps, a
+42k-parameter MLP) and resumes under another, which trains to step 8 and compares with one uninterrupted
+process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import LAUNCHES, MARKS, WORKERS, Launch, require, results, run, torchrun
+
+WORKER = str(WORKERS / "checkpoint.py")
+TOL = {"sgd": 1e-5, "adam": 1e-4}
+LAUNCH = {**LAUNCHES, "torchrun-3": Launch(3, torchrun, "torch")}
+# (saved by, at stage) -> (resumed by, at stage); the mark is the engine whose tox env runs the pair
+PAIRS = [
+    ("mpiexec-2", 2, "torchrun-3", 0, "torch"),
+    ("deepspeed-2", 3, "mpiexec-3", 1, "deepspeed"),
+    ("horovodrun-gloo-2", 1, "local-1", 0, "horovod"),
+    ("local-1", 0, "deepspeed-2", 2, "deepspeed"),
+    ("torchrun-2", 3, "horovodrun-gloo-2", 0, "horovod"),
+]
+
+
+def _phase(launch: Launch, *args: str) -> None:
+    proc = run(launch.command(WORKER, *args), env=launch.env, timeout=600)
+    assert proc.returncode == 0, proc.describe()
+
+
+def _check(out: Path, launch: Launch) -> dict[int, dict[str, object]]:
+    res = results(out, launch.size)
+    assert sorted(res) == list(range(launch.size))
+    for rank, rep in res.items():
+        assert (rep["backend"], rep["size"]) == (launch.backend, launch.size)
+        for name, tol in TOL.items():
+            got = rep[name]
+            assert isinstance(got, dict)
+            assert got["diff"] <= tol, (rank, name, got)
+            assert got["spread"] == 0.0, (rank, name, got)
+    return res  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(("saver", "s_stage", "loader", "l_stage", "mark"), [
+    pytest.param(*p, marks=MARKS[p[4]], id=f"{p[0]}-stage{p[1]}-to-{p[2]}-stage{p[3]}") for p in PAIRS])
+def test_resume_elsewhere(tmp_path: Path, saver: str, s_stage: int, loader: str, l_stage: int, mark: str) -> None:
+    a, b = LAUNCH[saver], LAUNCH[loader]
+    require(a.engine)
+    require(b.engine)
+    _phase(a, "--phase", "save", "--stage", str(s_stage), "--dir", str(tmp_path / "ck"))
+    manifest = json.loads((tmp_path / "ck" / "adam" / "step-3" / "manifest.json").read_text())
+    assert (manifest["backend"], manifest["world_size"]) == (a.backend, a.size)
+    out = tmp_path / "out"
+    out.mkdir()
+    _phase(b, "--phase", "resume", "--stage", str(l_stage), "--dir", str(tmp_path / "ck"), "--out", str(out))
+    res = _check(out, b)
+    assert all(r[n]["resumed_from"] == 3 for r in res.values() for n in TOL)  # type: ignore[index]
+
+
+POINTS = ("shard", "manifest", "swap", "retention")
+# every point saving to a new directory and over the previous one on one process; the new-directory series
+# again on two MPI ranks (the rank that hits the point dies; mpiexec ends the other)
+CRASHES = [("local-1", pt, ip) for pt in POINTS for ip in (False, True)] + [("mpiexec-2", pt, False) for pt in POINTS]
+
+
+@pytest.mark.parametrize(("launch", "point", "in_place"), [
+    pytest.param(*c, marks=MARKS[LAUNCH[c[0]].backend], id=f"{c[0]}-{c[1]}-{'in-place' if c[2] else 'new-dir'}")
+    for c in CRASHES])
+def test_killed_inside_save(tmp_path: Path, launch: str, point: str, in_place: bool) -> None:
+    """SIGKILL at a point inside save_checkpoint: a complete checkpoint remains (the previous one, or the
+    new one when the kill came after it was published), and resuming from it reproduces the uninterrupted run."""
+    lch = LAUNCH[launch]
+    require(lch.engine)
+    args = ["--phase", "save", "--stage", "2", "--dir", str(tmp_path / "ck"), "--crash-at", point]
+    proc = run(lch.command(WORKER, *args, *(["--in-place"] if in_place else [])), env=lch.env, timeout=600)
+    assert proc.returncode != 0, "the save was meant to be killed"
+    out = tmp_path / "out"
+    out.mkdir()
+    _phase(lch, "--phase", "resume", "--stage", "3", "--dir", str(tmp_path / "ck"), "--out", str(out))
+    res = _check(out, lch)
+    published = point in ("retention",) or (point == "swap" and not in_place)
+    assert res[0]["adam"]["resumed_from"] == (5 if published else 3), res[0]  # type: ignore[index]
