@@ -10,13 +10,20 @@ The same file under every launcher, for example:
 Each rank trains on its shard of every batch; ``mgr.prepare`` averages gradients (or builds the DeepSpeed
 engine), so the model is the one a single process would train on the whole batch. ``--zero-stage k``
 shards optimizer state (1), gradients (2) and parameters (3) across the ranks on every backend.
+
+The data of a step depends only on the global step and the global batch, never on the world size, so a run
+checkpointed with ``--checkpoint-dir D --checkpoint-every K`` resumes from the newest checkpoint in D when
+restarted, under any launcher, world size and ZeRO stage, and ends with the weights of an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,10 +47,15 @@ def load(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch, split across ranks")
+    parser.add_argument("--batch-size", type=int, default=48, help="global batch, split across ranks")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage 0-3, on every backend")
     parser.add_argument("--backend", default=None, help="override the detected backend (UNIDIST_BACKEND)")
+    parser.add_argument("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument("--save-weights", default=None, help="write the final full state dict here (rank 0)")
+    parser.add_argument("--crash-at-step", type=int, default=None,
+                        help="for testing resume: the last rank kills itself (SIGKILL) at this step, once")
     parser.add_argument("--plot", default=None, help="write the loss/accuracy curve to this PNG")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -59,36 +71,49 @@ def main() -> int:
         prepare_opts = {} if args.zero_stage is None else {"zero_stage": args.zero_stage}
         model, opt = mgr.prepare(model, opt, **prepare_opts)
         per_rank = args.batch_size // mgr.size
-        sampler = mgr.shard(len(y_train), shuffle=True, seed=args.seed, drop_last=True)
+        steps_per_epoch = len(y_train) // args.batch_size
         test_part = list(mgr.shard(len(y_test), shuffle=False))  # every rank scores its part of the test set
+
+        step = 0  # the global step: with the global batch it decides the data, whatever the world size
+        latest = mgr.latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+        if latest is not None:
+            step = mgr.load_checkpoint(latest, model, opt)["step"]
+            if mgr.is_main:
+                print(f"resumed from {latest} at step {step}", flush=True)
 
         history: list[tuple[float, float]] = []
         samples, started = 0, time.perf_counter()
         progress = _progress(args.epochs, mgr.is_main)
-        for epoch in range(args.epochs):
-            sampler.set_epoch(epoch)
-            idx = torch.tensor(list(sampler))
+        for epoch in range(step // steps_per_epoch, args.epochs):
+            order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
             model.train()
             losses = []
-            for start in range(0, len(idx) - per_rank + 1, per_rank):
-                batch = idx[start:start + per_rank]
-                xb, yb = x_train[batch].to(mgr.device), y_train[batch].to(mgr.device)
+            for s in range(step - epoch * steps_per_epoch, steps_per_epoch):
+                global_batch = order[s * args.batch_size:(s + 1) * args.batch_size]
+                rows = global_batch[mgr.rank * per_rank:(mgr.rank + 1) * per_rank]  # this rank's share
+                xb, yb = x_train[rows].to(mgr.device), y_train[rows].to(mgr.device)
                 loss = torch.nn.functional.cross_entropy(model(xb), yb)
                 mgr.backward(loss)
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())
-                samples += per_rank * mgr.size
+                samples += args.batch_size
+                step += 1
+                if args.checkpoint_dir and step % args.checkpoint_every == 0:
+                    mgr.save_checkpoint(Path(args.checkpoint_dir) / f"step-{step:06d}", model, opt, keep=2, step=step)
+                if step == args.crash_at_step and mgr.rank == mgr.size - 1:
+                    _crash_once(Path(args.checkpoint_dir or "."))
             model.eval()
             with torch.no_grad():
                 logits = model(x_test[test_part].to(mgr.device))
                 correct = (logits.argmax(1).cpu() == y_test[test_part]).float().mean().item()
-            history.append((mgr.mean(float(np.mean(losses))), mgr.mean(correct)))
+            history.append((mgr.mean(float(np.mean(losses)) if losses else 0.0), mgr.mean(correct)))
             progress(f"epoch {epoch + 1}/{args.epochs} loss {history[-1][0]:.4f} test accuracy {history[-1][1]:.4f}")
         elapsed = time.perf_counter() - started
 
         # the whole model as one process would hold it (ZeRO-3 gathers it), compared across ranks
-        params = torch.cat([t.reshape(-1).float().cpu() for t in mgr.full_state_dict(model).values()])
+        full = mgr.full_state_dict(model)
+        params = torch.cat([t.reshape(-1).float().cpu() for t in full.values()])
         spread = (mgr.allreduce(params, "max") - mgr.allreduce(params, "min")).abs().max().item()
         mem = mgr.memory_stats()
         if mgr.is_main:
@@ -96,9 +121,21 @@ def main() -> int:
                   f"loss {history[-1][0]:.4f} | {samples / elapsed:.0f} samples/s | "
                   f"max parameter difference across ranks {spread:g} | rank 0 holds "
                   f"{mem['param_bytes']} parameter and {mem['optimizer_bytes']} optimizer-state bytes", flush=True)
+            if args.save_weights:
+                torch.save(full, args.save_weights)
             if args.plot:
                 _plot(history, args.plot)
         return 0 if spread == 0.0 else 1
+
+
+def _crash_once(directory: Path) -> None:
+    """Die as a killed rank would (no cleanup, no exception), unless this run already did: a restarted job
+    must get past the step."""
+    marker = directory / ".crashed-once"
+    if marker.exists():
+        return
+    marker.touch()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _progress(epochs: int, show: bool):  # type: ignore[no-untyped-def]

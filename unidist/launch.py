@@ -32,6 +32,7 @@ class LaunchInfo:
     master_addr: str | None = None
     master_port: int | None = None
     launcher: str = "none"
+    attempt: int = 0  # the launcher's restart count (torchrun --max-restarts): 0 on the first run
 
     @property
     def launched(self) -> bool:
@@ -68,6 +69,7 @@ class Family:
     marker: tuple[str, ...] = ()
     master_addr: str | None = None
     master_port: str | None = None
+    attempt: str | None = None  # the variable counting restarts of the whole job
     backend: str = "mpi"
     mpi_like: bool = False
     command: Command | None = None
@@ -80,7 +82,7 @@ NO_LAUNCHER_BACKEND = "local"  # a plain ``python script.py``: no family matches
 LAUNCHERS: tuple[Family, ...] = (
     Family("torchrun", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
            marker=("TORCHELASTIC_RUN_ID",), master_addr="MASTER_ADDR", master_port="MASTER_PORT",
-           backend="torch",
+           attempt="TORCHELASTIC_RESTART_COUNT", backend="torch",
            command=Command(("torchrun",), ("--standalone", "--nproc_per_node", "{n}"))),
     # Horovod's gloo controller: horovodrun's MPI mode does not recognise every MPI (the mpich wheel's hydra
     # prints no "MPICH" in its version); for MPI, start with mpiexec and UNIDIST_BACKEND=horovod.
@@ -207,7 +209,9 @@ def _from_family(environ: Mapping[str, str], fam: Family) -> LaunchInfo:
         master_port = _int(environ, fam.master_port, fam.name)
         if not 0 < master_port < 65536:
             raise LaunchEnvironmentError(f"{fam.master_port}={master_port} is not a TCP port (1-65535)")
-    return LaunchInfo(rank, size, local_rank, local_size, node_rank, master_addr or None, master_port, fam.name)
+    attempt = _int(environ, fam.attempt, fam.name) if fam.attempt and fam.attempt in environ else 0
+    return LaunchInfo(rank, size, local_rank, local_size, node_rank, master_addr or None, master_port, fam.name,
+                      attempt)
 
 
 def detect(environ: Mapping[str, str] | None = None) -> LaunchInfo:

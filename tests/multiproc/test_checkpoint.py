@@ -8,10 +8,11 @@ process on the whole batch.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import LAUNCHES, MARKS, WORKERS, Launch, require, results, run, torchrun
+from helpers import BIN, LAUNCHES, MARKS, WORKERS, Launch, mpiexec, require, results, run, torchrun
 
 WORKER = str(WORKERS / "checkpoint.py")
 TOL = {"sgd": 1e-5, "adam": 1e-4}
@@ -83,3 +84,46 @@ def test_killed_inside_save(tmp_path: Path, launch: str, point: str, in_place: b
     res = _check(out, lch)
     published = point in ("retention",) or (point == "swap" and not in_place)
     assert res[0]["adam"]["resumed_from"] == (5 if published else 3), res[0]  # type: ignore[index]
+
+
+DIGITS = ["examples/train_digits.py", "--epochs", "3", "--checkpoint-every", "20"]
+
+
+def _weights_close(a: Path, b: Path, tol: float) -> float:
+    import torch
+
+    want, got = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    worst = max(float((want[k] - got[k]).abs().max()) for k in want)
+    assert worst <= tol, worst
+    return worst
+
+
+@pytest.mark.torch
+def test_killed_rank_restarted_by_torchrun_and_resumed_by_hand(tmp_path: Path) -> None:
+    """examples/train_digits.py with --checkpoint-dir: one rank SIGKILLed at step 50 of 87; torchrun
+    --max-restarts 1 restarts the job, which resumes from step 40 and ends with the weights of an uninterrupted
+    one-process run; a 3-rank mpiexec run at ZeRO stage 1 killed the same way, resumed by hand under torchrun
+    on 2 ranks at stage 3, ends there too (Adam: 1e-4)."""
+    require("torch")
+    require("mpi4py")
+    ref = tmp_path / "ref.pt"
+    proc = run([sys.executable, "examples/train_digits.py", "--epochs", "3", "--save-weights", str(ref)], timeout=300)
+    assert proc.returncode == 0, proc.describe()
+
+    restarted = tmp_path / "restarted.pt"
+    proc = run([str(BIN / "torchrun"), "--standalone", "--max-restarts", "1", "--nproc_per_node", "2", *DIGITS,
+                "--checkpoint-dir", str(tmp_path / "a"), "--crash-at-step", "50", "--save-weights", str(restarted)],
+               timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    assert "resumed from" in proc.stdout and "step-000040 at step 40" in proc.stdout, proc.describe()
+    _weights_close(ref, restarted, 1e-4)
+
+    crashed = run(mpiexec(3, *DIGITS, "--zero-stage", "1", "--checkpoint-dir", str(tmp_path / "b"),
+                          "--crash-at-step", "50"), timeout=600)
+    assert crashed.returncode != 0, crashed.describe()
+    by_hand = tmp_path / "by_hand.pt"
+    proc = run(torchrun(2, *DIGITS, "--zero-stage", "3", "--checkpoint-dir", str(tmp_path / "b"),
+                        "--save-weights", str(by_hand)), timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    assert "at step 40" in proc.stdout, proc.describe()
+    _weights_close(ref, by_hand, 1e-4)

@@ -184,8 +184,20 @@ class TorchManager(TorchComm, Manager):
         return "cpu:gloo,cuda:nccl" if self._device.type == "cuda" else "gloo"
 
     def _init_group(self) -> None:
-        self._dist.init_process_group(self._process_group_backend(), init_method="env://",
-                                      timeout=datetime.timedelta(seconds=self.config.timeout))
+        timeout = datetime.timedelta(seconds=self.config.timeout)
+        launch = self.launch
+        if launch.launcher == "torchrun" and launch.size > 1:
+            # torchrun's agent hosts the store and, on a restart (--max-restarts), the same store serves the
+            # new attempt: keys left by the killed attempt (a dead rank's gloo address) were read by the new
+            # one (measured: connection refused, then a hang). Every attempt gets keys of its own.
+            dist: Any = self._dist  # TCPStore, PrefixStore: not in its typed exports
+            client = dist.TCPStore(launch.master_addr or "127.0.0.1", launch.master_port, launch.size,
+                                   is_master=False, timeout=timeout)
+            store = dist.PrefixStore(f"unidist/attempt_{launch.attempt}", client)
+            self._dist.init_process_group(self._process_group_backend(), store=store, rank=launch.rank,
+                                          world_size=launch.size, timeout=timeout)
+            return
+        self._dist.init_process_group(self._process_group_backend(), init_method="env://", timeout=timeout)
 
     def _start(self) -> None:
         self._dist = self._import_dist()
