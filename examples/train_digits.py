@@ -74,6 +74,14 @@ def main() -> int:
         steps_per_epoch = len(y_train) // args.batch_size
         test_part = list(mgr.shard(len(y_test), shuffle=False))  # every rank scores its part of the test set
 
+        def evaluate() -> float:
+            model.eval()
+            with torch.no_grad():
+                logits = model(x_test[test_part].to(mgr.device))
+                correct = (logits.argmax(1).cpu() == y_test[test_part]).float().mean().item()
+            model.train()
+            return mgr.mean(correct)
+
         step = 0  # the global step: with the global batch it decides the data, whatever the world size
         latest = mgr.latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
         if latest is not None:
@@ -86,7 +94,6 @@ def main() -> int:
         progress = _progress(args.epochs, mgr.is_main)
         for epoch in range(step // steps_per_epoch, args.epochs):
             order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
-            model.train()
             losses = []
             for s in range(step - epoch * steps_per_epoch, steps_per_epoch):
                 global_batch = order[s * args.batch_size:(s + 1) * args.batch_size]
@@ -103,13 +110,11 @@ def main() -> int:
                     mgr.save_checkpoint(Path(args.checkpoint_dir) / f"step-{step:06d}", model, opt, keep=2, step=step)
                 if step == args.crash_at_step and mgr.rank == mgr.size - 1:
                     _crash_once(Path(args.checkpoint_dir or "."))
-            model.eval()
-            with torch.no_grad():
-                logits = model(x_test[test_part].to(mgr.device))
-                correct = (logits.argmax(1).cpu() == y_test[test_part]).float().mean().item()
-            history.append((mgr.mean(float(np.mean(losses)) if losses else 0.0), mgr.mean(correct)))
+            history.append((mgr.mean(float(np.mean(losses)) if losses else 0.0), evaluate()))
             progress(f"epoch {epoch + 1}/{args.epochs} loss {history[-1][0]:.4f} test accuracy {history[-1][1]:.4f}")
         elapsed = time.perf_counter() - started
+        if not history:  # resumed from a checkpoint of the last step: nothing left to train
+            history.append((float("nan"), evaluate()))
 
         # the whole model as one process would hold it (ZeRO-3 gathers it), compared across ranks
         full = mgr.full_state_dict(model)
