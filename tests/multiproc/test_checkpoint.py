@@ -127,3 +127,22 @@ def test_killed_rank_restarted_by_torchrun_and_resumed_by_hand(tmp_path: Path) -
     assert proc.returncode == 0, proc.describe()
     assert "at step 40" in proc.stdout, proc.describe()
     _weights_close(ref, by_hand, 1e-4)
+
+
+@pytest.mark.mpi
+def test_damaged_shard_fails_every_rank_clearly(tmp_path: Path) -> None:
+    """Rank 1's shard altered after the save: every rank raises CheckpointCorruptError naming the file (the
+    ranks agree before anything is loaded), and the job ends instead of waiting."""
+    lch = LAUNCH["mpiexec-2"]
+    require(lch.engine)
+    _phase(lch, "--phase", "save", "--stage", "1", "--dir", str(tmp_path / "ck"))
+    shard = tmp_path / "ck" / "adam" / "step-3" / "shard-00001-of-00002.pt"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0x55
+    shard.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run(lch.command(WORKER, "--phase", "resume", "--dir", str(tmp_path / "ck"), "--out", str(out)),
+               timeout=120)
+    assert proc.returncode != 0 and not proc.timed_out, proc.describe()
+    assert "CheckpointCorruptError" in proc.stderr and "shard-00001-of-00002.pt" in proc.stderr, proc.describe()
