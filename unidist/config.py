@@ -25,6 +25,12 @@ _FALSE = ("0", "false", "no", "off", "")
 _log = logging.getLogger("unidist")
 
 
+# Engines turn the timeout into C integers of milliseconds (torch's timedelta, MPI polling): 30 days is far
+# beyond any real collective and far below where they overflow.
+MAX_TIMEOUT = 30 * 24 * 3600.0
+_TIMEOUT_ALLOWED = f"a positive number of seconds up to {MAX_TIMEOUT:.0f} (30 days)"
+
+
 def _env_name(field_name: str) -> str:
     return "UNIDIST_" + field_name.upper()
 
@@ -50,8 +56,8 @@ class Config:
 
         if self.backend is not None and not re.fullmatch(r"[a-z][a-z0-9_]*", self.backend):
             raise bad("backend", self.backend, "a backend name such as local, mpi, torch, horovod, deepspeed")
-        if not self.timeout > 0:
-            raise bad("timeout", self.timeout, "a positive number of seconds")
+        if not 0 < self.timeout <= MAX_TIMEOUT:  # also refuses nan and inf
+            raise bad("timeout", self.timeout, _TIMEOUT_ALLOWED)
         if self.zero_stage not in (0, 1, 2, 3):
             raise bad("zero_stage", self.zero_stage, "0, 1, 2 or 3")
         if not self.bucket_mb > 0:
@@ -128,7 +134,7 @@ def _path(var: str, raw: str) -> str | None:
 
 _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "backend": _backend,
-    "timeout": _number(float, "a positive number of seconds", lambda v: v > 0),
+    "timeout": _number(float, _TIMEOUT_ALLOWED, lambda v: 0 < v <= MAX_TIMEOUT),
     "zero_stage": _number(int, "0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
     "bucket_mb": _number(float, "a positive number of MiB", lambda v: v > 0),
     "compression": _choice(COMPRESSIONS),

@@ -28,6 +28,9 @@ def test_every_variable_parsed() -> None:
 @pytest.mark.parametrize(("var", "value", "allowed"), [
     ("UNIDIST_TIMEOUT", "soon", "positive number of seconds"),
     ("UNIDIST_TIMEOUT", "-1", "positive number of seconds"),
+    ("UNIDIST_TIMEOUT", "inf", "up to 2592000"),
+    ("UNIDIST_TIMEOUT", "nan", "up to 2592000"),
+    ("UNIDIST_TIMEOUT", "1e15", "up to 2592000"),
     ("UNIDIST_ZERO_STAGE", "4", "0, 1, 2 or 3"),
     ("UNIDIST_ZERO_STAGE", "1.5", "0, 1, 2 or 3"),
     ("UNIDIST_BUCKET_MB", "0", "positive number of MiB"),
@@ -56,3 +59,12 @@ def test_unknown_variable_warns_with_suggestion(caplog: pytest.LogCaptureFixture
         cfg = Config.from_env({"UNIDIST_TIMEOUTS": "3", "UNIDIST_CPUS": "4"})
     assert cfg.unknown == ("UNIDIST_CPUS", "UNIDIST_TIMEOUTS")
     assert "did you mean UNIDIST_TIMEOUT?" in caplog.text
+
+
+def test_cuda_device_checked_against_what_torch_sees() -> None:
+    import unidist
+
+    mgr = unidist.init(environ={"UNIDIST_DEVICE": "cuda:99"})
+    with pytest.raises(ConfigError, match=r"UNIDIST_DEVICE='cuda:99' but torch sees \d+ CUDA device"):
+        mgr.start()
+    assert not mgr.started

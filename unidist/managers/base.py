@@ -140,6 +140,10 @@ class Manager(Collectives):
         if want == "cpu":
             return torch.device("cpu")
         if want.startswith("cuda:"):
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if int(want.split(":")[1]) >= count:
+                raise ConfigError(f"UNIDIST_DEVICE={want!r} but torch sees {count} CUDA device(s)"
+                                  + ("; unset it or use 'cpu'" if count == 0 else f"; use cuda:0..cuda:{count - 1}"))
             return torch.device(want)
         if torch.cuda.is_available():
             return torch.device(f"cuda:{self._local_rank % torch.cuda.device_count()}")
