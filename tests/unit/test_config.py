@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,18 @@ def test_cuda_device_checked_against_what_torch_sees() -> None:
     with pytest.raises(ConfigError, match=r"UNIDIST_DEVICE='cuda:99' but torch sees \d+ CUDA device"):
         mgr.start()
     assert not mgr.started
+
+
+@pytest.mark.parametrize(("kind", "words"), [("missing", "does not exist"), ("directory", "is a directory"),
+                                              ("not-json", "not valid JSON"), ("list", "JSON object")])
+def test_deepspeed_config_path_errors(tmp_path: Path, kind: str, words: str) -> None:
+    from unidist.train.deepspeed import _load_config
+
+    path = {"missing": tmp_path / "nope.json", "directory": tmp_path}.get(kind, tmp_path / "ds.json")
+    if kind == "not-json":
+        path.write_text("{stage: 2")
+    elif kind == "list":
+        path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=words) as info:
+        _load_config(str(path))
+    assert str(path) in str(info.value)

@@ -253,8 +253,13 @@ def _load_config(source: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     try:
         loaded = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"DeepSpeed config {str(path)!r} (UNIDIST_DEEPSPEED_CONFIG or config=) does not exist")\
-            from None
+        raise ConfigError(f"DeepSpeed config {str(path)!r} (UNIDIST_DEEPSPEED_CONFIG or deepspeed_config=) does "
+                          "not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"DeepSpeed config {str(path)!r} (UNIDIST_DEEPSPEED_CONFIG or deepspeed_config=) is a "
+                          "directory; give the path of its JSON file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"DeepSpeed config {str(path)!r} cannot be read: {err}") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {err}") from None
     if not isinstance(loaded, dict):
