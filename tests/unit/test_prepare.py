@@ -103,3 +103,13 @@ def test_clip_grad_norm_matches_torch(mgr: unidist.Manager) -> None:
     assert norm > 10  # the clip is active
     for a, b in zip(ref.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_prepare_twice_on_one_model_is_refused() -> None:
+    with unidist.init(environ={}) as mgr:
+        model = torch.nn.Linear(3, 2)
+        prepared, opt = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for again in (model, prepared):
+            with pytest.raises(unidist.InvalidArgumentError, match="already called for this model"):
+                mgr.prepare(again, torch.optim.SGD(model.parameters(), lr=0.1), zero_stage=1)
+        assert len(opt._hooks) == 2  # nothing was added

@@ -57,6 +57,10 @@ class Trainer:
         if opts.group is not None and not (isinstance(opts.group, Group) and opts.group._owner is self.mgr):
             raise InvalidArgumentError(f"prepare(group=...) takes a Group made by this Manager's new_group() or "
                                        f"split(), got {opts.group!r}")
+        if self.unwrap(model) in self.prepared_for:
+            raise InvalidArgumentError(
+                "prepare() was already called for this model: a second call would hook its gradients twice (or "
+                "shard it again); prepare each model once, and keep using the model and optimizer it returned")
         self.model = model
         if opts.group is not None or (opts.zero_stage and not self.engine_zero):
             return self._prepare_unidist(model, optimizer, opts)
