@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import LAUNCHES, MARKS, WORKERS, mpiexec, require, results, run
+from helpers import LAUNCHES, MARKS, WORKERS, mpiexec, require, results, run, torchrun
 
 pytestmark = pytest.mark.mpi
 WORKER = str(WORKERS / "collectives.py")
@@ -50,3 +50,14 @@ def test_exception_on_one_rank_ends_the_job_on_other_launchers(name: str, tmp_pa
     assert not proc.timed_out, proc.describe()
     assert proc.returncode != 0
     assert "deliberate failure on rank 1" in proc.stdout + proc.stderr
+
+
+@pytest.mark.torch
+def test_mpi_backend_under_torchrun_says_what_to_do() -> None:
+    """UNIDIST_BACKEND=mpi under torchrun: each process is its own MPI world; the error says so and names the
+    fix (it used to blame a different MPI library)."""
+    require("mpi4py")
+    proc = run(torchrun(2, "examples/hello_collectives.py"), env={"UNIDIST_BACKEND": "mpi"}, timeout=120)
+    assert proc.returncode != 0 and not proc.timed_out, proc.describe()
+    assert "without an MPI world" in proc.stderr and "Use the torch backend under torchrun" in proc.stderr, \
+        proc.describe()

@@ -19,6 +19,7 @@ from unidist.comm.group import Group
 from unidist.comm.primitives import Primitives
 from unidist.comm.work import DONE, EngineWork, Work
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
+from unidist.launch import family
 from unidist.managers.base import Manager
 from unidist.ops import ReduceOp
 from unidist.selector import spec
@@ -213,6 +214,13 @@ class MPIManager(MPIComm, Manager):
         self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
         if self.launch.launched and self.launch.size != self._size:
             self._comm.Free()
+            fam = family(self.launch.launcher)
+            if fam is not None and not fam.mpi_like:  # torchrun, deepspeed, horovodrun --gloo: no MPI world
+                raise LaunchEnvironmentError(
+                    f"UNIDIST_BACKEND=mpi, but the {self.launch.launcher} launcher started these "
+                    f"{self.launch.size} processes without an MPI world (each one is MPI rank 0 of 1). Use the "
+                    f"{fam.backend} backend under {self.launch.launcher} (unset UNIDIST_BACKEND), or start the job "
+                    "with mpiexec for the mpi backend.")
             raise LaunchEnvironmentError(
                 f"the {self.launch.launcher} launcher announced {self.launch.size} processes but MPI sees "
                 f"{self._size}: mpi4py is linked to a different MPI than the launcher that started this job. "
