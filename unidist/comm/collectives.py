@@ -373,22 +373,13 @@ class Collectives(Primitives):
 
     def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Array:
         """Reduce x over ranks, then rank i keeps chunk i of dim 0 (numpy.array_split sizes)."""
-        rop = resolve_op(op)
-        t, as_np = self._input(x)
-        if t.dim() == 0:
-            raise InvalidArgumentError("reduce_scatter needs at least one dimension to split")
-        self._signature("reduce_scatter", t, rop)
-        rows = split_sizes(t.shape[0], self._size)
-        row = row_numel(t)
-        out = rows_like(t, rows[self._rank])
-        work, post = self._reduce_with(self._reduce_scatter, t, out, rop, [r * row for r in rows])
-        work.wait()
-        if post is not None:
-            post()
-        return self._output(out, as_np)  # type: ignore[no-any-return]
+        return self._reduce_scatter_impl(x, op, self._reduce_scatter).wait()
 
     def reduce_scatter_async(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Handle[Array]:
         """Start a reduce_scatter; ``wait()`` returns this rank's chunk (for overlap with backward)."""
+        return self._reduce_scatter_impl(x, op, self._reduce_scatter_async)
+
+    def _reduce_scatter_impl(self, x: Array, op: ReduceOp | str, prim: Callable[..., Work | None]) -> Handle[Array]:
         rop = resolve_op(op)
         t, as_np = self._input(x)
         if t.dim() == 0:
@@ -397,7 +388,7 @@ class Collectives(Primitives):
         rows = split_sizes(t.shape[0], self._size)
         row = row_numel(t)
         out = rows_like(t, rows[self._rank])
-        work, post = self._reduce_with(self._reduce_scatter_async, t, out, rop, [r * row for r in rows])
+        work, post = self._reduce_with(prim, t, out, rop, [r * row for r in rows])
 
         def finish() -> Array:
             if post is not None:

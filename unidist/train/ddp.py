@@ -22,7 +22,7 @@ does not reduce again.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +30,7 @@ import torch
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.options import check_bucket_mb, check_clip, check_compression, check_passes, check_sync_op
-from unidist.train.view import OptimizerView
+from unidist.train.window import WindowedOptimizer
 
 if TYPE_CHECKING:
     from unidist.comm.work import Handle
@@ -54,7 +54,7 @@ class _Bucket:
         self.handle: Handle[torch.Tensor] | None = None
 
 
-class DistributedOptimizer(OptimizerView):
+class DistributedOptimizer(WindowedOptimizer):
     """Wraps any torch optimizer; see the module docstring for the protocol."""
 
     def __init__(self, comm: Comm, optimizer: torch.optim.Optimizer,
@@ -117,10 +117,6 @@ class DistributedOptimizer(OptimizerView):
         return buckets
 
     # ------------------------------------------------------------------ sync
-    @property
-    def _sync_pass(self) -> bool:
-        return not self._no_sync and self._calls % self.backward_passes_per_step == self.backward_passes_per_step - 1
-
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._sync_pass or self.comm.size == 1:
             return
@@ -180,37 +176,10 @@ class DistributedOptimizer(OptimizerView):
         finally:
             self._no_sync = previous
 
-    # ------------------------------------------------------------------ optimizer protocol
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """On a sync pass: average gradients, then the wrapped optimizer's step. Otherwise nothing."""
-        if closure is not None:
-            raise InvalidArgumentError("DistributedOptimizer.step takes no closure (the loss must be computed "
-                                       "before gradients are averaged)")
-        if self._no_sync:
-            return None
-        sync = self._sync_pass
-        self._calls += 1
-        if not sync:
-            return None
-        if not self._synced:
-            self.synchronize()
-        self._synced = False
-        if self.clip_grad_norm is not None:
-            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-        self.optimizer.step()
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears gradients after a step; between accumulation passes it keeps them."""
-        if self._no_sync or self._calls % self.backward_passes_per_step != 0:
-            return
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+    # ------------------------------------------------------------------ optimizer protocol (window.py)
+    def _clip(self, max_norm: float) -> None:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.optimizer).__name__}, buckets={len(self._buckets)}, "

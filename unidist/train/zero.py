@@ -23,7 +23,7 @@ reduces them, so the update equals one k-times larger batch (stage 2/3 save grad
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +31,7 @@ import torch
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.options import check_bucket_mb, check_clip, check_compression, check_passes, check_sync_op
-from unidist.train.view import OptimizerView
+from unidist.train.window import WindowedOptimizer
 
 if TYPE_CHECKING:
     from unidist.comm.work import Handle
@@ -122,7 +122,7 @@ class _Unit:
         self.shard.grad = got if got.dtype == self.dtype else got.to(self.dtype)
 
 
-class ZeroOptimizer(OptimizerView):
+class ZeroOptimizer(WindowedOptimizer):
     """The user's optimizer stepping this rank's shards; see the module docstring."""
 
     def __init__(self, comm: Comm, model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, *,
@@ -215,10 +215,6 @@ class ZeroOptimizer(OptimizerView):
         return hooks
 
     # ------------------------------------------------------------------ gradients
-    @property
-    def _sync_pass(self) -> bool:
-        return self._calls % self.backward_passes_per_step == self.backward_passes_per_step - 1
-
     def _on_grad(self, p: torch.Tensor) -> None:
         unit = self._unit_of[id(p)]
         unit.ready.add(id(p))
@@ -251,25 +247,10 @@ class ZeroOptimizer(OptimizerView):
             unit.finish()
         self._next = 0
 
-    # ------------------------------------------------------------------ optimizer protocol
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """On a sync pass: finish the gradient reduction, clip, step this rank's shards, share them."""
-        if closure is not None:
-            raise InvalidArgumentError("ZeroOptimizer.step takes no closure (the loss must be computed before "
-                                       "gradients are reduced)")
-        sync = self._sync_pass
-        self._calls += 1
-        if not sync:
-            return None
-        if not self._synced:
-            self.synchronize()
-        self._synced = False
-        if self.clip_grad_norm is not None:
-            self._clip(self.clip_grad_norm)
-        self.optimizer.step()
+    # ------------------------------------------------------------------ optimizer protocol (window.py)
+    def _after_step(self) -> None:
         for unit in self.units:
             unit.refresh()
-        return None
 
     def _clip(self, max_norm: float) -> None:
         """torch.nn.utils.clip_grad_norm_ over the whole model: the shards' squared norms summed over ranks."""
@@ -281,10 +262,7 @@ class ZeroOptimizer(OptimizerView):
             for g in grads:
                 g.mul_(coef)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears shard and local gradients after a step; between accumulation passes it keeps them."""
-        if self._calls % self.backward_passes_per_step != 0:
-            return
+    def _clear_grads(self, set_to_none: bool) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for unit in self.units:
             for p in unit.params:
@@ -357,11 +335,6 @@ class ZeroOptimizer(OptimizerView):
                     target[key] = v.clone() if isinstance(v, torch.Tensor) else v
             if target:
                 self.optimizer.state[unit.shard] = target
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
 
     def __repr__(self) -> str:
         return (f"ZeroOptimizer({type(self.optimizer).__name__}, stage={self.stage}, units={len(self.units)}, "
