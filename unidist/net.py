@@ -18,7 +18,8 @@ _ROUTE_PROBE = ("192.0.2.1", 9)  # TEST-NET-1 (RFC 5737), never a real peer
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (released before return: whoever binds it next should do so soon)."""
+    """A TCP port free on ``host`` now (released before return: whoever binds it next should do so soon);
+    ``host=""`` asks for one free on every interface, for servers that listen on all of them."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

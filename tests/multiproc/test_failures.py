@@ -61,3 +61,12 @@ def test_mpi_backend_under_torchrun_says_what_to_do() -> None:
     assert proc.returncode != 0 and not proc.timed_out, proc.describe()
     assert "without an MPI world" in proc.stderr and "Use the torch backend under torchrun" in proc.stderr, \
         proc.describe()
+
+
+def test_torch_rendezvous_failure_under_mpiexec_ends_the_job() -> None:
+    """The store of a torch-backend job started by mpiexec cannot listen (port taken): rank 0 prints why and
+    aborts the MPI job within seconds (the other ranks used to wait for the store until the timeout)."""
+    require("mpi4py")
+    proc = run(mpiexec(2, str(WORKERS / "port_clash.py")), env={"UNIDIST_BACKEND": "torch"}, timeout=120)
+    assert proc.returncode != 0 and not proc.timed_out, proc.describe()
+    assert "EADDRINUSE" in proc.stderr and "started despite" not in proc.stdout, proc.describe()

@@ -141,6 +141,7 @@ class TorchManager(TorchComm, Manager):
     """torch.distributed process group over env:// rendezvous."""
 
     name = "torch"
+    _over_mpi = False  # the rendezvous address came over MPI (the job was started by an MPI launcher)
 
     # ------------------------------------------------------------ lifecycle
     def _import_dist(self) -> Any:
@@ -168,6 +169,7 @@ class TorchManager(TorchComm, Manager):
         fam = family(launch.launcher)
         single_node = launch.local_size == launch.size
         addr_port = _share_address_over_mpi(launch.rank, single_node) if fam and fam.mpi_like else None
+        self._over_mpi = addr_port is not None
         if addr_port is None:
             raise LaunchEnvironmentError(
                 f"the {self.name} backend needs MASTER_ADDR and MASTER_PORT for a {launch.size}-process run "
@@ -209,7 +211,12 @@ class TorchManager(TorchComm, Manager):
         self._owns_group = not self._dist.is_initialized()
         if self._owns_group:
             self._rendezvous()
-            self._init_group()
+            try:
+                self._init_group()
+            except Exception:
+                if self._over_mpi:  # the peers wait for this rank's store: end the MPI job instead of a hang
+                    _abort_mpi_job()
+                raise
         self._rank, self._size = self._dist.get_rank(), self._dist.get_world_size()
         if launch.launched and (self._rank, self._size) != (launch.rank, launch.size):
             raise LaunchEnvironmentError(
@@ -255,8 +262,21 @@ def _share_address_over_mpi(rank: int, single_node: bool) -> tuple[str, int] | N
     buf = np.zeros(256, dtype=np.uint8)
     if rank == 0:
         addr = rendezvous_address(single_node)
-        text = f"{addr}:{free_port(addr)}".encode()
+        text = f"{addr}:{free_port('')}".encode()  # the store listens on every interface: free on all
         buf[: len(text)] = np.frombuffer(text, dtype=np.uint8)
     MPI.COMM_WORLD.Bcast([buf, MPI.BYTE], root=0)
     addr, _, port = bytes(buf).rstrip(b"\0").decode().rpartition(":")
     return addr, int(port)
+
+
+def _abort_mpi_job() -> None:
+    """Print this rank's error and abort every rank of the MPI job (mpi4py is loaded: it carried the address)."""
+    import sys
+    import traceback
+
+    from mpi4py import MPI
+
+    traceback.print_exc()
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
+
