@@ -149,3 +149,14 @@ def test_damaged_shard_fails_every_rank_clearly(tmp_path: Path) -> None:
                timeout=120)
     assert proc.returncode != 0 and not proc.timed_out, proc.describe()
     assert "CheckpointCorruptError" in proc.stderr and "shard-00001-of-00002.pt" in proc.stderr, proc.describe()
+
+
+@pytest.mark.mpi
+def test_bench_checkpoint_smoke(tmp_path: Path) -> None:
+    """`python -m unidist.bench.checkpoint --dir D` (README) prints one row per stage and removes D."""
+    require("mpi4py")
+    proc = run(mpiexec(2, "-m", "unidist.bench.checkpoint", "--dir", str(tmp_path / "b"), "--width", "64",
+                       "--layers", "2", "--rounds", "1"), timeout=300)
+    assert proc.returncode == 0, proc.describe()
+    assert sum(line.startswith(("| 0 |", "| 1 |", "| 2 |", "| 3 |")) for line in proc.stdout.splitlines()) == 4
+    assert not (tmp_path / "b").exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any
 
 import pytest
@@ -102,3 +103,14 @@ def test_example_trains_with_zero(backend: str, stage: int) -> None:
     assert (m.group(1), int(m.group(2))) == (backend, n)
     assert float(m.group(3)) >= 0.85, m.group(0)  # 2 epochs; 0.94 measured
     assert float(m.group(4)) == 0.0, m.group(0)
+
+
+@pytest.mark.mpi
+def test_bench_zero_smoke() -> None:
+    """`python -m unidist.bench.zero` (README) prints one row per stage; tiny sizes: a smoke test, not a timing."""
+    require("mpi4py")
+    proc = run([str(BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "unidist.bench.zero", "--width", "64",
+                "--layers", "2", "--steps", "1", "--rounds", "1"], timeout=300)
+    assert proc.returncode == 0, proc.describe()
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| [0-3] \|", line)]
+    assert len(rows) == 4, proc.describe()
