@@ -240,6 +240,17 @@ class TorchManager(TorchComm, Manager):
                 # last exchange aborted the process ("terminate called without an active exception", seen
                 # once in ~30 torchrun runs); skipped when failing, as the peers may be gone
                 self._dist.barrier()
+            if self._over_mpi and not self._failing and self._size > 1:
+                # rank 0 hosts the store here: the other ranks let go of it first, then rank 0 closes it (a
+                # store closing under a connected peer aborted that peer at exit, under load)
+                from mpi4py import MPI
+
+                if self._rank != 0:
+                    self._dist.destroy_process_group()
+                MPI.COMM_WORLD.Barrier()
+                if self._rank == 0:
+                    self._dist.destroy_process_group()
+                return
             self._dist.destroy_process_group()
 
     def _engine_groups(self, lists: list[list[int]]) -> list[Group | None]:
