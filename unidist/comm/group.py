@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from unidist.comm import watchdog
 from unidist.comm.collectives import Collectives
 from unidist.comm.primitives import Primitives
 from unidist.errors import InvalidArgumentError, NotInitializedError
@@ -31,6 +32,8 @@ class Group(Collectives):
         self._size = len(self._ranks)
         self._init_collectives()
         self._enable_fast_path()
+        if self._size > 1:
+            watchdog.watch_primitives(self, "group ")
 
     @property
     def ranks(self) -> tuple[int, ...]:

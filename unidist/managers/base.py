@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from unidist.comm import watchdog
 from unidist.comm.collectives import Collectives
 from unidist.comm.group import Group, SoloGroup
 from unidist.comm.work import DONE, EngineWork, Handle, Work
@@ -79,6 +80,11 @@ class Manager(Collectives):
         self._started = True
         _active = self
         self._enable_fast_path()
+        if self._size > 1:  # every wait on peers bounded by UNIDIST_TIMEOUT: see comm/watchdog.py
+            watchdog.watch_primitives(self)
+            token = torch.frombuffer(bytearray(os.urandom(12)), dtype=torch.uint8)  # not the user's RNG
+            self._broadcast(token, 0)  # the job's name for its heartbeat directory
+            watchdog.start(self.config.timeout, self._rank, self._size, bytes(token.tolist()).hex())
         _log.info("%s started: rank %d of %d on %s", type(self).__name__, self._rank, self._size, self._device)
         return self
 
@@ -90,6 +96,7 @@ class Manager(Collectives):
         try:
             self._shutdown()
         finally:
+            watchdog.stop()
             self._started = False
             self._disable_fast_path()
             for group in list(self._made_groups):  # their fast path skips the started check too

@@ -5,10 +5,10 @@ Training through ``deepspeed.initialize`` lives in unidist/train/deepspeed.py.
 
 from __future__ import annotations
 
-import datetime
 import logging
 from typing import Any
 
+from unidist.comm import watchdog
 from unidist.errors import BackendUnavailableError
 from unidist.managers.torch import TorchManager
 from unidist.selector import spec
@@ -43,4 +43,4 @@ class DeepSpeedManager(TorchManager):
                 compatible["deepspeed_shm_comm"] = False
         self._dist.init_distributed(dist_backend=self._process_group_backend(), auto_mpi_discovery=False,
                                     verbose=False, init_method="env://",
-                                    timeout=datetime.timedelta(seconds=self.config.timeout))
+                                    timeout=watchdog.engine_timeout(self.config.timeout))

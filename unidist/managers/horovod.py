@@ -8,12 +8,12 @@ on a TCPStore whose address rank 0 broadcasts with Horovod itself.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
+from unidist.comm import watchdog
 from unidist.comm.group import Group, SortedOrder
 from unidist.comm.primitives import Primitives
 from unidist.comm.work import EngineWork, Work
@@ -143,7 +143,7 @@ class HorovodManager(HorovodComm, Manager):
         import torch.distributed
 
         dist: Any = torch.distributed  # TCPStore, PrefixStore, ProcessGroupGloo: not in its typed exports
-        timeout = datetime.timedelta(seconds=self.config.timeout)
+        timeout = watchdog.engine_timeout(self.config.timeout)
         if self._rank == 0:
             store = dist.TCPStore("0.0.0.0", 0, self._size, is_master=True, timeout=timeout,  # noqa: S104
                                   wait_for_workers=False)

@@ -7,12 +7,12 @@ a free port are shared through mpi4py when it is installed, so no MASTER_ADDR/MA
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
+from unidist.comm import watchdog
 from unidist.comm.group import Group, SortedOrder
 from unidist.comm.primitives import Primitives
 from unidist.comm.work import EngineWork, Work
@@ -186,7 +186,7 @@ class TorchManager(TorchComm, Manager):
         return "cpu:gloo,cuda:nccl" if self._device.type == "cuda" else "gloo"
 
     def _init_group(self) -> None:
-        timeout = datetime.timedelta(seconds=self.config.timeout)
+        timeout = watchdog.engine_timeout(self.config.timeout)
         launch = self.launch
         if launch.launcher == "torchrun" and launch.size > 1:
             # torchrun's agent hosts the store and, on a restart (--max-restarts), the same store serves the
@@ -239,7 +239,8 @@ class TorchManager(TorchComm, Manager):
                 # tear down together: a rank destroying its gloo group while a peer is still finishing its
                 # last exchange aborted the process ("terminate called without an active exception", seen
                 # once in ~30 torchrun runs); skipped when failing, as the peers may be gone
-                self._dist.barrier()
+                with watchdog.watching(watchdog.LEAVING):
+                    self._dist.barrier()
             if self._over_mpi and not self._failing and self._size > 1:
                 # rank 0 hosts the store here: the other ranks let go of it first, then rank 0 closes it (a
                 # store closing under a connected peer aborted that peer at exit, under load)

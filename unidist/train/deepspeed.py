@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from unidist.comm import watchdog
 from unidist.errors import ConfigError, InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.memory import optimizer_tensors, peak_bytes, storage_bytes
@@ -48,7 +49,8 @@ class EngineOptimizer(OptimizerView):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise InvalidArgumentError("a DeepSpeed engine step takes no closure")
-        self.engine.step()
+        with watchdog.watching("deepspeed engine.step"):
+            self.engine.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: the engine clears gradients itself after the step at each accumulation boundary, and
@@ -134,7 +136,7 @@ class DeepSpeedTrainer(Trainer):
             raise InvalidArgumentError("prepare() needs an optimizer, or an 'optimizer' section in deepspeed_config")
         # The user's RNG stream stays as it was (dropout masks must not depend on the backend).
         devices = [self.mgr._device] if self.mgr._device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), watchdog.watching("deepspeed.initialize"):
             engine, _, _, _ = self.mgr._deepspeed.initialize(
                 model=model.to(self.mgr.device), optimizer=optimizer, config=ds_config,
                 model_parameters=None if optimizer is not None else model.parameters())
@@ -153,7 +155,8 @@ class DeepSpeedTrainer(Trainer):
         """``engine.backward`` after an engine was prepared: scales for accumulation and reduces or partitions
         gradients. After ``prepare(group=...)`` (unidist's optimizer) the plain path."""
         if isinstance(self.prepared, EngineOptimizer):
-            self.engine.backward(loss)
+            with watchdog.watching("deepspeed engine.backward (gradient exchange)"):
+                self.engine.backward(loss)
         else:
             super().backward(loss)
 

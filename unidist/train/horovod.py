@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from unidist.comm import watchdog
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.options import TrainOptions, check_bucket_mb, check_clip, check_passes, check_sync_op
@@ -34,7 +35,8 @@ class HorovodTrainer(Trainer):
             state: Any = model_or_state.state_dict()
         else:
             state = model_or_state if isinstance(model_or_state, Mapping) else dict(model_or_state)
-        self.mgr._hvd.broadcast_parameters(state, root_rank=root)
+        with watchdog.watching("hvd.broadcast_parameters"):
+            self.mgr._hvd.broadcast_parameters(state, root_rank=root)
 
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer,
                               named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
@@ -109,7 +111,8 @@ class HorovodOptimizer(OptimizerView):
 
     def synchronize(self) -> None:
         """Wait for the averaged gradients (written into ``p.grad``); the next ``step()`` uses them as they are."""
-        self.optimizer.synchronize()
+        with watchdog.watching("hvd optimizer.synchronize (gradient exchange)"):
+            self.optimizer.synchronize()
         self._synced = True
 
     def step(self, closure: Any = None) -> Any:
@@ -121,7 +124,7 @@ class HorovodOptimizer(OptimizerView):
             return None
         if self.clip_grad_norm is not None:
             if not self._synced:
-                self.optimizer.synchronize()
+                self.synchronize()
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
             self._synced = True
@@ -129,7 +132,8 @@ class HorovodOptimizer(OptimizerView):
             if self._synced:
                 with self.optimizer.skip_synchronize():
                     return self.optimizer.step()
-            return self.optimizer.step()
+            with watchdog.watching("hvd optimizer.step (gradient exchange)"):
+                return self.optimizer.step()
         finally:
             self._synced = False
 

@@ -1,0 +1,95 @@
+"""One rank misbehaves under every launcher; the job must end, non-zero, within UNIDIST_TIMEOUT + 15 s of the
+fault, with a message that names the rank and the call (issue 12's fault table).
+
+The worker (tests/workers/faults.py) trains a small model; at step 3 the last rank is killed, stopped, raises,
+exits 0, or makes a mismatched collective. The launcher's output goes to files, not pipes: a stopped rank a
+launcher leaves behind would hold a pipe open. Whatever is left of the session is SIGKILLed afterwards.
+Set UNIDIST_FAULT_TABLE=<file> to collect launcher, fault, seconds, exit code and the first message line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import LAUNCHES, MARKS, WORKERS, Launch, clean_env, require
+
+WORKER = str(WORKERS / "faults.py")
+TIMEOUT = 3.0
+LAUNCH_NAMES = ("mpiexec-2", "torch-under-mpiexec-2", "horovod-under-mpiexec-2", "torchrun-2", "deepspeed-2",
+                "horovodrun-gloo-2")
+FAULTS = ("kill", "stop", "raise", "exit0", "sum_max", "kind")
+
+# what names the culprit: the last rank (1) and, where the rank is alive to say so, its call
+CULPRIT = {
+    "kill": r"rank 1 is not responding|local_rank: 1|rank 1\]|KILLED BY SIGNAL: 9|return code = -9|exit code: -9|"
+            r"signal 9",
+    "stop": r"rank 1 is not responding \(stopped",
+    "raise": r"deliberate failure on rank 1",
+    "exit0": r"rank 1 of 2: call #\d+ shutdown barrier|rank 1 is alive at call #\d+ waiting in shutdown barrier",
+    "sum_max": r"rank 0 called allreduce\(op=sum.*rank 1 called allreduce\(op=max",
+    "kind": r"rank 1 of 2: call #\d+ broadcast|rank 1 is alive at call #\d+ waiting in broadcast",
+}
+
+
+def _launch(name: str) -> Launch:
+    if name in LAUNCHES:
+        return LAUNCHES[name]
+    base = LAUNCHES["torch-under-mpiexec-3" if name.startswith("torch") else "horovod-under-mpiexec-2"]
+    return Launch(2, base.argv, base.backend, base.engine, base.env)
+
+
+CASES = [pytest.param(n, f, marks=MARKS[_launch(n).backend], id=f"{n}-{f}") for n in LAUNCH_NAMES for f in FAULTS]
+
+
+@pytest.mark.parametrize(("name", "fault"), CASES)
+def test_fault_ends_the_job(name: str, fault: str, tmp_path: Path) -> None:
+    launch = _launch(name)
+    require(launch.engine)
+    env = {**launch.env, "UNIDIST_TIMEOUT": str(TIMEOUT)}
+    if fault == "sum_max":
+        env["UNIDIST_CHECK_COLLECTIVES"] = "1"
+    out, log = tmp_path / "out", tmp_path / "log"
+    out.mkdir()
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(launch.command(WORKER, "--out", str(out), "--fault", fault), env=clean_env(env),
+                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=TIMEOUT + 120)
+        except subprocess.TimeoutExpired:
+            code = None
+        ended = time.time()
+        _kill_session(proc.pid, out)
+    text = log.read_text()
+    assert code is not None, f"{name} {fault}: the job did not end in {TIMEOUT + 120} s\n{text[-4000:]}"
+    assert (out / "fault").exists(), f"{name} {fault}: the fault was never injected (exit {code})\n{text[-4000:]}"
+    seconds = ended - float((out / "fault").read_text())
+    first = next((line.strip() for line in text.splitlines() if re.search(CULPRIT[fault], line)), "")
+    table = os.environ.get("UNIDIST_FAULT_TABLE")
+    if table:
+        with open(table, "a") as f:
+            f.write(json.dumps({"launch": name, "fault": fault, "seconds": round(seconds, 1), "exit": code,
+                                "message": first[:300]}) + "\n")
+    assert code != 0, f"{name} {fault}: exit 0\n{text[-4000:]}"
+    assert seconds <= TIMEOUT + 15, f"{name} {fault}: ended {seconds:.1f} s after the fault\n{text[-4000:]}"
+    assert first, f"{name} {fault}: no message names the culprit ({CULPRIT[fault]!r})\n{text[-4000:]}"
+    assert "finished" not in text, text[-4000:]
+
+
+def _kill_session(pid: int, out: Path) -> None:
+    """SIGKILL the launcher's session and any rank that left it (a stopped rank must not outlive the test)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for f in out.glob("pid*"):
+        try:
+            os.kill(int(f.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass

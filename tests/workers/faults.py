@@ -1,0 +1,63 @@
+"""Fault injection: the last rank misbehaves at step 3 of a short data-parallel training loop.
+
+--fault kill    SIGKILL itself                  stop     SIGSTOP itself (stuck: the others must time out)
+        raise   raise ValueError                 exit0    sys.exit(0) inside the with block
+        sum_max allreduce with op=max while the others use sum (needs UNIDIST_CHECK_COLLECTIVES)
+        kind    broadcast while the others allreduce
+Every rank writes <out>/pid<R>; the faulty rank writes <out>/fault (the wall time of the fault), so the
+test can time the job's end from the fault and clean up a stopped rank the launcher left behind. The
+healthy ranks' step makes the backend's own gradient exchange wait (DeepSpeed's engine, Horovod's
+optimizer, unidist's hooks), then an allreduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import unidist
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", type=Path, required=True)
+parser.add_argument("--fault", required=True, choices=["kill", "stop", "raise", "exit0", "sum_max", "kind"])
+parser.add_argument("--local_rank", type=int)  # the deepspeed launcher appends it
+args = parser.parse_args()
+
+with unidist.init() as mgr:
+    (args.out / f"pid{mgr.rank}").write_text(str(os.getpid()))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    model, opt = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    faulty = mgr.rank == mgr.size - 1
+    gen = torch.Generator().manual_seed(mgr.rank)
+    for step in range(6):
+        x = torch.randn(16, 64, generator=gen)
+        loss = model(x).pow(2).mean()
+        if faulty and step == 3:
+            (args.out / "fault").write_text(f"{time.time():.3f}")
+            print(f"rank {mgr.rank}: injecting {args.fault}", flush=True)
+            if args.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif args.fault == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif args.fault == "raise":
+                raise ValueError(f"deliberate failure on rank {mgr.rank}")
+            elif args.fault == "exit0":
+                sys.exit(0)
+        mgr.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        t = torch.full((4,), float(mgr.rank + 1))
+        if faulty and step == 3 and args.fault == "sum_max":
+            mgr.allreduce_(t, op="max")
+        elif faulty and step == 3 and args.fault == "kind":
+            mgr.broadcast_(t, root=0)
+        else:
+            mgr.allreduce_(t)
+    print(f"rank {mgr.rank}: finished, last allreduce {t.tolist()}", flush=True)

@@ -1,0 +1,271 @@
+"""The per-process watchdog: no wait inside unidist lasts longer than ``UNIDIST_TIMEOUT``.
+
+Engines block inside C with the GIL released (``MPI_Allreduce``, gloo, Horovod's wait, DeepSpeed's bucket
+exchange), where no Python timeout can reach them, and a rank that is stopped or spinning elsewhere leaves
+its peers there for good. So every place unidist waits on peers is a *watched region*: the engine
+primitives of every communicator (installed by :func:`watch_primitives`), the waits of async handles, and
+the engine calls that exchange gradients inside DeepSpeed and Horovod (:func:`watching`). Entering and
+leaving one costs two attribute writes and a clock read (~0.2 us), so it is always on.
+
+A daemon thread wakes a few times per timeout and leaves a heartbeat (time, call number, current call) in a
+file of the job's directory on this host. When the main thread has been inside one region longer than the
+timeout, it prints which call on which rank (call number, call, shapes), what every rank on this host was
+last seen doing (a stale heartbeat is a stopped or dead rank; a rank that left is named) and ends the job: under
+MPI with ``MPI_Abort``, so mpiexec takes every rank down; elsewhere with ``os._exit``, so torchrun, the
+deepspeed launcher and horovodrun see a failed worker and stop the others. Call numbers count the watched
+engine calls, which every rank makes in the same order: the rank with the lower number is the one behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import functools
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["LEAVING", "TIMEOUT_EXIT_CODE", "describe_args", "engine_timeout", "start", "stop", "watch_primitives",
+           "watching"]
+
+TIMEOUT_EXIT_CODE = 124  # what GNU timeout uses: "the command timed out"
+ENGINE_GRACE = 10.0  # seconds the engines wait beyond UNIDIST_TIMEOUT: see engine_timeout
+LEAVING = "shutdown barrier (this rank is leaving its `with` block while a peer is still in a collective or stuck)"
+
+# the engine primitives of comm/primitives.py: every wait on peers goes through one of them
+PRIMITIVES = ("_barrier", "_broadcast", "_allreduce", "_allgather", "_alltoall", "_send", "_recv", "_gather",
+              "_scatter", "_reduce_scatter")
+ASYNC_PRIMITIVES = ("_allreduce_async", "_reduce_scatter_async", "_broadcast_async", "_allgather_async")
+
+
+class _State:
+    """What the main thread is waiting in; written by the main thread, read by the watchdog."""
+
+    __slots__ = ("args", "calls", "depth", "since", "what")
+
+    def __init__(self) -> None:
+        self.since = 0.0  # monotonic time the outermost watched region began; 0.0 when none
+        self.depth = 0
+        self.calls = 0  # watched calls so far: the same sequence on every rank
+        self.what = ""
+        self.args: tuple[Any, ...] = ()
+
+
+_state = _State()
+_clock = time.monotonic
+
+
+class _Dog:
+    def __init__(self, timeout: float, rank: int, size: int, job: str, end_job: Callable[[int], None]) -> None:
+        self.timeout, self.rank, self.size, self.end_job = timeout, rank, size, end_job
+        self.period = min(1.0, timeout / 8)
+        self.dir = os.path.join(_HEARTBEATS, f"unidist-{job}")
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="unidist-watchdog", daemon=True)
+
+    def run(self) -> None:
+        with _quiet():
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)  # the name is random per job
+        while True:
+            since, calls, what, args = _state.since, _state.calls, _state.what, _state.args
+            self.beat(f"at call #{calls} " + (f"waiting in {what}{describe_args(args)}" if since else "computing"))
+            if since and _clock() - since > self.timeout and _state.since == since:
+                self.fire(calls, what, args, _clock() - since)
+                return
+            if self.stopped.wait(self.period):
+                return
+
+    def beat(self, doing: str) -> None:
+        """This rank's heartbeat: wall time and what it is doing, replaced atomically."""
+        path = os.path.join(self.dir, str(self.rank))
+        with _quiet():
+            with open(path + ".tmp", "w") as f:
+                f.write(f"{time.time():.3f} {os.getpid()} {doing}")
+            os.replace(path + ".tmp", path)
+
+    def peers(self) -> tuple[list[str], list[int]]:
+        """What each other rank on this host was last seen doing, and the pids of those not responding."""
+        out, stuck, now = [], [], time.time()
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            try:
+                with open(os.path.join(self.dir, str(r))) as f:
+                    stamp, pid, doing = f.read().split(" ", 2)
+                age = now - float(stamp)
+            except (OSError, ValueError):
+                continue  # on another host, or never started its watchdog
+            if age > 3 * self.period + 1:
+                out.append(f"rank {r} is not responding (stopped, hung in C or dead): last heartbeat {age:.1f} s "
+                           f"ago, {doing}")
+                stuck.append(int(pid))
+            else:
+                out.append(f"rank {r} is alive {doing}")
+        return out, stuck
+
+    def fire(self, calls: int, what: str, args: tuple[Any, ...], waited: float) -> None:
+        peers, stuck = self.peers()
+        seen = ("; ".join(peers) + ".") if peers else "no other rank's heartbeat is visible on this host."
+        print(f"unidist: rank {self.rank} of {self.size}: call #{calls} {what}{describe_args(args)} has waited "
+              f"{waited:.1f} s, longer than UNIDIST_TIMEOUT={self.timeout:g}. {seen} Another rank is stuck, dead, "
+              "exited or made a different call; ending the job. Raise UNIDIST_TIMEOUT if the wait is "
+              "legitimate.", file=sys.stderr, flush=True)
+        for pid in stuck:
+            _kill_sibling(pid)
+        self.end_job(TIMEOUT_EXIT_CODE)
+
+    def leave(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=5)
+        with _quiet():
+            os.remove(os.path.join(self.dir, str(self.rank)))
+            os.rmdir(self.dir)  # the last rank out removes the directory
+
+
+def _kill_sibling(pid: int) -> None:
+    """SIGKILL a rank of this job that stopped responding (a stopped process ignores the SIGTERM torchrun and
+    the deepspeed launcher send first: torchrun waits 30 s before SIGKILL). Only a process with this one's
+    parent (the launcher or its local agent) is touched, so a reused pid is never hit."""
+    def parent(p: int) -> int:
+        with open(f"/proc/{p}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1])
+    with _quiet():
+        if parent(pid) == os.getppid():
+            os.kill(pid, signal.SIGKILL)
+
+
+_HEARTBEATS = tempfile.gettempdir()
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Heartbeats are diagnostics: a full or read-only disk must not stop training."""
+    try:
+        yield
+    except OSError:
+        pass
+
+
+_dog: _Dog | None = None
+
+
+def engine_timeout(timeout: float) -> datetime.timedelta:
+    """The timeout handed to an engine (gloo, torch's store): a little longer than the watchdog's, so the
+    watchdog, which names the call and the ranks, fires first; the engine's own error is the fallback."""
+    return datetime.timedelta(seconds=timeout + ENGINE_GRACE)
+
+
+def start(timeout: float, rank: int, size: int, job: str) -> None:
+    """Start this process's watchdog (one per process; a second start replaces the first). ``job`` is the
+    same string on every rank of the job and differs between jobs: it names the heartbeat directory."""
+    global _dog
+    stop()
+    _state.since, _state.depth, _state.calls = 0.0, 0, 0
+    _dog = _Dog(timeout, rank, size, job, end_job)
+    _dog.thread.start()
+
+
+def stop() -> None:
+    """Stop the watchdog and remove this rank's heartbeat (at shutdown)."""
+    global _dog
+    if _dog is not None:
+        _dog.leave()
+        _dog = None
+
+
+def end_job(code: int) -> None:
+    """End every rank: ``MPI_Abort`` when this process runs MPI, else exit and let the launcher stop the rest."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.COMM_WORLD.Abort(code)
+    finally:
+        os._exit(code)
+
+
+@contextmanager
+def watching(what: str, *args: Any) -> Iterator[None]:
+    """A watched region around an engine call that waits on peers (a gradient exchange, an engine's start)."""
+    st = _state
+    st.calls += 1
+    outer = st.depth == 0
+    if outer:
+        st.what, st.args, st.since = what, args, _clock()
+    st.depth += 1
+    try:
+        yield
+    finally:
+        st.depth -= 1
+        if outer:
+            st.since, st.args = 0.0, ()
+
+
+def _watched(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+    st = _state
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        st.calls += 1
+        if st.depth:
+            return fn(*args)
+        st.what, st.args, st.since = what, args, _clock()
+        st.depth = 1
+        try:
+            return fn(*args)
+        finally:
+            st.depth, st.since, st.args = 0, 0.0, ()
+    return call
+
+
+class _WatchedWork:
+    __slots__ = ("_args", "_what", "_work")
+
+    def __init__(self, work: Any, what: str, args: tuple[Any, ...]) -> None:
+        self._work, self._what, self._args = work, what, args
+
+    def wait(self) -> None:
+        with watching(self._what, *self._args):
+            self._work.wait()
+
+    def test(self) -> bool:
+        return bool(self._work.test())
+
+
+def _watched_async(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        return _WatchedWork(fn(*args), what, args)
+    return call
+
+
+def watch_primitives(comm: object, where: str = "") -> None:
+    """Make every engine primitive of ``comm`` (a Manager or Group) a watched region, on this instance."""
+    for name in PRIMITIVES:
+        setattr(comm, name, _watched(getattr(comm, name), where + name[1:]))
+    for name in ASYNC_PRIMITIVES:
+        setattr(comm, name, _watched_async(getattr(comm, name), where + name[1:].replace("_async", "") + " wait"))
+
+
+def describe_args(args: tuple[Any, ...]) -> str:
+    """``(float32[4], op=sum)``: tensors by dtype and shape, small values as they are."""
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append(f"{str(a.dtype).replace('torch.', '')}{list(a.shape)}")
+        elif isinstance(a, enum.Enum):  # a ReduceOp
+            parts.append(f"op={a.value}")
+        elif isinstance(a, (int, float, str)) or a is None:
+            parts.append(repr(a))
+        elif isinstance(a, (list, tuple)) and len(a) <= 8:
+            parts.append(repr(list(a)))
+        else:
+            parts.append(type(a).__name__)
+    return f"({', '.join(parts)})" if parts else ""
