@@ -556,10 +556,26 @@ def run_mode(mgr: Any, mode: str, out: Path) -> None:
         except unidist.CollectiveMismatchError as err:
             result["desync"] = str(err)
         mgr.barrier()  # the run goes on after a detected mismatch
+        cases = {  # what rank 0 and rank 1 call: every one must raise on both ranks, and the run go on
+            "sum_max": (lambda: mgr.allreduce(torch.ones(4)), lambda: mgr.allreduce(torch.ones(4), op="max")),
+            "dtype": (lambda: mgr.allreduce(torch.ones(4)), lambda: mgr.allreduce(torch.ones(4, dtype=torch.float64))),
+            "shape": (lambda: mgr.allreduce(torch.ones(4)), lambda: mgr.allreduce(torch.ones(8))),
+            "root": (lambda: mgr.broadcast(torch.ones(4), root=0), lambda: mgr.broadcast(torch.ones(4), root=1)),
+            "p2p_size": (lambda: mgr.send(torch.ones(4), dest=1), lambda: mgr.recv(torch.zeros(8), source=0)),
+            "p2p_dtype": (lambda: mgr.send(torch.ones(4, dtype=torch.float64), dest=1),
+                          lambda: mgr.recv(torch.zeros(4), source=0)),
+        }
+        for name, calls in cases.items():
+            try:
+                calls[min(mgr.rank, 1)]()
+                result[name] = "no error"
+            except unidist.CollectiveMismatchError as err:
+                result[name] = str(err)
+            mgr.barrier()
         result["after"] = "ok"
     elif mode == "timeout":
         if mgr.rank == 0:
-            mgr.allreduce(torch.ones(4))  # rank 1 never joins: CollectiveTimeoutError, then the job is ended
+            mgr.allreduce(torch.ones(4))  # rank 1 never joins: the watchdog ends the job
         else:
             time.sleep(120)
     elif mode == "crash":

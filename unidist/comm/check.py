@@ -1,24 +1,24 @@
 """Argument checks, desync fingerprints and bounded waits, shared by every collective.
 
-With ``UNIDIST_CHECK_COLLECTIVES`` every rank of a communicator allgathers a fingerprint of the call it is
-about to make (sequence number, call, op, dtype, size, root) and compares: a rank that took another code
-path is named instead of leaving the others waiting or, worse, reducing mismatched data.
+With ``UNIDIST_CHECK_COLLECTIVES`` every rank of a communicator compares a fingerprint of the call it is
+about to make (sequence number, call, op, dtype, size, root): a rank that took another code path is named
+instead of leaving the others waiting or, worse, reducing mismatched data (sum on one rank, max on another
+returns a plausible wrong answer). A checked send/recv pair first compares dtype and size, both sides.
+Waits are bounded by the watchdog (watchdog.py), not here.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from unidist.comm.dtypes import DTYPE_ID, SUPPORTED_DTYPES
-from unidist.comm.work import Work
-from unidist.errors import CollectiveMismatchError, CollectiveTimeoutError, InvalidArgumentError
+from unidist.errors import CollectiveMismatchError, InvalidArgumentError
 from unidist.ops import ReduceOp
 
-__all__ = ["CALLS", "check_rank", "check_tag", "signature", "wait_bounded"]
+__all__ = ["CALLS", "check_rank", "check_tag", "p2p_header", "p2p_mismatch", "signature"]
 
 CALLS = ("barrier", "broadcast", "allreduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
          "send", "recv")
@@ -44,39 +44,56 @@ def check_tag(tag: int) -> int:
 
 def signature(comm: Any, call: str, t: torch.Tensor | None, op: ReduceOp | None, root: int,
               numel: int | None) -> None:
-    """Every rank of ``comm`` compares what it is about to call; -1 matches anything."""
+    """Every rank of ``comm`` compares what it is about to call.
+
+    Cheap enough to leave on while developing: one in-place MAX allreduce of two int64 words, a fingerprint
+    ``f`` of (call number, call, op, dtype, size, root) and ``-f``; the ranks hold the same ``f`` exactly when
+    ``max(f) == -max(-f)``. Only when they differ do they exchange the full rows to say who called what
+    (every rank sees the same result, so all of them take that path together).
+    """
     comm._seq += 1
     dtype_id = DTYPE_ID.get(t.dtype, -1) if t is not None else -1
     n = numel if numel is not None else (t.numel() if t is not None else -1)
-    sig = torch.tensor([comm._seq, _CALL_ID[call], _OP_ID[op] if op else -1, dtype_id, n, root], dtype=torch.int64)
-    table = torch.empty(comm._size * sig.numel(), dtype=torch.int64)
-    where = f"{call} (collective #{comm._seq})"
-    wait_bounded(comm._allgather_async(sig, table, [sig.numel()] * comm._size), comm.config.timeout, comm._rank,
-                 where)
+    row = (comm._seq, _CALL_ID[call], _OP_ID[op] if op is not None else -1, dtype_id, n, root)
+    fp = hash(row) & _MASK  # a tuple of ints hashes the same in every process (no hash randomisation)
+    arr = comm._check_np
+    arr[0], arr[1] = fp, -fp
+    comm._allreduce(comm._check_buf, comm._check_buf, ReduceOp.MAX)
+    if arr[0] + arr[1]:
+        _explain(comm, row)
+
+
+_MASK = (1 << 62) - 1
+
+
+def _explain(comm: Any, row: tuple[int, ...]) -> None:
+    """The ranks disagree: gather every rank's row and raise naming what each called."""
+    mine = torch.tensor(row, dtype=torch.int64)
+    table = torch.empty(comm._size * len(row), dtype=torch.int64)
+    comm._allgather(mine, table, [len(row)] * comm._size)
     rows = table.view(comm._size, -1).tolist()
-    first = rows[0]
-    for row in rows[1:]:
-        if any(a != b and a != -1 and b != -1 for a, b in zip(row, first, strict=True)):
-            calls = "; ".join(f"rank {r} called {_describe(v)}" for r, v in enumerate(rows))
-            raise CollectiveMismatchError(
-                f"collective #{comm._seq} does not match across ranks: {calls}. Every rank must make the "
-                "same collective calls, with matching dtypes, sizes, ops and roots, in the same order."
-            )
+    calls = "; ".join(f"rank {r} called {_describe(v)} as collective #{v[0]}" for r, v in enumerate(rows))
+    raise CollectiveMismatchError(
+        f"collective #{row[0]} does not match across ranks: {calls}. Every rank must make the same collective "
+        "calls, with matching dtypes, sizes, ops and roots, in the same order."
+    )
 
 
-def wait_bounded(work: Work, timeout: float, rank: int, where: str) -> None:
-    """Wait for ``work`` at most ``timeout`` seconds, then raise naming the call."""
-    deadline = time.monotonic() + timeout
-    delay = 1e-5
-    while not work.test():
-        if time.monotonic() > deadline:
-            raise CollectiveTimeoutError(
-                f"rank {rank} waited {timeout:g} s in {where} and not every rank joined: one rank is behind, "
-                "stuck or took another code path. Raise UNIDIST_TIMEOUT if the wait is legitimate."
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, 0.01)
-    work.wait()
+def p2p_header(t: torch.Tensor) -> torch.Tensor:
+    """What a checked send announces and a checked recv answers: dtype, element count, shape rank."""
+    return torch.tensor([DTYPE_ID[t.dtype], t.numel(), t.dim()], dtype=torch.int64)
+
+
+def p2p_mismatch(side: str, peer: int, tag: int, mine: torch.Tensor, theirs: list[int]) -> CollectiveMismatchError:
+    """The error both sides of a mismatched send/recv raise, before any data moved."""
+    def what(h: list[int]) -> str:
+        return f"{h[1]} elements of {str(SUPPORTED_DTYPES[h[0]]).replace('torch.', '')}"
+    other = "receiver" if side == "send" else "sender"
+    return CollectiveMismatchError(
+        f"{side} with rank {peer} (tag {tag}): this rank has {what(p2p_header(mine).tolist())} but the {other} "
+        f"has {what(theirs)}; a send and its recv need the same dtype and number of elements. Nothing was "
+        "transferred."
+    )
 
 
 def _describe(row: Iterable[int]) -> str:

@@ -54,13 +54,15 @@ class Collectives(Primitives):
 
     def _init_collectives(self) -> None:
         self._seq = 0
+        self._checked = False  # UNIDIST_CHECK_COLLECTIVES on a communicator of 2+ ranks; set when started
+        self._check_buf = torch.zeros(2, dtype=_INT64)  # the desync fingerprint's words: see check.signature
+        self._check_np = self._check_buf.numpy()
         self._fast_dtypes: frozenset[torch.dtype] = frozenset()  # filled by _enable_fast_path: see allreduce
         self._fast_np_dtypes: frozenset[np.dtype[Any]] = frozenset()
 
     def _enable_fast_path(self) -> None:
-        """The lean allreduce path for the common case (native dtype, contiguous, no checks)."""
-        if self.config.check_collectives and self._size > 1:
-            return
+        """The lean allreduce path for the common case (native dtype, contiguous)."""
+        self._checked = self.config.check_collectives and self._size > 1
         native = [d for d in SUPPORTED_DTYPES if d not in self._upcast_reduce and d is not torch.bool]
         self._fast_dtypes = frozenset(native)
         self._fast_np_dtypes = frozenset(np.dtype(str(d).replace("torch.", "")) for d in native
@@ -104,7 +106,7 @@ class Collectives(Primitives):
                    root: int = -1, numel: int | None = None) -> None:
         """With UNIDIST_CHECK_COLLECTIVES, every rank compares what it is about to call (see check.py)."""
         self._need_started()
-        if self.config.check_collectives and self._size > 1:
+        if self._checked:
             check.signature(self, call, t, op, root, numel)
 
     # ----------------------------------------------------------------- reductions (shared by several calls)
@@ -188,6 +190,8 @@ class Collectives(Primitives):
         if t is not None:
             fast_op = _FAST_OPS.get(op)
             if fast_op is not None and (fast_op is not ReduceOp.MEAN or t.dtype.is_floating_point):
+                if self._checked:
+                    check.signature(self, "allreduce", t, fast_op, -1, None)
                 out = torch.empty_like(t)
                 self._allreduce(t, out, ReduceOp.SUM if fast_op is ReduceOp.MEAN else fast_op)
                 if fast_op is ReduceOp.MEAN:
@@ -201,6 +205,8 @@ class Collectives(Primitives):
         if t is not None:
             fast_op = _FAST_OPS.get(op)
             if fast_op is not None and (fast_op is not ReduceOp.MEAN or t.dtype.is_floating_point):
+                if self._checked:
+                    check.signature(self, "allreduce", t, fast_op, -1, None)
                 self._allreduce(t, t, ReduceOp.SUM if fast_op is ReduceOp.MEAN else fast_op)
                 if fast_op is ReduceOp.MEAN:
                     t.div_(self._size)
@@ -426,13 +432,28 @@ class Collectives(Primitives):
         """Blocking send to ``dest``; the receiver calls ``recv`` with a buffer of the same shape and dtype."""
         dest = self._check_root(dest, "dest")
         t, _ = self._input(x)
-        self._send(self._wired(t), dest, check.check_tag(tag))
+        tag = check.check_tag(tag)
+        if self._checked:  # announce dtype and size; the receiver answers before any data moves
+            self._send(check.p2p_header(t), dest, tag)
+            answer = torch.empty(3, dtype=_INT64)
+            self._recv(answer, dest, tag)
+            if answer.tolist()[:2] != check.p2p_header(t).tolist()[:2]:
+                raise check.p2p_mismatch("send", dest, tag, t, answer.tolist())
+        self._send(self._wired(t), dest, tag)
 
     def recv(self, x: Array, source: int, tag: int = 0) -> Array:
         """Receive into x (in place) from ``source``; returns x."""
         source = self._check_root(source, "source")
         t, writeback = self._inplace(x)
-        self._recv(self._wired(t), source, check.check_tag(tag))
+        tag = check.check_tag(tag)
+        if self._checked:
+            announced = torch.empty(3, dtype=_INT64)
+            self._recv(announced, source, tag)
+            self._send(check.p2p_header(t), source, tag)
+            theirs = announced.tolist()
+            if theirs[:2] != check.p2p_header(t).tolist()[:2]:
+                raise check.p2p_mismatch("recv", source, tag, t, theirs)
+        self._recv(self._wired(t), source, tag)
         if writeback is not None:
             writeback()
         return x

@@ -7,19 +7,23 @@ primitives of every communicator (installed by :func:`watch_primitives`), the wa
 the engine calls that exchange gradients inside DeepSpeed and Horovod (:func:`watching`). Entering and
 leaving one costs two attribute writes and a clock read (~0.2 us), so it is always on.
 
-A daemon thread wakes a few times per timeout and leaves a heartbeat (time, call number, current call) in a
-file of the job's directory on this host. When the main thread has been inside one region longer than the
-timeout, it prints which call on which rank (call number, call, shapes), what every rank on this host was
-last seen doing (a stale heartbeat is a stopped or dead rank; a rank that left is named) and ends the job: under
-MPI with ``MPI_Abort``, so mpiexec takes every rank down; elsewhere with ``os._exit``, so torchrun, the
-deepspeed launcher and horovodrun see a failed worker and stop the others. Call numbers count the watched
-engine calls, which every rank makes in the same order: the rank with the lower number is the one behind.
+A daemon thread wakes a few times per timeout, re-arms Python's GIL-free ``faulthandler`` timer as a backstop
+for a main thread stuck in C while holding the GIL (it then dumps every thread's stack and exits 1; this takes
+over ``faulthandler.dump_traceback_later`` while a Manager runs), and leaves a heartbeat (time, call number,
+current call) in a file of the job's directory on this host. When the main thread has been inside one region
+longer than the timeout, it prints which call on which rank (call number, call, shapes), what every rank on
+this host was last seen doing (a stale heartbeat is a stopped or dead rank; a rank that left is named) and
+ends the job: under MPI with ``MPI_Abort``, so mpiexec takes every rank down; elsewhere with ``os._exit``, so
+torchrun, the deepspeed launcher and horovodrun see a failed worker and stop the others. Call numbers count
+the watched engine calls, which every rank makes in the same order: the rank with the lower number is the one
+behind.
 """
 
 from __future__ import annotations
 
 import datetime
 import enum
+import faulthandler
 import functools
 import os
 import signal
@@ -37,6 +41,7 @@ __all__ = ["LEAVING", "TIMEOUT_EXIT_CODE", "describe_args", "engine_timeout", "s
            "watching"]
 
 TIMEOUT_EXIT_CODE = 124  # what GNU timeout uses: "the command timed out"
+BACKSTOP_GRACE = 2.0  # seconds past the timeout before the GIL-free backstop ends a process (see _Dog.run)
 ENGINE_GRACE = 10.0  # seconds the engines wait beyond UNIDIST_TIMEOUT: see engine_timeout
 LEAVING = "shutdown barrier (this rank is leaving its `with` block while a peer is still in a collective or stuck)"
 
@@ -68,6 +73,10 @@ class _Dog:
         self.timeout, self.rank, self.size, self.end_job = timeout, rank, size, end_job
         self.period = min(1.0, timeout / 8)
         self.dir = os.path.join(_HEARTBEATS, f"unidist-{job}")
+        try:
+            self.me = _identity(os.getpid())
+        except OSError:  # no /proc: heartbeats still say what each rank does; nobody gets killed
+            self.me = f"{os.getpid()}:?"
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.run, name="unidist-watchdog", daemon=True)
 
@@ -75,6 +84,10 @@ class _Dog:
         with _quiet():
             os.makedirs(self.dir, mode=0o700, exist_ok=True)  # the name is random per job
         while True:
+            # the backstop: if this thread cannot run (the main thread holds the GIL inside a blocked C call,
+            # as Horovod's enqueue does while its background thread waits for a stopped peer), Python's C-level
+            # faulthandler timer, re-armed here, dumps every thread's stack and exits 1
+            faulthandler.dump_traceback_later(self.timeout + BACKSTOP_GRACE, exit=True)
             since, calls, what, args = _state.since, _state.calls, _state.what, _state.args
             self.beat(f"at call #{calls} " + (f"waiting in {what}{describe_args(args)}" if since else "computing"))
             if since and _clock() - since > self.timeout and _state.since == since:
@@ -88,10 +101,10 @@ class _Dog:
         path = os.path.join(self.dir, str(self.rank))
         with _quiet():
             with open(path + ".tmp", "w") as f:
-                f.write(f"{time.time():.3f} {os.getpid()} {doing}")
+                f.write(f"{time.time():.3f} {self.me} {doing}")
             os.replace(path + ".tmp", path)
 
-    def peers(self) -> tuple[list[str], list[int]]:
+    def peers(self) -> tuple[list[str], list[str]]:
         """What each other rank on this host was last seen doing, and the pids of those not responding."""
         out, stuck, now = [], [], time.time()
         for r in range(self.size):
@@ -106,7 +119,7 @@ class _Dog:
             if age > 3 * self.period + 1:
                 out.append(f"rank {r} is not responding (stopped, hung in C or dead): last heartbeat {age:.1f} s "
                            f"ago, {doing}")
-                stuck.append(int(pid))
+                stuck.append(pid)
             else:
                 out.append(f"rank {r} is alive {doing}")
         return out, stuck
@@ -125,21 +138,26 @@ class _Dog:
     def leave(self) -> None:
         self.stopped.set()
         self.thread.join(timeout=5)
+        faulthandler.cancel_dump_traceback_later()
         with _quiet():
             os.remove(os.path.join(self.dir, str(self.rank)))
             os.rmdir(self.dir)  # the last rank out removes the directory
 
 
-def _kill_sibling(pid: int) -> None:
-    """SIGKILL a rank of this job that stopped responding (a stopped process ignores the SIGTERM torchrun and
-    the deepspeed launcher send first: torchrun waits 30 s before SIGKILL). Only a process with this one's
-    parent (the launcher or its local agent) is touched, so a reused pid is never hit."""
-    def parent(p: int) -> int:
-        with open(f"/proc/{p}/stat") as f:
-            return int(f.read().rpartition(")")[2].split()[1])
+def _identity(pid: int | str) -> str:
+    """``pid:start-time``: names one process for good (a pid alone can be reused once it exits)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f"{pid}:{f.read().rpartition(')')[2].split()[19]}"
+
+
+def _kill_sibling(identity: str) -> None:
+    """SIGKILL a rank of this job that stopped responding: a stopped process ignores the SIGTERM that
+    torchrun, horovodrun and the deepspeed launcher send first (torchrun then waits 30 s before SIGKILL).
+    Only the very process that wrote the heartbeat is touched (pid and start time must both match)."""
     with _quiet():
-        if parent(pid) == os.getppid():
-            os.kill(pid, signal.SIGKILL)
+        pid = identity.partition(":")[0]
+        if _identity(pid) == identity:
+            os.kill(int(pid), signal.SIGKILL)
 
 
 _HEARTBEATS = tempfile.gettempdir()
