@@ -79,3 +79,13 @@ def test_torch_rendezvous_failure_under_mpiexec_ends_the_job() -> None:
     proc = run(mpiexec(2, str(WORKERS / "port_clash.py")), env={"UNIDIST_BACKEND": "torch"}, timeout=120)
     assert proc.returncode != 0 and not proc.timed_out, proc.describe()
     assert "EADDRINUSE" in proc.stderr and "started despite" not in proc.stdout, proc.describe()
+
+
+def test_check_bench_smoke() -> None:
+    """`python -m unidist.bench.check` (README) prints one row per size with both timings; not a timing test."""
+    require("mpi4py")
+    proc = run(mpiexec(2, "-m", "unidist.bench.check", "--rounds", "2", "--sizes", "8", "65536"), timeout=120)
+    assert proc.returncode == 0, proc.describe()
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["8", "65536"], proc.stdout
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), proc.stdout
