@@ -1,7 +1,9 @@
 """Backend registry and selection: which Manager a launched process should use.
 
 Factories are registered by module path so that nothing here imports an engine until ``select`` is asked
-for that backend.
+for that backend. The table also names each backend's trainer (the training layer behind ``Manager.prepare``)
+and the checkpoint layer: the managers reach the layers built on them through these names, never by
+importing them, so ``unidist.comm`` and ``unidist.managers`` stay below ``unidist.train``/``unidist.checkpoint``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import importlib
 import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from unidist.config import Config
 from unidist.errors import BackendUnavailableError, ConfigError
@@ -19,7 +21,8 @@ from unidist.launch import LaunchInfo, backend_of, detect
 if TYPE_CHECKING:
     from unidist.managers.base import Manager
 
-__all__ = ["BackendSpec", "backend_for", "register", "registered", "select", "spec", "unregister"]
+__all__ = ["CHECKPOINT", "BackendSpec", "backend_for", "checkpoint_call", "load", "register", "registered",
+           "select", "spec", "trainer_of", "unregister"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class BackendSpec:
     target: str  # "module:ClassName"
     requires: tuple[str, ...]
     install: str
+    trainer: str = "unidist.train.trainer:Trainer"  # "module:ClassName" behind Manager.prepare
 
     def missing(self) -> list[str]:
         return [pkg for pkg in self.requires if importlib.util.find_spec(pkg) is None]
@@ -38,7 +42,7 @@ class BackendSpec:
 _REGISTRY: dict[str, BackendSpec] = {}
 
 def register(name: str, target: str, requires: tuple[str, ...] = (), install: str = "", *,
-             replace: bool = False) -> None:
+             trainer: str = BackendSpec.trainer, replace: bool = False) -> None:
     """Add a backend, importable later by name.
 
     Args:
@@ -46,6 +50,7 @@ def register(name: str, target: str, requires: tuple[str, ...] = (), install: st
         target: ``"package.module:ManagerClass"``, imported only when selected.
         requires: packages that must be importable (checked first, for a clear error).
         install: the command that installs them, shown when one is missing.
+        trainer: ``"package.module:TrainerClass"`` behind ``prepare`` (default: unidist's own training).
         replace: allow replacing a backend already registered under ``name`` (refused otherwise, so a
             plugin cannot silently shadow a built-in backend).
     """
@@ -55,7 +60,7 @@ def register(name: str, target: str, requires: tuple[str, ...] = (), install: st
     if old is not None and not replace:
         raise ConfigError(f"a backend named {name!r} is already registered ({old.target}); pick another name, "
                           "or pass replace=True to replace it")
-    _REGISTRY[name] = BackendSpec(name, target, requires, install)
+    _REGISTRY[name] = BackendSpec(name, target, requires, install, trainer)
 
 
 def unregister(name: str) -> None:
@@ -98,9 +103,28 @@ def select(config: Config | None = None, launch: LaunchInfo | None = None,
         raise BackendUnavailableError(
             f"the {chosen.name!r} backend needs {', '.join(missing)}, which is not installed; {chosen.install}"
         )
-    module_name, _, cls_name = chosen.target.partition(":")
-    cls: type[Manager] = getattr(importlib.import_module(module_name), cls_name)
+    cls: type[Manager] = load(chosen.target)
     return cls
+
+
+def load(target: str) -> Any:
+    """The object a ``"package.module:name"`` target names, imported now."""
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def trainer_of(name: str) -> Any:
+    """The Trainer class behind ``prepare`` for backend ``name`` (unidist's own for an unregistered one)."""
+    chosen = _REGISTRY.get(name)
+    return load(chosen.trainer if chosen is not None else BackendSpec.trainer)
+
+
+def checkpoint_call(name: str) -> Any:
+    """``save_checkpoint``, ``load_checkpoint`` or ``latest_checkpoint`` of the checkpoint layer."""
+    return load(f"{CHECKPOINT}:{name}")
+
+
+CHECKPOINT = "unidist.checkpoint"  # save/load/latest behind Manager.save_checkpoint & co., by name (see above)
 
 
 # The install hints name the engines' own packages: PyPI's "unidist" is Modin's unrelated project.
@@ -108,6 +132,8 @@ register("local", "unidist.managers.local:LocalManager", ("torch",), "pip instal
 register("mpi", "unidist.managers.mpi:MPIManager", ("torch", "mpi4py"),
          "pip install mpi4py mpich  (the mpich wheel provides mpiexec; on a cluster, build mpi4py against its MPI)")
 register("torch", "unidist.managers.torch:TorchManager", ("torch",), "pip install torch")
-register("deepspeed", "unidist.managers.deepspeed:DeepSpeedManager", ("torch", "deepspeed"), "pip install deepspeed")
+register("deepspeed", "unidist.managers.deepspeed:DeepSpeedManager", ("torch", "deepspeed"), "pip install deepspeed",
+         trainer="unidist.train.deepspeed:DeepSpeedTrainer")
 register("horovod", "unidist.managers.horovod:HorovodManager", ("torch", "horovod"),
-         "build it with `bash launch_scripts/install_horovod.sh` (0.28.1 needs a patched build for torch >= 2.1)")
+         "build it with `bash launch_scripts/install_horovod.sh` (0.28.1 needs a patched build for torch >= 2.1)",
+         trainer="unidist.train.horovod:HorovodTrainer")

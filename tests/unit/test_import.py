@@ -38,16 +38,15 @@ def test_error_family() -> None:
     assert unidist.ReduceOp("mean") is unidist.ReduceOp.MEAN
 
 
-# Each layer may import only these unidist modules (README "Layout"); the lazy imports of unidist.train and
-# unidist.checkpoint from Manager's entry points (prepare/backward, save/load_checkpoint) are listed by name.
+# Each layer may import only these unidist modules (README "Layout"). Manager's entry points (prepare,
+# save_checkpoint, ...) reach unidist.train and unidist.checkpoint through the backend table in selector.py.
 LAYERS = {
     "comm": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm"),
     "train": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm", "unidist.train"),
     "checkpoint": ("unidist.errors", "unidist.comm", "unidist.train", "unidist.checkpoint"),
     "managers": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm", "unidist.managers",
-                 "unidist.launch", "unidist.net", "unidist.selector", "unidist.train", "unidist.checkpoint"),
+                 "unidist.launch", "unidist.net", "unidist.selector"),
 }
-LAZY = {("unidist/managers/base.py", "unidist.train"), ("unidist/managers/base.py", "unidist.checkpoint")}
 
 
 def _imports(path: Path) -> list[str]:
@@ -68,7 +67,4 @@ def test_layers_import_only_below(layer: str) -> None:
         rel = f"unidist/{layer}/{path.name}"
         for name in _imports(path):
             allowed = any(name == a or name.startswith(a + ".") for a in LAYERS[layer])
-            for lazy in ("unidist.train", "unidist.checkpoint"):
-                if layer == "managers" and name.startswith(lazy):
-                    allowed = (rel, lazy) in LAZY
             assert allowed, f"{rel} imports {name}: {layer}/ may import only {LAYERS[layer]}"

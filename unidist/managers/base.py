@@ -29,6 +29,7 @@ from unidist.config import Config
 from unidist.errors import CollectiveMismatchError, ConfigError, InvalidArgumentError, NotInitializedError, UnidistError
 from unidist.launch import LaunchInfo, detect
 from unidist.ops import ReduceOp
+from unidist.selector import checkpoint_call, trainer_of
 
 __all__ = ["DONE", "EngineWork", "Group", "Handle", "Manager", "Work", "get_manager"]
 
@@ -259,14 +260,13 @@ class Manager(Collectives):
         """Sub-communicators for ``lists`` (each of 2+ world ranks); every rank calls this with the same lists."""
         raise UnidistError(f"the {self.name} backend has no sub-groups")
 
-    # ----------------------------------------------------------------- training entry points (unidist.train)
+    # ----------------------------------------------------------------- training entry points
+    # Thin calls into the training layer, reached through the backend table (selector.py), never imported.
     def _training(self) -> Any:
         """This backend's trainer from unidist.train, made on first use."""
         if self._trainer is None:
-            from unidist.train import trainer_for
-
             self._need_started()
-            self._trainer = trainer_for(self)
+            self._trainer = trainer_of(self.name)(self)
         return self._trainer
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
@@ -380,10 +380,9 @@ class Manager(Collectives):
             extra: anything else to restore (step counters, ``scheduler.state_dict()``): tensors, numbers,
                 strings, lists and dicts, as ``torch.load(weights_only=True)`` accepts.
         """
-        from unidist.checkpoint import save_checkpoint
-
         self._need_started()
-        return save_checkpoint(self, path, model, optimizer, keep=keep, extra=extra)
+        save = checkpoint_call("save_checkpoint")
+        return save(self, path, model, optimizer, keep=keep, extra=extra)  # type: ignore[no-any-return]
 
     def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
                         ) -> dict[str, Any]:
@@ -396,17 +395,14 @@ class Manager(Collectives):
             path: a checkpoint directory (``latest_checkpoint(dir)`` finds the newest).
             model, optimizer: what ``prepare`` returned (optimizer None: the weights only).
         """
-        from unidist.checkpoint import load_checkpoint
-
         self._need_started()
-        return load_checkpoint(self, path, model, optimizer)
+        return checkpoint_call("load_checkpoint")(self, path, model, optimizer)  # type: ignore[no-any-return]
 
     @staticmethod
     def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
         """The newest complete checkpoint directly inside ``directory``, or None (no collective)."""
-        from unidist.checkpoint import latest_checkpoint
-
-        return latest_checkpoint(directory)
+        latest: Path | None = checkpoint_call("latest_checkpoint")(directory)
+        return latest
 
     def shard(self, data: Sized | int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> Any:
         """A sampler giving this rank its disjoint share, reshuffled by ``set_epoch`` (same on every rank)."""
