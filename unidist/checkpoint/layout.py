@@ -137,8 +137,8 @@ class ZeroLayout(Layout):
     """unidist's ZeRO: each rank writes exactly its shards (and an even slice of anything unsharded)."""
 
     def __init__(self, zero: Any) -> None:
-        comm = zero.comm
-        self.rank, self.size, self.zero, self.optimizer = comm.rank, comm.size, zero, zero.optimizer
+        dp = zero.dp
+        self.rank, self.size, self.zero, self.optimizer = dp.rank, dp.size, zero, zero.optimizer
         self.module: torch.nn.Module = zero.model
         self.where = {id(p): (u, i) for u in zero.units for i, p in enumerate(u.params)}
         names = _names(self.module)

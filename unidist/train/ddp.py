@@ -76,7 +76,7 @@ class DistributedOptimizer(WindowedOptimizer):
             if missing:
                 raise InvalidArgumentError(f"{len(missing)} optimizer parameters are not in named_parameters")
         super().__init__(optimizer)
-        self.comm = comm
+        self.dp = comm  # the ranks gradients are averaged over (the world or a data-parallel Group)
         self.op, self.compression, self.backward_passes_per_step = rop, compression, backward_passes_per_step
         self._buckets: list[_Bucket] = []
         self._where: dict[int, _Bucket] = {}
@@ -118,7 +118,7 @@ class DistributedOptimizer(WindowedOptimizer):
 
     # ------------------------------------------------------------------ sync
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._sync_pass or self.comm.size == 1:
+        if not self._sync_pass or self.dp.size == 1:
             return
         bucket = self._where[id(p)]
         bucket.ready.add(id(p))
@@ -128,7 +128,7 @@ class DistributedOptimizer(WindowedOptimizer):
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        scale = 1.0 / self.comm.size if self.op is ReduceOp.MEAN else 1.0
+        scale = 1.0 / self.dp.size if self.op is ReduceOp.MEAN else 1.0
         offset = 0
         with torch.no_grad():
             for p in bucket.params:
@@ -139,13 +139,13 @@ class DistributedOptimizer(WindowedOptimizer):
                 else:  # pre-scale before a narrow wire dtype so the sum cannot overflow it
                     piece.copy_(p.grad.reshape(-1).mul(scale) if scale != 1.0 else p.grad.reshape(-1))
                 offset += n
-        bucket.handle = self.comm.allreduce_async_(bucket.buffer, ReduceOp.SUM)
+        bucket.handle = self.dp.allreduce_async_(bucket.buffer, ReduceOp.SUM)
 
     def synchronize(self) -> None:
         """Finish every bucket's allreduce (launching those whose gradients never all arrived) and write the
         averaged gradients into ``p.grad``. The next ``step()`` uses them as they are."""
         self._synced = True
-        if self.comm.size == 1:
+        if self.dp.size == 1:
             return
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])

@@ -43,18 +43,18 @@ _WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class _Unit:
-    """Parameters flattened together and split into ``comm.size`` equal chunks; this rank owns one."""
+    """Parameters flattened together and split into ``dp.size`` equal chunks; this rank owns one."""
 
-    def __init__(self, comm: Comm, params: list[torch.nn.Parameter], group: int, keep_full: bool) -> None:
-        self.comm, self.params, self.group = comm, params, group
+    def __init__(self, dp: Comm, params: list[torch.nn.Parameter], group: int, keep_full: bool) -> None:
+        self.dp, self.params, self.group = dp, params, group
         self.shapes = [p.shape for p in params]  # stage 3 empties the parameters themselves
         self.numels = [p.numel() for p in params]
         self.numel = sum(self.numels)
-        self.chunk = -(-self.numel // comm.size)  # ceil: the last rank's chunk is padded with zeros
-        self.lo = comm.rank * self.chunk
+        self.chunk = -(-self.numel // dp.size)  # ceil: the last rank's chunk is padded with zeros
+        self.lo = dp.rank * self.chunk
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
-        full = torch.zeros(self.chunk * comm.size, dtype=self.dtype, device=self.device)
+        full = torch.zeros(self.chunk * dp.size, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1) for p in params], out=full[: self.numel])
         self.full: torch.Tensor | None = None
@@ -78,7 +78,7 @@ class _Unit:
     def gather(self) -> None:
         """Full parameters from every rank's shard (stage 3; a no-op while gathered)."""
         if self.full is None:
-            self._bind(self.comm.allgather(self.shard.detach()))
+            self._bind(self.dp.allgather(self.shard.detach()))
 
     def release(self) -> None:
         """Free the full parameters (stage 3): each becomes an empty tensor until the next gather."""
@@ -96,12 +96,12 @@ class _Unit:
         """Stages 1-2 after a step: every rank's updated shard into the full parameters."""
         if self.full is not None:
             with torch.no_grad():
-                self.full.copy_(self.comm.allgather(self.shard.detach()))
+                self.full.copy_(self.dp.allgather(self.shard.detach()))
 
     # ------------------------------------------------------------------ gradients
     def launch(self, scale: float, wire: torch.dtype | None, free_grads: bool) -> None:
         """Start the reduce-scatter of this unit's (local) gradients; missing gradients count as zeros."""
-        flat = torch.zeros(self.chunk * self.comm.size, dtype=wire or self.dtype, device=self.device)
+        flat = torch.zeros(self.chunk * self.dp.size, dtype=wire or self.dtype, device=self.device)
         offset = 0
         with torch.no_grad():
             for p, n in zip(self.params, self.numels, strict=True):
@@ -111,7 +111,7 @@ class _Unit:
                     if free_grads:
                         p.grad = None
                 offset += n
-        self.handle = self.comm.reduce_scatter_async(flat, ReduceOp.SUM)
+        self.handle = self.dp.reduce_scatter_async(flat, ReduceOp.SUM)
 
     def finish(self) -> None:
         """Wait for the reduce-scatter and make its result the shard's gradient."""
@@ -125,7 +125,7 @@ class _Unit:
 class ZeroOptimizer(WindowedOptimizer):
     """The user's optimizer stepping this rank's shards; see the module docstring."""
 
-    def __init__(self, comm: Comm, model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, *,
+    def __init__(self, dp: Comm, model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, *,
                  op: ReduceOp | str = ReduceOp.MEAN, compression: str = "none", backward_passes_per_step: int = 1,
                  bucket_mb: float = 25.0, clip_grad_norm: float | None = None) -> None:
         where = "ZeroOptimizer"
@@ -139,7 +139,7 @@ class ZeroOptimizer(WindowedOptimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidArgumentError(f"{where} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         super().__init__(optimizer)
-        self.comm, self.stage, self.model = comm, stage, model
+        self.dp, self.stage, self.model = dp, stage, model
         # the optimizer as one process would hold it: kept to consolidate (full_optimizer_state_dict)
         self.full_groups = [list(g["params"]) for g in optimizer.param_groups]
         full_state = _full_state(optimizer)
@@ -190,7 +190,7 @@ class ZeroOptimizer(WindowedOptimizer):
                 size += p.numel() * p.element_size()
             if current:
                 chunks.append((group_of[id(current[0])], current))
-        return [_Unit(self.comm, ps, gi, keep_full=self.stage < 3) for gi, ps in chunks]
+        return [_Unit(self.dp, ps, gi, keep_full=self.stage < 3) for gi, ps in chunks]
 
     def _module_hooks(self, model: torch.nn.Module) -> list[Any]:
         hooks: list[Any] = []
@@ -230,8 +230,8 @@ class ZeroOptimizer(WindowedOptimizer):
             self._next += 1
 
     def _launch(self, unit: _Unit) -> None:
-        scale = 1.0 / self.comm.size if self.op is ReduceOp.MEAN else 1.0
-        wire = _WIRE[self.compression] if self.comm.size > 1 else None  # nothing travels: keep full precision
+        scale = 1.0 / self.dp.size if self.op is ReduceOp.MEAN else 1.0
+        wire = _WIRE[self.compression] if self.dp.size > 1 else None  # nothing travels: keep full precision
         unit.launch(scale, wire, free_grads=self.stage >= 2)
         unit.ready.clear()
         if self.stage == 3:
@@ -256,7 +256,7 @@ class ZeroOptimizer(WindowedOptimizer):
         """torch.nn.utils.clip_grad_norm_ over the whole model: the shards' squared norms summed over ranks."""
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
         local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-        total = float(self.comm.allreduce(local.reshape(1).double(), "sum").sqrt())
+        total = float(self.dp.allreduce(local.reshape(1).double(), "sum").sqrt())
         coef = min(max_norm / (total + 1e-6), 1.0)
         if coef < 1.0:
             for g in grads:
@@ -298,7 +298,7 @@ class ZeroOptimizer(WindowedOptimizer):
             for key in sorted(shard_state):
                 value = shard_state[key]
                 if isinstance(value, torch.Tensor) and value.shape == unit.shard.shape:
-                    flat = self.comm.allgather(value.detach().contiguous())
+                    flat = self.dp.allgather(value.detach().contiguous())
                     offset = 0
                     for p, shape, n in zip(unit.params, unit.shapes, unit.numels, strict=True):
                         state.setdefault(index[id(p)], {})[key] = flat[offset:offset + n].view(shape).clone()
@@ -327,7 +327,7 @@ class ZeroOptimizer(WindowedOptimizer):
                 tensors = [v for v in values if isinstance(v, torch.Tensor)]
                 if len(tensors) == len(values) and all(t.shape == shape for t, shape in zip(
                         tensors, unit.shapes, strict=True)) and any(len(shape) for shape in unit.shapes):
-                    flat = torch.zeros(unit.chunk * self.comm.size, dtype=tensors[0].dtype, device=unit.device)
+                    flat = torch.zeros(unit.chunk * self.dp.size, dtype=tensors[0].dtype, device=unit.device)
                     torch.cat([t.reshape(-1).to(unit.device) for t in tensors], out=flat[: unit.numel])
                     target[key] = flat[unit.lo:unit.lo + unit.chunk].clone()
                 else:
