@@ -31,7 +31,7 @@ CULPRIT = {
     "kill": r"rank 1 is not responding|local_rank: 1|rank 1\]|KILLED BY SIGNAL: 9|return code = -9|exit code: -9|"
             r"signal 9|\[1\]<stderr>:Killed",
     # or, when the healthy rank is stuck in C holding the GIL (Horovod's enqueue), the faulthandler backstop
-    "stop": r"rank 1 is not responding \(stopped|^(\[0\]<stderr>:)?Timeout \(0:00:0\d\)!",
+    "stop": r"rank 1 is not responding \(stopped|^(\[0\]<stderr>:)?Timeout \(0:00:\d\d\)!",
     "raise": r"deliberate failure on rank 1",
     "exit0": r"rank 1 of 2: call #\d+ shutdown barrier|rank 1 is alive at call #\d+ waiting in shutdown barrier",
     "sum_max": r"rank 0 called allreduce\(op=sum.*rank 1 called allreduce\(op=max",

@@ -434,10 +434,11 @@ class Collectives(Primitives):
         t, _ = self._input(x)
         tag = check.check_tag(tag)
         if self._checked:  # announce dtype and size; the receiver answers before any data moves
-            self._send(check.p2p_header(t), dest, tag)
+            header = check.p2p_header(t)
+            self._send(header, dest, tag)
             answer = torch.empty(3, dtype=_INT64)
             self._recv(answer, dest, tag)
-            if answer.tolist()[:2] != check.p2p_header(t).tolist()[:2]:
+            if answer.tolist()[:2] != header.tolist()[:2]:
                 raise check.p2p_mismatch("send", dest, tag, t, answer.tolist())
         self._send(self._wired(t), dest, tag)
 
@@ -447,11 +448,11 @@ class Collectives(Primitives):
         t, writeback = self._inplace(x)
         tag = check.check_tag(tag)
         if self._checked:
-            announced = torch.empty(3, dtype=_INT64)
+            announced, header = torch.empty(3, dtype=_INT64), check.p2p_header(t)
             self._recv(announced, source, tag)
-            self._send(check.p2p_header(t), source, tag)
+            self._send(header, source, tag)
             theirs = announced.tolist()
-            if theirs[:2] != check.p2p_header(t).tolist()[:2]:
+            if theirs[:2] != header.tolist()[:2]:
                 raise check.p2p_mismatch("recv", source, tag, t, theirs)
         self._recv(self._wired(t), source, tag)
         if writeback is not None:

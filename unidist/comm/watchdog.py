@@ -41,7 +41,8 @@ __all__ = ["LEAVING", "TIMEOUT_EXIT_CODE", "describe_args", "engine_timeout", "s
            "watching"]
 
 TIMEOUT_EXIT_CODE = 124  # what GNU timeout uses: "the command timed out"
-BACKSTOP_GRACE = 2.0  # seconds past the timeout before the GIL-free backstop ends a process (see _Dog.run)
+BACKSTOP_GRACE = 10.0  # seconds past the timeout before the GIL-free backstop ends a process (see _Dog.run):
+# 2 s fired once in a healthy rank whose watchdog thread was starved while it imported torch._dynamo under load
 ENGINE_GRACE = 10.0  # seconds the engines wait beyond UNIDIST_TIMEOUT: see engine_timeout
 LEAVING = "shutdown barrier (this rank is leaving its `with` block while a peer is still in a collective or stuck)"
 

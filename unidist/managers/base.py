@@ -95,6 +95,11 @@ class Manager(Collectives):
         if not self._started:
             return
         try:
+            if not self._failing and self._size > 1:
+                # ranks leave together; one leaving while a peer still waits in a collective is caught here,
+                # by the watchdog (a rank that leaves on failure skips it: its peers may be gone)
+                with watchdog.watching(watchdog.LEAVING):
+                    self._barrier()
             self._shutdown()
         finally:
             watchdog.stop()

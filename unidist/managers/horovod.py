@@ -156,9 +156,6 @@ class HorovodManager(HorovodComm, Manager):
         return dist.ProcessGroupGloo(dist.PrefixStore("unidist_p2p", store), self._rank, self._size, timeout)
 
     def _shutdown(self) -> None:
-        if not self._failing:  # a rank leaving while a peer still waits is caught here, by the watchdog
-            with watchdog.watching(watchdog.LEAVING):
-                self._hvd.barrier()
         for ps in self._process_sets.values():
             if ps is not self._hvd.global_process_set:
                 self._hvd.remove_process_set(ps)

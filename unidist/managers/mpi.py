@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from unidist.comm import watchdog
 from unidist.comm.group import Group
 from unidist.comm.primitives import Primitives
 from unidist.comm.work import DONE, EngineWork, Work
@@ -252,10 +251,6 @@ class MPIManager(MPIComm, Manager):
         self._subcomms: list[Any] = []
 
     def _shutdown(self) -> None:
-        if not self._failing:
-            # a rank leaving while a peer still waits in a collective is caught here, by the watchdog
-            with watchdog.watching(watchdog.LEAVING):
-                self._comm.Barrier()
         self._specs.clear()
         for sub in self._subcomms:
             sub.Free()

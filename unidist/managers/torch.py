@@ -234,13 +234,9 @@ class TorchManager(TorchComm, Manager):
                      ReduceOp.PRODUCT: ops.PRODUCT}
 
     def _shutdown(self) -> None:
+        # Manager.shutdown has made the ranks meet first: a rank destroying its gloo group while a peer was still
+        # finishing its last exchange aborted the process ("terminate called without an active exception")
         if self._owns_group and self._dist.is_initialized():
-            if not self._failing and self._size > 1:
-                # tear down together: a rank destroying its gloo group while a peer is still finishing its
-                # last exchange aborted the process ("terminate called without an active exception", seen
-                # once in ~30 torchrun runs); skipped when failing, as the peers may be gone
-                with watchdog.watching(watchdog.LEAVING):
-                    self._dist.barrier()
             if self._over_mpi and not self._failing and self._size > 1:
                 # rank 0 hosts the store here: the other ranks let go of it first, then rank 0 closes it (a
                 # store closing under a connected peer aborted that peer at exit, under load)
