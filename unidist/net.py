@@ -1,4 +1,4 @@
-"""This host's reachable address and free TCP ports: the one place rendezvous code asks for either.
+"""This host's reachable address, listening sockets and free TCP ports: the one place rendezvous code asks.
 
 ``gethostbyname(gethostname())`` is not an answer on clusters: Debian-style ``/etc/hosts`` maps the host
 name to 127.0.1.1, which a peer on another node cannot reach. The address used here is the one the kernel
@@ -8,10 +8,14 @@ name, then loopback; single-node jobs use loopback, which needs no interface at 
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import logging
 import socket
 
-__all__ = ["free_port", "host_address", "rendezvous_address"]
+__all__ = ["free_port", "host_address", "listener", "local_only_env", "loopback_interface", "rendezvous_address"]
+
+log = logging.getLogger("unidist")
 
 # Any routable address works for the UDP connect: nothing is sent, the kernel only picks a source interface.
 _ROUTE_PROBE = ("192.0.2.1", 9)  # TEST-NET-1 (RFC 5737), never a real peer
@@ -23,6 +27,56 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def listener(host: str, port: int = 0, *, fallback_any: bool = False) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and already listening.
+
+    A store built on its descriptor (``TCPStore(master_listen_fd=...)``) serves on exactly this address, and the
+    port stays held from the choice to the serving: no other process can take it in between, which a port from
+    ``free_port`` cannot promise. (torch's own stores listen on every interface whatever address they are given.)
+
+    Args:
+        host: an address or name of this host; ``127.0.0.1`` keeps a single-node job off the network.
+        port: 0 for any free port.
+        fallback_any: when ``host`` is not an address of this host (a name the launcher resolved elsewhere, a
+            NAT address), listen on every interface instead, with a warning, rather than fail.
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT by a previous run
+    try:
+        try:
+            sock.bind(sockaddr)
+        except OSError as err:
+            if err.errno != errno.EADDRNOTAVAIL or not fallback_any:
+                raise
+            log.warning("unidist: %s is not an address of this host; the rendezvous store listens on every "
+                        "interface (set MASTER_ADDR to this host's address to restrict it)", host)
+            sock.bind(("::" if family == socket.AF_INET6 else "", port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS), None if neither."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def local_only_env() -> dict[str, str]:
+    """The engines' interface variables that keep a single-node job's listeners on loopback (measured: without
+    them gloo's pairs, MPICH's UCX transport and libfabric's TCP provider listen on the external address). The
+    managers set each only where the user set none, before the engine starts."""
+    lo = loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": lo, "UCX_NET_DEVICES": lo, "FI_TCP_IFACE": lo} if lo else {}
 
 
 def _usable(addr: str) -> bool:

@@ -73,12 +73,13 @@ def test_mpi_backend_under_torchrun_says_what_to_do() -> None:
 
 
 def test_torch_rendezvous_failure_under_mpiexec_ends_the_job() -> None:
-    """The store of a torch-backend job started by mpiexec cannot listen (port taken): rank 0 prints why and
-    aborts the MPI job within seconds (the other ranks used to wait for the store until the timeout)."""
+    """Rank 0 of a torch-backend job started by mpiexec cannot listen on its rendezvous address: it names the
+    address and aborts the MPI job within seconds (the other ranks wait for the address it was to send)."""
     require("mpi4py")
-    proc = run(mpiexec(2, str(WORKERS / "port_clash.py")), env={"UNIDIST_BACKEND": "torch"}, timeout=120)
+    proc = run(mpiexec(2, str(WORKERS / "store_cannot_listen.py")), env={"UNIDIST_BACKEND": "torch"}, timeout=120)
     assert proc.returncode != 0 and not proc.timed_out, proc.describe()
-    assert "EADDRINUSE" in proc.stderr and "started despite" not in proc.stdout, proc.describe()
+    assert "rank 0 cannot listen on MASTER_ADDR=192.0.2.77" in proc.stderr, proc.describe()
+    assert "started despite" not in proc.stdout, proc.describe()
 
 
 def test_check_bench_smoke() -> None:

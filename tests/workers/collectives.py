@@ -30,6 +30,12 @@ import torch
 
 import unidist
 
+try:  # run as a script (tests/workers on sys.path) or imported as workers.collectives by the tests
+    import sockets
+    import strict_cases
+except ImportError:
+    from workers import sockets, strict_cases
+
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
     "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
@@ -520,6 +526,23 @@ def plan(size: int) -> list[Case]:
         ranks = mgr.allgather_object((mgr.rank, mgr.local_rank, mgr.backend))
         assert [r[0] for r in ranks] == list(range(mgr.size)), ranks
         assert len({r[2] for r in ranks}) == 1
+
+    @add("strict_inputs")
+    def _(mgr: Any) -> None:
+        failed = strict_cases.check(mgr)
+        assert not failed, "; ".join(failed)
+
+    @add("listens_on_loopback_only")
+    def _(mgr: Any) -> None:
+        """A single-host job must not listen on the network (issue 12). A socket every rank holds was inherited
+        from the launcher (mpiexec's control port): the launcher's, not the job's."""
+        if not Path("/proc/net/tcp").exists():
+            return
+        mine = [tuple(a) for a in sockets.listening()]
+        everyone = mgr.allgather_object(mine)
+        inherited = set.intersection(*(set(map(tuple, r)) for r in everyone))
+        exposed = [a for a in mine if not sockets.is_loopback(a[0]) and a not in inherited]
+        assert not exposed, f"rank {mgr.rank} listens on {exposed}"
 
     return cases
 

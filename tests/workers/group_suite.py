@@ -29,7 +29,7 @@ import collectives
 
 import unidist
 
-SKIP = {"topology", "no_warnings"}  # world-only cases
+SKIP = {"topology", "no_warnings", "listens_on_loopback_only", "strict_inputs"}  # world-only cases
 STEPS, BATCH = 4, 12
 
 

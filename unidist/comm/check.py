@@ -28,6 +28,9 @@ _OP_ID = {op: i for i, op in enumerate(ReduceOp)}
 
 def check_rank(value: object, size: int, what: str = "root") -> int:
     """A rank of a communicator of ``size``; integer-likes (numpy ints, 0-d tensors) are accepted."""
+    if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.is_floating_point()):
+        raise InvalidArgumentError(f"{what}={value!r} is not an integer rank (0..{size - 1}): a tensor rank must "
+                                   "hold one integer")
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise InvalidArgumentError(f"{what}={value!r} is not an integer rank (0..{size - 1})")
     rank = int(value.__index__())  # type: ignore[attr-defined]

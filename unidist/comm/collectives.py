@@ -101,6 +101,14 @@ class Collectives(Primitives):
         self._need_started()
         return check.check_rank(root, self._size, what)
 
+    def _not_self(self, peer: int, call: str, what: str) -> None:
+        """With peers, a blocking exchange with oneself completes on some engines for small messages only and
+        hangs or fails on the others: refused. Alone, a rank has a mailbox (a ring of one works unchanged)."""
+        if peer == self._rank and self._size > 1:
+            verb = "send to" if call == "send" else "receive from"
+            raise InvalidArgumentError(f"{call}({what}={peer}): that is this rank; a rank cannot {verb} itself "
+                                       "(copy the tensor instead)")
+
     # ----------------------------------------------------------------- desync detection
     def _signature(self, call: str, t: torch.Tensor | None = None, op: ReduceOp | None = None,
                    root: int = -1, numel: int | None = None) -> None:
@@ -433,6 +441,7 @@ class Collectives(Primitives):
         dest = self._check_root(dest, "dest")
         t, _ = self._input(x)
         tag = check.check_tag(tag)
+        self._not_self(dest, "send", "dest")
         if self._checked:  # announce dtype and size; the receiver answers before any data moves
             header = check.p2p_header(t)
             self._send(header, dest, tag)
@@ -447,6 +456,7 @@ class Collectives(Primitives):
         source = self._check_root(source, "source")
         t, writeback = self._inplace(x)
         tag = check.check_tag(tag)
+        self._not_self(source, "recv", "source")
         if self._checked:
             announced, header = torch.empty(3, dtype=_INT64), check.p2p_header(t)
             self._recv(announced, source, tag)

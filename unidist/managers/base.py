@@ -28,6 +28,7 @@ from unidist.comm.work import DONE, EngineWork, Handle, Work
 from unidist.config import Config
 from unidist.errors import CollectiveMismatchError, ConfigError, InvalidArgumentError, NotInitializedError, UnidistError
 from unidist.launch import LaunchInfo, detect
+from unidist.net import local_only_env
 from unidist.ops import ReduceOp
 from unidist.selector import checkpoint_call, trainer_of
 
@@ -73,6 +74,9 @@ class Manager(Collectives):
             )
         logging.getLogger("unidist").setLevel(self.config.log_level)
         try:
+            if 1 < self.launch.size == self.launch.local_size:  # one node: the engines listen on loopback only
+                for name, value in local_only_env().items():
+                    self._setenv(name, value, only_if_unset=True)
             self._start()
             self._device = self._pick_device()
         except BaseException:
@@ -135,8 +139,11 @@ class Manager(Collectives):
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         sys.stderr.flush()
 
-    def _setenv(self, name: str, value: str) -> None:
-        """Set an environment variable for the engine; restored at shutdown."""
+    def _setenv(self, name: str, value: str, *, only_if_unset: bool = False) -> None:
+        """Set an environment variable for the engine (or leave the user's, ``only_if_unset``); restored at
+        shutdown."""
+        if only_if_unset and os.environ.get(name):
+            return
         self._saved_env.setdefault(name, os.environ.get(name))
         os.environ[name] = value
 

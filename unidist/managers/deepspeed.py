@@ -34,6 +34,7 @@ class DeepSpeedManager(TorchManager):
         return ds_comm
 
     def _init_group(self) -> None:
+        super()._init_group()  # torch's group on unidist's store; init_distributed adopts it
         if self._process_group_backend() == "gloo":
             # init_distributed JIT-compiles a shared-memory op (~2 min on first use) that only DeepSpeed's
             # inference_all_reduce needs; unidist never calls it, so mark it unavailable before init.
@@ -42,5 +43,5 @@ class DeepSpeedManager(TorchManager):
             if isinstance(compatible, dict):
                 compatible["deepspeed_shm_comm"] = False
         self._dist.init_distributed(dist_backend=self._process_group_backend(), auto_mpi_discovery=False,
-                                    verbose=False, init_method="env://",
+                                    verbose=False,
                                     timeout=watchdog.engine_timeout(self.config.timeout))

@@ -19,7 +19,7 @@ from unidist.comm.primitives import Primitives
 from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError
 from unidist.managers.base import Manager
-from unidist.net import rendezvous_address
+from unidist.net import listener, rendezvous_address
 from unidist.ops import ReduceOp, resolve_op
 
 __all__ = ["HorovodManager"]
@@ -144,10 +144,14 @@ class HorovodManager(HorovodComm, Manager):
 
         dist: Any = torch.distributed  # TCPStore, PrefixStore, ProcessGroupGloo: not in its typed exports
         timeout = watchdog.engine_timeout(self.config.timeout)
+        single_node = self._local_size == self._size
         if self._rank == 0:
-            store = dist.TCPStore("0.0.0.0", 0, self._size, is_master=True, timeout=timeout,  # noqa: S104
-                                  wait_for_workers=False)
-            address = (rendezvous_address(self._local_size == self._size), store.port)
+            # served on a socket bound to the rendezvous address alone (loopback on one node), held from the
+            # start: torch's own TCPStore would listen on every interface
+            sock = listener(rendezvous_address(single_node))
+            address = sock.getsockname()[:2]
+            store = dist.TCPStore(address[0], address[1], self._size, is_master=True, timeout=timeout,
+                                  master_listen_fd=sock.detach(), wait_for_workers=False)
         else:
             address = None
         host, port = self._hvd.broadcast_object(address, root_rank=0, name="unidist.p2p.address")

@@ -1,14 +1,18 @@
 """TorchManager on torch.distributed: gloo on CPU, nccl on CUDA.
 
 Also the base of DeepSpeedManager, whose ``deepspeed.comm`` mirrors this API: the engine module is
-``self._dist`` and only start-up differs. Rendezvous is ``env://``; under ``mpiexec`` rank 0's address and
-a free port are shared through mpi4py when it is installed, so no MASTER_ADDR/MASTER_PORT is needed there.
+``self._dist`` and only start-up differs. Rendezvous follows ``env://`` (MASTER_ADDR, MASTER_PORT); under
+``mpiexec`` rank 0's address and port are shared through mpi4py when it is installed, so none is needed there.
+Rank 0 hosts the store on a socket bound to that address alone (loopback for a single-node job), not on every
+interface as torch's own env:// store does; torchrun's agent hosts its own.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import torch
 
@@ -19,7 +23,7 @@ from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.launch import family
 from unidist.managers.base import Manager
-from unidist.net import free_port, rendezvous_address
+from unidist.net import listener, rendezvous_address
 from unidist.ops import ReduceOp
 
 __all__ = ["TorchManager"]
@@ -142,6 +146,7 @@ class TorchManager(TorchComm, Manager):
 
     name = "torch"
     _over_mpi = False  # the rendezvous address came over MPI (the job was started by an MPI launcher)
+    _listen: socket.socket | None = None  # rank 0's listening socket until its store takes it
 
     # ------------------------------------------------------------ lifecycle
     def _import_dist(self) -> Any:
@@ -153,31 +158,44 @@ class TorchManager(TorchComm, Manager):
         return dist
 
     def _rendezvous(self) -> None:
-        """Make the env:// variables true for this process, from whatever the launcher provided."""
+        """Make the env:// variables true for this process, from whatever the launcher provided; rank 0 also
+        opens the store's listening socket (``self._listen``) on the rendezvous address only."""
         launch = self.launch
         self._setenv("RANK", str(launch.rank))
         self._setenv("WORLD_SIZE", str(launch.size))
         self._setenv("LOCAL_RANK", str(launch.local_rank))
         if launch.master_addr and launch.master_port:
-            self._setenv("MASTER_ADDR", launch.master_addr)
-            self._setenv("MASTER_PORT", str(launch.master_port))
-            return
-        if launch.size == 1:
-            self._setenv("MASTER_ADDR", "127.0.0.1")
-            self._setenv("MASTER_PORT", str(free_port()))
-            return
-        fam = family(launch.launcher)
-        single_node = launch.local_size == launch.size
-        addr_port = _share_address_over_mpi(launch.rank, single_node) if fam and fam.mpi_like else None
-        self._over_mpi = addr_port is not None
-        if addr_port is None:
+            addr, port = launch.master_addr, launch.master_port
+            if launch.rank == 0 and launch.launcher != "torchrun":  # torchrun's agent hosts the store
+                self._listen = self._listener(addr, port)
+        elif launch.size == 1:
+            self._listen = self._listener("127.0.0.1", 0)
+            addr, port = "127.0.0.1", self._listen.getsockname()[1]
+        else:
+            fam = family(launch.launcher)
+            shared = _share_address_over_mpi(launch.rank, launch.local_size == launch.size) \
+                if fam and fam.mpi_like else None
+            if shared is None:
+                raise LaunchEnvironmentError(
+                    f"the {self.name} backend needs MASTER_ADDR and MASTER_PORT for a {launch.size}-process run "
+                    f"started by {launch.launcher}; set both (rank 0's host and a free port) or pip install mpi4py "
+                    "so unidist can share them over MPI"
+                )
+            self._over_mpi = True
+            addr, port, self._listen = shared
+        self._setenv("MASTER_ADDR", addr)
+        self._setenv("MASTER_PORT", str(port))
+
+    @staticmethod
+    def _listener(addr: str, port: int, fallback_any: bool = True) -> socket.socket:
+        """Rank 0's listening socket for the store, or a LaunchEnvironmentError naming the address and port;
+        ``fallback_any`` for an address the launcher gave (see ``net.listener``)."""
+        try:
+            return listener(addr, port, fallback_any=fallback_any)
+        except OSError as err:
             raise LaunchEnvironmentError(
-                f"the {self.name} backend needs MASTER_ADDR and MASTER_PORT for a {launch.size}-process run "
-                f"started by {launch.launcher}; set both (rank 0's host and a free port) or pip install mpi4py so "
-                "unidist can share them over MPI"
-            )
-        self._setenv("MASTER_ADDR", addr_port[0])
-        self._setenv("MASTER_PORT", str(addr_port[1]))
+                f"rank 0 cannot listen on MASTER_ADDR={addr} MASTER_PORT={port} ({err.strerror}): give an address "
+                "of this host and a port free on it (another job may hold it)") from err
 
     def _process_group_backend(self) -> str:
         """gloo on CPU. On GPU, nccl for CUDA tensors and gloo beside it for CPU ones: users may pass CPU
@@ -188,18 +206,25 @@ class TorchManager(TorchComm, Manager):
     def _init_group(self) -> None:
         timeout = watchdog.engine_timeout(self.config.timeout)
         launch = self.launch
-        if launch.launcher == "torchrun" and launch.size > 1:
+        import torch.distributed
+
+        dist: Any = torch.distributed  # TCPStore, PrefixStore: not in its typed exports (DeepSpeed uses this group)
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if self._listen is not None:
+            # rank 0 serves on the socket it already holds: bound to the rendezvous address alone, and no race
+            # for the port (torch's own env:// store listens on every interface)
+            fd, self._listen = self._listen.detach(), None
+            store = dist.TCPStore(host, port, launch.size, is_master=True, master_listen_fd=fd, timeout=timeout,
+                                  wait_for_workers=False)
+        else:
+            store = dist.TCPStore(host, port, launch.size, is_master=False, timeout=timeout)
+        if launch.launcher == "torchrun":
             # torchrun's agent hosts the store and, on a restart (--max-restarts), the same store serves the
             # new attempt: keys left by the killed attempt (a dead rank's gloo address) were read by the new
             # one (measured: connection refused, then a hang). Every attempt gets keys of its own.
-            dist: Any = self._dist  # TCPStore, PrefixStore: not in its typed exports
-            client = dist.TCPStore(launch.master_addr or "127.0.0.1", launch.master_port, launch.size,
-                                   is_master=False, timeout=timeout)
-            store = dist.PrefixStore(f"unidist/attempt_{launch.attempt}", client)
-            self._dist.init_process_group(self._process_group_backend(), store=store, rank=launch.rank,
-                                          world_size=launch.size, timeout=timeout)
-            return
-        self._dist.init_process_group(self._process_group_backend(), init_method="env://", timeout=timeout)
+            store = dist.PrefixStore(f"unidist/attempt_{launch.attempt}", store)
+        dist.init_process_group(self._process_group_backend(), store=store, rank=launch.rank,
+                                world_size=launch.size, timeout=timeout)
 
     def _start(self) -> None:
         self._dist = self._import_dist()
@@ -259,8 +284,9 @@ class TorchManager(TorchComm, Manager):
         return out
 
 
-def _share_address_over_mpi(rank: int, single_node: bool) -> tuple[str, int] | None:
-    """Rank 0's address and a free port, broadcast with mpi4py's buffer Bcast; None without mpi4py."""
+def _share_address_over_mpi(rank: int, single_node: bool) -> tuple[str, int, socket.socket | None] | None:
+    """Rank 0's address and port, broadcast with mpi4py's buffer Bcast, and on rank 0 the socket already
+    listening there; None without mpi4py."""
     try:
         from mpi4py import MPI
     except ImportError:
@@ -268,16 +294,21 @@ def _share_address_over_mpi(rank: int, single_node: bool) -> tuple[str, int] | N
     import numpy as np
 
     buf = np.zeros(256, dtype=np.uint8)
+    sock = None
     if rank == 0:
         addr = rendezvous_address(single_node)
-        text = f"{addr}:{free_port('')}".encode()  # the store listens on every interface: free on all
+        try:
+            sock = TorchManager._listener(addr, 0, fallback_any=False)  # an address of ours: it must work
+        except LaunchEnvironmentError:  # the peers wait in the Bcast below: end the MPI job instead of a hang
+            _abort_mpi_job()
+        text = f"{addr}:{sock.getsockname()[1]}".encode()
         buf[: len(text)] = np.frombuffer(text, dtype=np.uint8)
     MPI.COMM_WORLD.Bcast([buf, MPI.BYTE], root=0)
     addr, _, port = bytes(buf).rstrip(b"\0").decode().rpartition(":")
-    return addr, int(port)
+    return addr, int(port), sock
 
 
-def _abort_mpi_job() -> None:
+def _abort_mpi_job() -> NoReturn:
     """Print this rank's error and abort every rank of the MPI job (mpi4py is loaded: it carried the address)."""
     import sys
     import traceback
@@ -287,4 +318,5 @@ def _abort_mpi_job() -> None:
     traceback.print_exc()
     sys.stderr.flush()
     MPI.COMM_WORLD.Abort(1)
+    raise SystemExit(1)  # not reached: Abort ends the process
 

@@ -1,41 +1,24 @@
-"""DeepSpeed's own training behind ``prepare``: ``deepspeed.initialize`` from a config unidist generates.
-
-DeepSpeed's config has defaults that change the math of data-parallel training (gradient clipping at norm
-1.0 above all); ``NEUTRAL_CONFIG`` pins each to what one process with a plain torch optimizer does, so the same
-``prepare`` arguments train the same model as on the other backends. A user's ``deepspeed_config`` that sets
-one of them again is asking for it and wins.
+"""DeepSpeed's own training behind ``prepare``: ``deepspeed.initialize`` from a config unidist generates
+(unidist/train/ds_config.py: the engine defaults that change the math pinned, the user's config checked).
 """
 
 from __future__ import annotations
 
-import copy
-import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from unidist.comm import watchdog
-from unidist.errors import ConfigError, InvalidArgumentError
+from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
+from unidist.train import ds_config
 from unidist.train.memory import optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import TrainOptions
 from unidist.train.trainer import Trainer
 from unidist.train.view import OptimizerView
 
-__all__ = ["NEUTRAL_CONFIG", "DeepSpeedTrainer", "EngineOptimizer"]
-
-# DeepSpeed 0.19 config defaults that would make training differ from one process on the whole batch, pinned.
-NEUTRAL_CONFIG: Mapping[str, Any] = {
-    "gradient_clipping": 0.0,  # default 1.0: clips by global norm 1 on every step (0 switches it off)
-    "prescale_gradients": False,  # (default False) dividing before the allreduce rounds differently
-    "gradient_predivide_factor": 1.0,  # (default 1.0) part of the averaging done before the sum
-    "fp16": {"enabled": False},  # no mixed precision, so no loss scaling, unless asked for
-    "bf16": {"enabled": False},
-    "torch_autocast": {"enabled": False},  # would run forward in a lower dtype
-}
-
+__all__ = ["DeepSpeedTrainer", "EngineOptimizer"]
 
 class EngineOptimizer(OptimizerView):
     """The engine's optimizer as a torch Optimizer: ``step()`` steps the engine (which knows the accumulation
@@ -75,46 +58,23 @@ class DeepSpeedTrainer(Trainer):
 
     def deepspeed_config(self, opts: TrainOptions | None = None) -> dict[str, Any]:
         """The DeepSpeed config ``prepare`` uses for ``opts``: engine defaults that change the math pinned
-        (``NEUTRAL_CONFIG``), ``prepare``'s arguments mapped, then the user's config merged on top."""
+        (``NEUTRAL_CONFIG``), ``prepare``'s arguments mapped, then the user's config merged on top and checked
+        (an unknown key is named, not ignored)."""
         from unidist.train.options import TrainOptions
 
         opts = opts if opts is not None else TrainOptions(zero_stage=self.mgr.config.zero_stage,
                                                           bucket_mb=self.mgr.config.bucket_mb)
-        bucket = int(opts.bucket_mb * 2**20 / 4)  # elements
-        k = opts.backward_passes_per_step
-        cfg: dict[str, Any] = copy.deepcopy(dict(NEUTRAL_CONFIG))
-        _merge(cfg, {
-            "train_micro_batch_size_per_gpu": 1,  # bookkeeping only: unidist never hands DeepSpeed the data
-            "gradient_accumulation_steps": k,
-            "train_batch_size": k * self.mgr.size,
-            "zero_optimization": {"stage": opts.zero_stage, "reduce_bucket_size": bucket,
-                                  "allgather_bucket_size": bucket,
-                                  # default 1e5: parameters below 100k elements stay whole on every rank,
-                                  # which keeps small models entirely unsharded at stage 3
-                                  "stage3_param_persistence_threshold": 0},
-            "zero_allow_untested_optimizer": True,  # any torch optimizer, as on every other backend
-            "steps_per_print": 2**31 - 1,
-            "wall_clock_breakdown": False,
-        })
-        if opts.clip_grad_norm is not None:
-            cfg["gradient_clipping"] = opts.clip_grad_norm
-        if opts.compression != "none":
-            cfg["communication_data_type"] = opts.compression
         source = opts.deepspeed_config if opts.deepspeed_config is not None else self.mgr.config.deepspeed_config
-        if source is not None:
-            user = _load_config(source)
+        user = ds_config.load(source) if source is not None else None
+        if user is not None and opts.clip_grad_norm is not None:
             clip = user.get("gradient_clipping")
-            if opts.clip_grad_norm is not None and clip is not None and float(clip) != opts.clip_grad_norm:
+            if clip is not None and float(clip) != opts.clip_grad_norm:
                 raise InvalidArgumentError(
                     f"prepare(clip_grad_norm={opts.clip_grad_norm}) and the DeepSpeed config's gradient_clipping="
                     f"{clip} disagree; set one of them")
-            _merge(cfg, user)
-            if "train_batch_size" in user:  # the user's batch arithmetic wins; DeepSpeed derives the rest
-                if "train_micro_batch_size_per_gpu" not in user:
-                    cfg.pop("train_micro_batch_size_per_gpu")
-            else:
-                cfg["train_batch_size"] = (cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"]
-                                           * self.mgr.size)
+        cfg = ds_config.build(opts, self.mgr.size, user)
+        if user is not None:
+            ds_config.validate(cfg, user, source)
         return cfg
 
     def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions) -> tuple[Any, EngineOptimizer]:
@@ -129,16 +89,16 @@ class DeepSpeedTrainer(Trainer):
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidArgumentError(f"prepare(optimizer=...) takes a torch.optim.Optimizer, got "
                                        f"{type(optimizer).__name__}")
-        ds_config = self.deepspeed_config(opts)
+        config = self.deepspeed_config(opts)
         self.full_optimizer = optimizer
         self.full_groups = [list(g["params"]) for g in optimizer.param_groups] if optimizer is not None else []
-        if optimizer is None and "optimizer" not in ds_config:
+        if optimizer is None and "optimizer" not in config:
             raise InvalidArgumentError("prepare() needs an optimizer, or an 'optimizer' section in deepspeed_config")
         # The user's RNG stream stays as it was (dropout masks must not depend on the backend).
         devices = [self.mgr._device] if self.mgr._device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), watchdog.watching("deepspeed.initialize"):
             engine, _, _, _ = self.mgr._deepspeed.initialize(
-                model=model.to(self.mgr.device), optimizer=optimizer, config=ds_config,
+                model=model.to(self.mgr.device), optimizer=optimizer, config=config,
                 model_parameters=None if optimizer is not None else model.parameters())
         engine.__class__ = _module_keys(type(engine))
         self.engine = engine
@@ -247,32 +207,3 @@ def _module_keys(engine_cls: type) -> type:
                                                          "__module__": engine_cls.__module__})
         _KEYED[engine_cls] = cls
     return cls
-
-
-def _load_config(source: Mapping[str, Any] | str | Path) -> dict[str, Any]:
-    if isinstance(source, Mapping):
-        return copy.deepcopy(dict(source))
-    path = Path(source)
-    try:
-        loaded = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"DeepSpeed config {str(path)!r} (UNIDIST_DEEPSPEED_CONFIG or deepspeed_config=) does "
-                          "not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"DeepSpeed config {str(path)!r} (UNIDIST_DEEPSPEED_CONFIG or deepspeed_config=) is a "
-                          "directory; give the path of its JSON file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"DeepSpeed config {str(path)!r} cannot be read: {err}") from None
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {err}") from None
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"DeepSpeed config {str(path)!r} must hold a JSON object")
-    return loaded
-
-
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> None:
-    for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
-        else:
-            base[key] = copy.deepcopy(value)
