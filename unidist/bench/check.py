@@ -36,7 +36,7 @@ def _time(mgr: Any, t: torch.Tensor, iters: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--sizes", type=int, nargs="*", default=list(SIZES), help="bytes per buffer")
     args = parser.parse_args()
     with unidist.init() as mgr:

@@ -9,7 +9,8 @@ Waits are bounded by the watchdog (watchdog.py), not here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from unidist.comm.dtypes import DTYPE_ID, SUPPORTED_DTYPES
 from unidist.errors import CollectiveMismatchError, InvalidArgumentError
 from unidist.ops import ReduceOp
 
-__all__ = ["CALLS", "check_rank", "check_tag", "p2p_header", "p2p_mismatch", "signature"]
+__all__ = ["CALLS", "check_rank", "check_tag", "overlapped", "p2p_header", "p2p_mismatch", "signature"]
 
 CALLS = ("barrier", "broadcast", "allreduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
          "send", "recv")
@@ -47,33 +48,81 @@ def check_tag(tag: int) -> int:
 
 def signature(comm: Any, call: str, t: torch.Tensor | None, op: ReduceOp | None, root: int,
               numel: int | None) -> None:
-    """Every rank of ``comm`` compares what it is about to call.
+    """Every rank of ``comm`` compares what it is about to call, before any data moves.
 
     Cheap enough to leave on while developing: one in-place MAX allreduce of two int64 words, a fingerprint
     ``f`` of (call number, call, op, dtype, size, root) and ``-f``; the ranks hold the same ``f`` exactly when
     ``max(f) == -max(-f)``. Only when they differ do they exchange the full rows to say who called what
     (every rank sees the same result, so all of them take that path together).
     """
-    comm._seq += 1
-    dtype_id = DTYPE_ID.get(t.dtype, -1) if t is not None else -1
-    n = numel if numel is not None else (t.numel() if t is not None else -1)
-    row = (comm._seq, _CALL_ID[call], _OP_ID[op] if op is not None else -1, dtype_id, n, root)
-    fp = hash(row) & _MASK  # a tuple of ints hashes the same in every process (no hash randomisation)
-    arr = comm._check_np
-    arr[0], arr[1] = fp, -fp
-    comm._allreduce(comm._check_buf, comm._check_buf, ReduceOp.MAX)
-    if arr[0] + arr[1]:
+    row = _row(comm, call, t, op, root, numel)
+    comm._check_exchange()
+    if comm._check_np[0] + comm._check_np[1]:
         _explain(comm, row)
 
 
+def overlapped(comm: Any, call: str, t: torch.Tensor, op: ReduceOp, run: Callable[[], None]) -> None:
+    """``signature`` for an allreduce of equal-sized buffers, overlapped with the call itself where the engine
+    checks on a channel of its own (MPI): the check is posted, ``run`` makes the call, the check ends after.
+
+    Data may have moved when a mismatch is found (sum on one rank, max on another); it is still reported on
+    every rank. A peer in a different kind of call leaves this rank in ``run`` until the watchdog's timeout,
+    while the peer raises at once; ``signature`` is used where the engine cannot overlap.
+    """
+    row = _row(comm, call, t, op, -1, None)
+    wait = comm._check_exchange_async()
+    if wait is None:
+        comm._check_exchange()
+        if comm._check_np[0] + comm._check_np[1]:
+            _explain(comm, row)
+        run()
+        return
+    # the wait needs no watching: every peer posted its check before the data call this rank got through
+    try:
+        run()
+    except Exception:
+        wait()
+        if comm._check_np[0] + comm._check_np[1]:
+            _explain(comm, row)  # the failed call was a mismatched one: say so
+        raise
+    wait()
+    if comm._check_np[0] + comm._check_np[1]:
+        _explain(comm, row)
+
+
+def _row(comm: Any, call: str, t: torch.Tensor | None, op: ReduceOp | None, root: int,
+         numel: int | None) -> tuple[int, ...]:
+    """This call's row, its fingerprint and its negation written into ``comm._check_np``."""
+    comm._seq += 1
+    if t is None:
+        row = (comm._seq, _CALL_ID[call], -1 if op is None else _OP_ID[op], -1, -1 if numel is None else numel, root)
+    else:
+        row = (comm._seq, _CALL_ID[call], -1 if op is None else _OP_ID[op], DTYPE_ID.get(t.dtype, -1),
+               t.numel() if numel is None else numel, root)
+    fp = hash(row) & _MASK  # a tuple of ints hashes the same in every process (no hash randomisation)
+    comm._check_np[:] = (fp, -fp)
+    return row
+
+
 _MASK = (1 << 62) - 1
+EXPLAIN_WAIT = 3.0  # seconds to wait for the other ranks' rows after a mismatch
 
 
 def _explain(comm: Any, row: tuple[int, ...]) -> None:
-    """The ranks disagree: gather every rank's row and raise naming what each called."""
+    """The ranks disagree: gather every rank's row and raise naming what each called. A rank blocked in a
+    different call cannot answer: after ``EXPLAIN_WAIT`` s this rank raises with what it knows."""
     mine = torch.tensor(row, dtype=torch.int64)
     table = torch.empty(comm._size * len(row), dtype=torch.int64)
-    comm._allgather(mine, table, [len(row)] * comm._size)
+    work = comm._check_rows(mine, table)
+    deadline = time.monotonic() + EXPLAIN_WAIT
+    while not work.test():
+        if time.monotonic() > deadline:
+            raise CollectiveMismatchError(
+                f"collective #{row[0]} does not match across ranks: rank {comm._rank} called {_describe(row)}, and "
+                f"some rank did not answer within {EXPLAIN_WAIT:g} s (it is blocked in a different call). Every "
+                "rank must make the same collective calls, with matching dtypes, sizes, ops and roots, in the "
+                "same order.")
+        time.sleep(0.001)
     rows = table.view(comm._size, -1).tolist()
     calls = "; ".join(f"rank {r} called {_describe(v)} as collective #{v[0]}" for r, v in enumerate(rows))
     raise CollectiveMismatchError(

@@ -213,9 +213,11 @@ class Collectives(Primitives):
         if t is not None:
             fast_op = _FAST_OPS.get(op)
             if fast_op is not None and (fast_op is not ReduceOp.MEAN or t.dtype.is_floating_point):
+                engine_op = ReduceOp.SUM if fast_op is ReduceOp.MEAN else fast_op
                 if self._checked:
-                    check.signature(self, "allreduce", t, fast_op, -1, None)
-                self._allreduce(t, t, ReduceOp.SUM if fast_op is ReduceOp.MEAN else fast_op)
+                    check.overlapped(self, "allreduce", t, fast_op, lambda: self._allreduce(t, t, engine_op))
+                else:
+                    self._allreduce(t, t, engine_op)
                 if fast_op is ReduceOp.MEAN:
                     t.div_(self._size)
                 return x

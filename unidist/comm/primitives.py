@@ -9,7 +9,7 @@ world ranks.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -101,4 +101,22 @@ class Primitives(abc.ABC):
 
     def _allgather_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Work:
         self._allgather(send, recv, counts)
+        return DONE
+
+    # ------------------------------------------------------------ the desync check's own traffic (comm/check.py)
+    _check_buf: torch.Tensor  # two int64 words
+
+    def _check_exchange(self) -> None:
+        """MAX allreduce of ``_check_buf`` in place. Engines with a communicator to spare move it there, so a
+        check can never match a data call of a desynchronised peer."""
+        self._allreduce(self._check_buf, self._check_buf, ReduceOp.MAX)
+
+    def _check_exchange_async(self) -> Callable[[], object] | None:
+        """Start ``_check_exchange`` to overlap it with the call it checks and return its wait; None where the
+        check and the data share one channel (then the check must end before the data call starts)."""
+        return None
+
+    def _check_rows(self, mine: torch.Tensor, table: torch.Tensor) -> Work:
+        """Start an allgather of every rank's check row (int64) after a mismatch."""
+        self._allgather(mine, table, [mine.numel()] * self._size)
         return DONE

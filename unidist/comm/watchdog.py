@@ -48,7 +48,7 @@ LEAVING = "shutdown barrier (this rank is leaving its `with` block while a peer 
 
 # the engine primitives of comm/primitives.py: every wait on peers goes through one of them
 PRIMITIVES = ("_barrier", "_broadcast", "_allreduce", "_allgather", "_alltoall", "_send", "_recv", "_gather",
-              "_scatter", "_reduce_scatter")
+              "_scatter", "_reduce_scatter", "_check_exchange")
 ASYNC_PRIMITIVES = ("_allreduce_async", "_reduce_scatter_async", "_broadcast_async", "_allgather_async")
 
 

@@ -18,6 +18,7 @@ from unidist.comm.group import Group, SortedOrder
 from unidist.comm.primitives import Primitives
 from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError
+from unidist.managers import stores
 from unidist.managers.base import Manager
 from unidist.net import listener, rendezvous_address
 from unidist.ops import ReduceOp, resolve_op
@@ -136,6 +137,7 @@ class HorovodManager(HorovodComm, Manager):
         self._ops = {ReduceOp.SUM: hvd.Sum, ReduceOp.MIN: hvd.Min, ReduceOp.MAX: hvd.Max,
                      ReduceOp.PRODUCT: hvd.Product}
         self._p2p: Any = None
+        self._p2p_store: Any = None  # rank 0 hosts it: closed after the others left (managers/stores.py)
         if self._size > 1:
             self._p2p = self._p2p_group()
 
@@ -145,18 +147,16 @@ class HorovodManager(HorovodComm, Manager):
         dist: Any = torch.distributed  # TCPStore, PrefixStore, ProcessGroupGloo: not in its typed exports
         timeout = watchdog.engine_timeout(self.config.timeout)
         single_node = self._local_size == self._size
-        if self._rank == 0:
-            # served on a socket bound to the rendezvous address alone (loopback on one node), held from the
-            # start: torch's own TCPStore would listen on every interface
+        if self._rank == 0:  # one address only, port held from the start (see managers/stores.py)
             sock = listener(rendezvous_address(single_node))
             address = sock.getsockname()[:2]
-            store = dist.TCPStore(address[0], address[1], self._size, is_master=True, timeout=timeout,
-                                  master_listen_fd=sock.detach(), wait_for_workers=False)
+            store = stores.serve(sock, self._size, timeout)
         else:
             address = None
         host, port = self._hvd.broadcast_object(address, root_rank=0, name="unidist.p2p.address")
         if self._rank != 0:
-            store = dist.TCPStore(host, port, self._size, is_master=False, timeout=timeout)
+            store = stores.connect(host, port, self._size, timeout)
+        self._p2p_store = store
         return dist.ProcessGroupGloo(dist.PrefixStore("unidist_p2p", store), self._rank, self._size, timeout)
 
     def _shutdown(self) -> None:
@@ -164,8 +164,13 @@ class HorovodManager(HorovodComm, Manager):
             if ps is not self._hvd.global_process_set:
                 self._hvd.remove_process_set(ps)
         self._process_sets.clear()
-        self._p2p = None
+        if self._p2p is not None and not self._failing:
+            stores.leave_in_order(self._p2p_store, self._rank, self._size, self.config.timeout, self._drop_p2p)
+        self._drop_p2p()
         self._hvd.shutdown()
+
+    def _drop_p2p(self) -> None:
+        self._p2p = self._p2p_store = None
 
     def _engine_groups(self, lists: list[list[int]]) -> list[Group | None]:
         """A process set per list (every rank registers every set, in the same order)."""

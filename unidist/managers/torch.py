@@ -22,6 +22,7 @@ from unidist.comm.primitives import Primitives
 from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.launch import family
+from unidist.managers import stores
 from unidist.managers.base import Manager
 from unidist.net import listener, rendezvous_address
 from unidist.ops import ReduceOp
@@ -147,6 +148,7 @@ class TorchManager(TorchComm, Manager):
     name = "torch"
     _over_mpi = False  # the rendezvous address came over MPI (the job was started by an MPI launcher)
     _listen: socket.socket | None = None  # rank 0's listening socket until its store takes it
+    _store: Any = None  # the process group's store, kept for leaving in order (``_shutdown``)
 
     # ------------------------------------------------------------ lifecycle
     def _import_dist(self) -> Any:
@@ -210,14 +212,11 @@ class TorchManager(TorchComm, Manager):
 
         dist: Any = torch.distributed  # TCPStore, PrefixStore: not in its typed exports (DeepSpeed uses this group)
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        if self._listen is not None:
-            # rank 0 serves on the socket it already holds: bound to the rendezvous address alone, and no race
-            # for the port (torch's own env:// store listens on every interface)
-            fd, self._listen = self._listen.detach(), None
-            store = dist.TCPStore(host, port, launch.size, is_master=True, master_listen_fd=fd, timeout=timeout,
-                                  wait_for_workers=False)
+        if self._listen is not None:  # rank 0 serves on the socket it holds (see managers/stores.py)
+            sock, self._listen = self._listen, None
+            store = stores.serve(sock, launch.size, timeout)
         else:
-            store = dist.TCPStore(host, port, launch.size, is_master=False, timeout=timeout)
+            store = stores.connect(host, port, launch.size, timeout)
         if launch.launcher == "torchrun":
             # torchrun's agent hosts the store and, on a restart (--max-restarts), the same store serves the
             # new attempt: keys left by the killed attempt (a dead rank's gloo address) were read by the new
@@ -225,6 +224,7 @@ class TorchManager(TorchComm, Manager):
             store = dist.PrefixStore(f"unidist/attempt_{launch.attempt}", store)
         dist.init_process_group(self._process_group_backend(), store=store, rank=launch.rank,
                                 world_size=launch.size, timeout=timeout)
+        self._store = store
 
     def _start(self) -> None:
         self._dist = self._import_dist()
@@ -261,19 +261,13 @@ class TorchManager(TorchComm, Manager):
     def _shutdown(self) -> None:
         # Manager.shutdown has made the ranks meet first: a rank destroying its gloo group while a peer was still
         # finishing its last exchange aborted the process ("terminate called without an active exception")
-        if self._owns_group and self._dist.is_initialized():
-            if self._over_mpi and not self._failing and self._size > 1:
-                # rank 0 hosts the store here: the other ranks let go of it first, then rank 0 closes it (a
-                # store closing under a connected peer aborted that peer at exit, under load)
-                from mpi4py import MPI
-
-                if self._rank != 0:
-                    self._dist.destroy_process_group()
-                MPI.COMM_WORLD.Barrier()
-                if self._rank == 0:
-                    self._dist.destroy_process_group()
-                return
+        store, self._store = self._store, None
+        if not (self._owns_group and self._dist.is_initialized()):
+            return
+        if store is None or self._failing or self._size == 1:
             self._dist.destroy_process_group()
+            return
+        stores.leave_in_order(store, self._rank, self._size, self.config.timeout, self._dist.destroy_process_group)
 
     def _engine_groups(self, lists: list[list[int]]) -> list[Group | None]:
         """``new_group`` for each list, on every rank in the same order (the engine requires both)."""

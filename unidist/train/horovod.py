@@ -91,6 +91,7 @@ class HorovodTrainer(Trainer):
         self.prepared = self.distributed_optimizer(
             optimizer, model.named_parameters(), op=opts.op, compression=opts.compression,
             backward_passes_per_step=opts.backward_passes_per_step, clip_grad_norm=opts.clip_grad_norm)
+        self.prepared_for[model] = self.prepared  # a second prepare of this model is refused
         return model, self.prepared
 
 
