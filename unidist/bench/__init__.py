@@ -1,2 +1,11 @@
-"""Benchmarks runnable under any launcher: ``unidist bench -n 2 --backend mpi`` or
-``mpiexec -n 2 python -m unidist.bench.allreduce``."""
+"""Benchmarks runnable under any launcher: ``python -m unidist.bench <subcommand>`` (see ``__main__.py``), or
+``unidist bench <subcommand> -n 2 --backend mpi -- <options>``, which starts it under the real launcher.
+
+Importing this package imports nothing heavy: each benchmark imports torch and its engine when it runs.
+"""
+
+MEASURE = ("collectives", "gradsync", "train")  # measured inside one unidist.init()
+OFFLINE = ("plot", "report")  # no launcher: they read JSON files or start the launchers themselves
+DELEGATED = {"check": "unidist.bench.check", "zero": "unidist.bench.zero", "checkpoint": "unidist.bench.checkpoint",
+             "ddp_digits": "unidist.bench.ddp_digits"}
+SUBCOMMANDS = (*MEASURE, "all", *OFFLINE, *DELEGATED)

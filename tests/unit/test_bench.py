@@ -1,0 +1,103 @@
+"""The benchmarks' pure parts, without launching: sizes, nccl-tests' factors, the model plans, argv handling,
+the JSON format and the RESULTS.md rendering. The launches are in tests/multiproc/test_bench.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unidist.bench import SUBCOMMANDS
+from unidist.bench.__main__ import _strip_local_rank
+from unidist.bench.collectives import busbw_factor, default_sizes, parse_size
+from unidist.bench.models import ShapeModel, gpt2_shapes, resnet, resnet50_shapes
+from unidist.bench.output import human_bytes, markdown, write_json
+from unidist.bench.report import BEGIN, END, targets, write_results
+
+
+def test_sizes_and_units() -> None:
+    sizes = default_sizes(4, 128 << 20)
+    assert sizes[0] == 4 and sizes[-1] == 128 << 20
+    assert {8, 2 << 20, 32 << 20, 64 << 10} <= set(sizes) and sizes == sorted(set(sizes))
+    assert default_sizes(4, 4096) == [4, 8, 16, 64, 256, 1024, 4096]
+    assert [parse_size(s) for s in ("4", "64K", "2MiB", "128M", "1g")] == [4, 65536, 2 << 20, 128 << 20, 1 << 30]
+    with pytest.raises(Exception, match="not a size"):
+        parse_size("2 parsecs")
+    assert human_bytes(8) == "8 B" and human_bytes(2 << 20) == "2 MiB" and human_bytes(1536) == "1.5 KiB"
+
+
+def test_busbw_factors_are_nccl_tests() -> None:
+    assert busbw_factor("allreduce", 2) == 1.0 and busbw_factor("allreduce", 4) == 1.5
+    for op in ("allgather", "reduce_scatter", "alltoall"):
+        assert busbw_factor(op, 4) == 0.75
+    assert busbw_factor("broadcast", 8) == 1.0
+
+
+def test_model_plans_match_the_real_models() -> None:
+    r50, gpt2 = resnet50_shapes(), gpt2_shapes()
+    assert (len(r50), sum(math.prod(s) for _, s in r50)) == (161, 25_557_032)  # torchvision resnet50
+    assert (len(gpt2), sum(math.prod(s) for _, s in gpt2)) == (148, 124_439_808)  # GPT-2 small
+    assert dict(gpt2)["h.0.attn.c_attn.weight"] == (768, 2304) and dict(r50)["fc.weight"] == (1000, 2048)
+    small = resnet50_shapes(0.05)
+    assert len(small) == 161 and sum(math.prod(s) for _, s in small) < 100_000
+    assert sum(p.numel() for p in resnet().parameters()) == 11_689_512  # torchvision resnet18
+
+
+def test_shape_model_backward_fills_every_gradient() -> None:
+    model = ShapeModel(gpt2_shapes(0.02))
+    model(3.0).backward()
+    assert all(p.grad is not None and bool((p.grad == 3.0).all()) for p in model.parameters())
+
+
+def test_local_rank_argument_is_dropped() -> None:
+    assert _strip_local_rank(["all", "--local_rank=1", "--rounds", "2", "--local-rank", "0"]) == \
+        ["all", "--rounds", "2"]
+
+
+def test_subcommands_listed_in_help() -> None:
+    out = subprocess.run([sys.executable, "-m", "unidist.bench", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert all(name in out for name in SUBCOMMANDS)
+
+
+def _doc(backend: str, launcher: str, ratio: float) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = [
+        {"bench": "collectives", "op": "allreduce", "bytes": b, "time_us": 10.0 * ratio, "raw_time_us": 10.0,
+         "ratio": ratio, "busbw_GBps": 1.0, "raw_busbw_GBps": 1.0 / ratio, "rounds": 3, "iters": 5}
+        for b in (8, 64 << 10, 32 << 20, 128 << 20)]
+    rows += [{"bench": "gradsync", "model": "resnet50", "method": m, "what": m, "unit_ms": 5.0, "sync_ms": 4.0,
+              "ratio": r} for m, r in (("raw_per_tensor", 1.0), ("fused", 0.5))]
+    rows.append({"bench": "train", "impl": "ddp" if backend == "torch" else "unidist", "samples_per_s": 100.0 / ratio,
+                 "step_ms": 1.0})
+    meta = {"backend": backend, "launcher": launcher, "ranks": 2, "date": "d", "torch": "t"}
+    return {"meta": meta, "rows": [{**r, "backend": backend, "launcher": launcher, "ranks": 2} for r in rows]}
+
+
+def test_targets_and_results_file(tmp_path: Path) -> None:
+    docs = [_doc("mpi", "mpich", 0.25), _doc("torch", "torchrun", 1.0)]
+    goals = {g["target"]: (g["measured"], g["met"]) for g in targets(docs)}
+    assert goals["mpi allreduce 32 MiB: raw MPICH time / unidist >= 3x"] == ("4.00x", "yes")
+    assert goals["mpi allreduce 8 B: unidist within +1 us of raw mpi4py"] == ("-7.50 us", "yes")
+    assert goals["mpi (mpich): ResNet-50 fused sync / raw per-tensor <= 0.7"] == ("0.50", "yes")
+    assert goals["train: unidist on mpi >= 1.5x torch DDP (gloo, torchrun) samples/s"] == ("4.00x", "yes")
+    md = tmp_path / "RESULTS.md"
+    md.write_text(f"# kept\n\n{BEGIN}\nold\n{END}\n\ntail kept\n")
+    pytest.importorskip("matplotlib")
+    write_results(tmp_path, docs)
+    text = md.read_text()
+    assert text.startswith("# kept\n") and text.endswith("tail kept\n") and "old" not in text
+    assert "| mpi (mpich) | allreduce |" in text and "### Gradient sync" in text
+    assert (tmp_path / "collectives.png").stat().st_size > 10_000
+
+
+def test_json_rows_carry_the_run(tmp_path: Path) -> None:
+    path = tmp_path / "x" / "r.json"
+    write_json(path, {"backend": "mpi", "launcher": "mpich", "ranks": 2, "extra": 1}, [{"bench": "train"}])
+    doc = json.loads(path.read_text())
+    assert doc["rows"] == [{"backend": "mpi", "launcher": "mpich", "ranks": 2, "bench": "train"}]
+    assert markdown([("a", "A", str)], [{"a": 1}, {}]) == "| A |\n|---|\n| 1 |\n| - |"

@@ -1,0 +1,165 @@
+"""``gradsync``: the cost of averaging a real model's gradients, per method, on the same parameter shapes.
+
+    mpiexec -n 2 python -m unidist.bench gradsync --model resnet50
+
+Models (``models.py``): ResNet-50 (161 tensors, 25.6 M parameters) and a GPT-2-small-like transformer
+(148 tensors, 124 M parameters), the sizes and tensor counts of real workloads. Methods, all timed as
+backward + synchronisation (the hooks of fused methods start exchanging during backward, so backward
+cannot be left out of the unit):
+
+- ``backward``: backward alone, no communication: the baseline each method's sync cost is measured from;
+- ``per_tensor``: ``mgr.allreduce_(p.grad, op="mean")`` on every gradient after backward;
+- ``raw_per_tensor``: the engine's own in-place allreduce (and divide) on every gradient (``engines.py``);
+- ``fused``: ``mgr.prepare(model, SGD)``, ``mgr.backward(loss)`` and ``opt.synchronize()``: unidist's
+  bucketed DistributedOptimizer (a DeepSpeed engine on deepspeed, ``hvd.DistributedOptimizer`` on horovod);
+- ``ddp``: torch's ``DistributedDataParallel`` reducer (gloo), where torch.distributed is initialised.
+
+Each method has its own copy of the model (hooks of one must not fire in another's backward). The forward
+is ``sum((p * c).sum())`` and runs before each unit, untimed; gradients are cleared after it (the fused
+method's ``opt.step()`` with lr=0, then ``opt.zero_grad()``, as a training loop does). Reported: ms per unit,
+sync ms = unit - baseline, and the ratio of each method's sync ms to ``raw_per_tensor``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unidist.bench import engines
+from unidist.bench.models import MODELS, ShapeModel
+from unidist.bench.output import Column, fmt, markdown
+from unidist.bench.timing import per_unit_rounds, slowest
+
+__all__ = ["add_arguments", "run", "table"]
+
+Method = tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=[*MODELS, "both"], default="both")
+    parser.add_argument("--iters", type=int, default=3, help="timed units per method and round")
+
+
+def _ddp_available() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _clear(params: list[torch.nn.Parameter]) -> Callable[[], None]:
+    def clear() -> None:
+        for p in params:
+            p.grad = None
+    return clear
+
+
+def fused_label(backend: str) -> str:
+    return {"deepspeed": "prepare: DeepSpeed engine", "horovod": "prepare: hvd.DistributedOptimizer"}.get(
+        backend, "prepare: unidist DistributedOptimizer")
+
+
+def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float) -> tuple[dict[str, Method], list[Any]]:
+    """(before, unit, after) per method, and what must stay alive (the prepared optimizer, DDP)."""
+    keep: list[Any] = []
+    plain = ShapeModel(shapes).to(mgr.device)
+    params = list(plain.parameters())
+    state: dict[str, torch.Tensor] = {}
+
+    def forward(model: Callable[[float], torch.Tensor], key: str) -> Callable[[], None]:
+        def run() -> None:
+            state[key] = model(c)
+        return run
+
+    def backward_then(key: str, sync: Callable[[], Any] | None) -> Callable[[], None]:
+        def unit() -> None:
+            state.pop(key).backward()  # type: ignore[no-untyped-call]
+            if sync is not None:
+                sync()
+        return unit
+
+    def each(fn: Callable[[torch.Tensor], Any]) -> Callable[[], None]:
+        def sync() -> None:
+            for p in params:
+                fn(p.grad)  # type: ignore[arg-type]
+        return sync
+
+    methods: dict[str, Method] = {
+        "backward": (forward(plain, "plain"), backward_then("plain", None), _clear(params)),
+        "per_tensor": (forward(plain, "plain"), backward_then("plain", each(lambda g: mgr.allreduce_(g, op="mean"))),
+                       _clear(params)),
+    }
+    raw = engines.grad_mean(mgr)
+    if raw is not None:
+        methods["raw_per_tensor"] = (forward(plain, "plain"), backward_then("plain", each(raw)), _clear(params))
+
+    fused_model = ShapeModel(shapes)
+    opt = torch.optim.SGD(fused_model.parameters(), lr=0.0)
+    prepared, popt = mgr.prepare(fused_model, opt)
+    keep += [prepared, popt]
+
+    def fused_unit() -> None:
+        mgr.backward(state.pop("fused"))
+        popt.synchronize()  # type: ignore[attr-defined]
+
+    def fused_after() -> None:
+        popt.step()
+        popt.zero_grad()
+
+    methods["fused"] = (forward(prepared, "fused"), fused_unit, fused_after)
+
+    if _ddp_available():
+        ddp_model = ShapeModel(shapes).to(mgr.device)
+        ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
+        keep.append(ddp)
+        methods["ddp"] = (forward(ddp, "ddp"), backward_then("ddp", None), _clear(list(ddp_model.parameters())))
+    return methods, keep
+
+
+def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per model and method."""
+    rows: list[dict[str, Any]] = []
+    for name in (list(MODELS) if args.model == "both" else [args.model]):
+        shapes = MODELS[name](args.scale)
+        nparams = sum(math.prod(s) for _, s in shapes)
+        methods, keep = _methods(mgr, shapes, float(mgr.rank + 1))
+        med = slowest(mgr, per_unit_rounds(mgr, methods, iters=args.iters, rounds=args.rounds,
+                                           warmup=max(1, args.warmup)))
+        base = med["backward"]
+        raw_sync = med["raw_per_tensor"] - base if "raw_per_tensor" in med else None
+        for method, seconds in med.items():
+            sync = seconds - base
+            row: dict[str, Any] = {"bench": "gradsync", "model": name, "scale": args.scale, "tensors": len(shapes),
+                                   "params": nparams, "bytes": 4 * nparams, "method": method,
+                                   "what": _describe(method, mgr.backend), "iters": args.iters,
+                                   "rounds": args.rounds, "unit_ms": seconds * 1e3,
+                                   "sync_ms": None if method == "backward" else sync * 1e3}
+            if raw_sync is not None and method != "backward" and raw_sync > 0:
+                row["ratio"] = sync / raw_sync
+            rows.append(row)
+        for obj in keep:
+            remove = getattr(obj, "remove_hooks", None)
+            if callable(remove):
+                remove()
+        del methods, keep
+    return rows
+
+
+def _describe(method: str, backend: str) -> str:
+    return {"backward": "backward only (no communication)",
+            "per_tensor": "mgr.allreduce_(grad, 'mean') per tensor",
+            "raw_per_tensor": f"{engines.ENGINE_NAMES.get(backend, '?')} allreduce per tensor",
+            "fused": fused_label(backend),
+            "ddp": "torch DDP reducer (gloo)"}.get(method, method)
+
+
+def table(rows: list[dict[str, Any]], run_meta: dict[str, Any]) -> str:
+    cols: list[Column] = [("model", "model", str), ("tensors", "tensors", str),
+                          ("params", "parameters", lambda v: f"{v / 1e6:.2f} M"), ("what", "method", str),
+                          ("unit_ms", "backward + sync ms", fmt(2)), ("sync_ms", "sync ms", fmt(2)),
+                          ("ratio", "sync / raw per-tensor", fmt(2))]
+    head = (f"gradsync: backend={run_meta['backend']} launcher={run_meta['launcher']} ranks={run_meta['ranks']}, "
+            f"float32, slowest rank's median of {rows[0]['rounds'] if rows else 0} interleaved rounds; "
+            "sync = (backward + sync) - backward only")
+    return head + "\n\n" + markdown(cols, rows)
