@@ -1,6 +1,7 @@
 """``unidist info``: the report to paste into a bug. ``unidist launch``: run a script under a real launcher.
+``unidist bench <benchmark>``: ``python -m unidist.bench <benchmark>`` under the launcher ``launch`` picks.
 
-Neither command imports an engine: versions come from package metadata, so ``info`` never starts MPI.
+None of them imports an engine: versions come from package metadata, so ``info`` never starts MPI.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import unidist
+from unidist.bench import OFFLINE as BENCH_OFFLINE
+from unidist.bench import SUBCOMMANDS as BENCHMARKS
 from unidist.config import ENV_VARS, Config
 from unidist.errors import UnidistError
 from unidist.launch import LAUNCHERS, NO_LAUNCHER_BACKEND, command_family, detect
@@ -143,18 +146,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p_launch.add_argument("script", help="the Python script to run")
     p_launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p_bench = sub.add_parser("bench", help="allreduce through unidist next to the engine's own call")
+    p_bench = sub.add_parser("bench", help="python -m unidist.bench <benchmark> on N processes under a real "
+                                           "launcher (plot and report run here)")
+    p_bench.add_argument("benchmark", choices=BENCHMARKS, help="collectives, gradsync, train, all, ...")
     p_bench.add_argument("-n", "--nprocs", type=int, default=2)
     p_bench.add_argument("--backend", help="as for launch")
-    p_bench.add_argument("args", nargs=argparse.REMAINDER,
-                         help="after --, options for the benchmark: --sizes 8,2097152 --rounds 7")
+    p_bench.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    p_bench.epilog = "Options for the benchmark go after --: unidist bench collectives -n 2 -- --compare --sizes 8,2M"
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench_args: list[str] = []
+    if argv[:1] == ["bench"] and "--" in argv:  # the benchmark's own options (a REMAINDER would take -n too)
+        cut = argv.index("--")
+        argv, bench_args = argv[:cut], argv[cut + 1:]
     ns = parser.parse_args(argv)
 
     if ns.command == "bench":
-        from unidist.bench import allreduce
+        if ns.benchmark in BENCH_OFFLINE:
+            from unidist.bench.__main__ import main as bench_main
 
-        bench_args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
-        ns.script, ns.args, ns.dry_run = allreduce.__file__, bench_args, False
+            return bench_main([ns.benchmark, *bench_args])
+        # by path, not -m: the deepspeed launcher only starts scripts
+        ns.script = str(Path(unidist.__file__).resolve().parent / "bench" / "__main__.py")
+        ns.args = [ns.benchmark, *bench_args]
     if ns.command == "info":
         report = info(os.environ)
         if ns.json:
@@ -169,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cmd = launch_command(backend, ns.nprocs, ns.script, ns.args)
     except UnidistError as err:
-        print(f"unidist launch: {err}", file=sys.stderr)
+        print(f"unidist {ns.command}: {err}", file=sys.stderr)
         return 2
     if ns.dry_run:
         print(" ".join(cmd))
