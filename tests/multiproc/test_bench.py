@@ -1,0 +1,182 @@
+"""Smoke tests of the benchmarks (`python -m unidist.bench`, `unidist bench`, benchmarks/regenerate.sh) under
+real launchers. Not timing tests: tiny sizes, and every row must be there with positive numbers.
+
+Each README benchmark command runs as written with smoke options appended (the last value of an option wins),
+so the README's spelling is what is tested; `all` covers the three benchmarks in one launch per launcher.
+Launches per tox env: py 2 (README collectives, regenerate.sh --quick --runs mpi), torch 2, deepspeed 1,
+horovod 2.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import BIN, ROOT, deepspeed, mpiexec, require, run, torchrun
+
+README = (ROOT / "README.md").read_text()
+BLOCK = re.search(r"<!-- readme-bench -->\n```bash\n(.*?)```", README, flags=re.S)
+COMMANDS = [line.split("  #")[0].strip() for line in (BLOCK.group(1) if BLOCK else "").splitlines() if line.strip()]
+SCRIPT = str(ROOT / "unidist" / "bench" / "__main__.py")
+
+SMOKE = {
+    "collectives": ["--sizes", "8,4K", "--rounds", "2", "--warmup", "1", "--budget", "0.01"],
+    "gradsync": ["--scale", "0.05", "--iters", "1", "--rounds", "2", "--warmup", "1"],
+    "train": ["--scale", "0.05", "--steps", "1", "--rounds", "2", "--warmup", "1", "--batch", "4",
+              "--image-size", "32"],
+}
+SMOKE["all"] = ["--compare", *SMOKE["collectives"], "--scale", "0.05", "--iters", "1", "--steps", "1", "--batch", "4",
+                "--image-size", "32"]
+OPS = ("allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall")
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    doc = json.loads(path.read_text())
+    assert {"backend", "launcher", "ranks", "torch", "argv"} <= set(doc["meta"]), doc["meta"]
+    return list(doc["rows"])
+
+
+def check_collectives(rows: list[dict[str, Any]], backend: str, compare: bool) -> None:
+    mine = [r for r in rows if r["bench"] == "collectives"]
+    assert {(r["op"], r["bytes"]) for r in mine} == {(op, b) for op in OPS for b in (8, 4096)}, mine
+    for r in mine:
+        assert r["backend"] == backend and r["ranks"] == 2, r
+        assert r["iters"] >= 1 and r["time_us"] > 0 and r["algbw_GBps"] > 0 and r["busbw_GBps"] > 0, r
+        if compare:
+            assert r["raw_time_us"] > 0 and r["raw_busbw_GBps"] > 0 and r["ratio"] > 0, r
+
+
+def check_gradsync(rows: list[dict[str, Any]], methods: set[str]) -> None:
+    mine = [r for r in rows if r["bench"] == "gradsync"]
+    assert {(r["model"], r["tensors"]) for r in mine} == {("resnet50", 161), ("gpt2", 148)}, mine
+    for model in ("resnet50", "gpt2"):
+        assert {r["method"] for r in mine if r["model"] == model} == methods, mine
+    assert all(r["unit_ms"] > 0 for r in mine), mine
+
+
+def check_train(rows: list[dict[str, Any]], impls: set[str]) -> None:
+    mine = [r for r in rows if r["bench"] == "train"]
+    assert {r["impl"] for r in mine} == impls, mine
+    assert all(r["samples_per_s"] > 0 and r["step_ms"] > 0 for r in mine), mine
+
+
+def _table_cells(stdout: str, first: str) -> list[list[str]]:
+    """Cells of the markdown rows starting with ``first`` (horovodrun prefixes each line with [rank])."""
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.splitlines()
+            if re.search(rf"\| {re.escape(first)} \|", line)]
+
+
+# ------------------------------------------------------------------------ the README's commands
+def _marks(cmd: str) -> list[pytest.MarkDecorator]:
+    for word, mark in (("--backend torch", pytest.mark.torch), ("--backend horovod", pytest.mark.horovod),
+                       ("--backend mpi", pytest.mark.mpi), ("regenerate.sh", pytest.mark.mpi)):
+        if word in cmd:
+            return [mark]
+    return []
+
+
+def _fake_results(where: Path) -> None:
+    """Two runs' JSON files for the README's plot command (no launch needed to test the plot)."""
+    for backend, scale in (("mpi", 1.0), ("torch", 0.01)):
+        rows = [{"bench": "collectives", "backend": backend, "launcher": "x", "ranks": 2, "op": op, "bytes": b,
+                 "time_us": b / scale / 1e3, "busbw_GBps": scale, "raw_busbw_GBps": scale / 2}
+                for op in OPS for b in (8, 4096, 1 << 20)]
+        (where / f"{backend}.json").write_text(json.dumps({"meta": {"backend": backend, "launcher": "x"},
+                                                           "rows": rows}))
+
+
+def test_readme_bench_block_found() -> None:
+    assert len(COMMANDS) >= 5 and any("regenerate.sh" in c for c in COMMANDS)
+
+
+@pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c), id=c[:50]) for c in COMMANDS])
+def test_readme_bench_command(cmd: str, tmp_path: Path) -> None:
+    tokens = shlex.split(cmd)
+    if "--backend mpi" in cmd or "regenerate.sh" in cmd:
+        require("mpi4py")
+    if "--backend horovod" in cmd:
+        require("horovod")
+    tokens = [sys.executable if t == "python" else str(BIN / "unidist") if t == "unidist" else t for t in tokens]
+    env: dict[str, str] = {}
+    if tokens[0] == "bash":  # regenerate.sh: the whole pipeline, tiny, one launcher, into tmp_path
+        tokens[1] = str(ROOT / tokens[1])
+        tokens += ["--quick", "--runs", "mpi", "--out-dir", str(tmp_path)]
+        env["BENCH_BIN"] = str(BIN)
+    elif "plot" in tokens:
+        pytest.importorskip("matplotlib")
+        _fake_results(tmp_path)
+    else:
+        bench = tokens[2]
+        tokens += ([] if "--" in tokens else ["--"]) + SMOKE[bench]
+    proc = run(tokens, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    if tokens[0] == "bash":
+        rows = _rows(tmp_path / "results" / "mpi.json")
+        check_collectives(rows, "mpi", compare=True)
+        check_gradsync(rows, {"backward", "per_tensor", "raw_per_tensor", "fused"})
+        check_train(rows, {"unidist"})
+        text = (tmp_path / "RESULTS.md").read_text()
+        assert "### Gradient sync" in text and "| mpi (mpich) | allreduce |" in text, text
+        assert (tmp_path / "collectives.png").stat().st_size > 10_000
+    elif "plot" in tokens:
+        assert (tmp_path / "bandwidth.png").stat().st_size > 10_000, proc.describe()
+    elif tokens[2] == "collectives":
+        check_collectives(_rows(tmp_path / "mpi.json"), "mpi", compare=True)
+        assert len(_table_cells(proc.stdout, "allreduce")) == 2, proc.stdout
+        assert (tmp_path / "collectives.png").stat().st_size > 10_000
+    elif tokens[2] == "gradsync":
+        cells = _table_cells(proc.stdout, "resnet50")
+        assert [c[3] for c in cells] == ["backward only (no communication)", "mgr.allreduce_(grad, 'mean') per tensor",
+                                         "torch.distributed allreduce per tensor",
+                                         "prepare: unidist DistributedOptimizer", "torch DDP reducer (gloo)"], cells
+        assert all(float(c[4]) > 0 for c in cells), cells
+    elif tokens[2] == "train":
+        cells = _table_cells(proc.stdout, "unidist") + _table_cells(proc.stdout, "horovod")
+        assert len(cells) == 2 and all(float(c[4]) > 0 for c in cells), proc.stdout
+
+
+# ------------------------------------------------------------------------ `all` under the other launchers
+@pytest.mark.torch
+def test_all_under_torchrun(tmp_path: Path) -> None:
+    """Collectives beside torch.distributed, gradsync with torch DDP's reducer, train beside DDP."""
+    out = tmp_path / "torch.json"
+    proc = run(torchrun(2, SCRIPT, "all", *SMOKE["all"], "--json", str(out)), timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    rows = _rows(out)
+    check_collectives(rows, "torch", compare=True)
+    check_gradsync(rows, {"backward", "per_tensor", "raw_per_tensor", "fused", "ddp"})
+    check_train(rows, {"unidist", "ddp"})
+
+
+@pytest.mark.deepspeed
+def test_all_under_deepspeed(tmp_path: Path) -> None:
+    """By script path (the deepspeed launcher appends --local_rank=N), deepspeed.comm as the raw engine, the
+    DeepSpeed engine as the fused method, DDP on DeepSpeed's process group."""
+    require("deepspeed")
+    out = tmp_path / "ds.json"
+    proc = run(deepspeed(2, SCRIPT, "all", *SMOKE["all"], "--json", str(out)), env={"DS_ACCELERATOR": "cpu"},
+               timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    rows = _rows(out)
+    check_collectives(rows, "deepspeed", compare=True)
+    check_gradsync(rows, {"backward", "per_tensor", "raw_per_tensor", "fused", "ddp"})
+    check_train(rows, {"unidist", "ddp"})
+
+
+@pytest.mark.horovod
+def test_all_horovod_under_mpiexec(tmp_path: Path) -> None:
+    """Horovod over MPI: hvd.* as the raw engine, hvd.DistributedOptimizer as fused and native trainer."""
+    require("horovod")
+    out = tmp_path / "hvd.json"
+    proc = run(mpiexec(2, "-m", "unidist.bench", "all", *SMOKE["all"], "--json", str(out)),
+               env={"UNIDIST_BACKEND": "horovod"}, timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    rows = _rows(out)
+    check_collectives(rows, "horovod", compare=True)
+    check_gradsync(rows, {"backward", "per_tensor", "raw_per_tensor", "fused"})
+    check_train(rows, {"unidist", "horovod"})
