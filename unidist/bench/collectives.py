@@ -27,7 +27,7 @@ from unidist.bench import engines
 from unidist.bench.output import Column, fmt, human_bytes, markdown
 from unidist.bench.timing import calibrate, interleaved, slowest
 
-__all__ = ["add_arguments", "busbw_factor", "default_sizes", "parse_size", "run", "table"]
+__all__ = ["add_arguments", "busbw_factor", "default_sizes", "parse_size", "run", "table", "verify"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -101,6 +101,22 @@ def _calls(mgr: Any, op: str, nbytes: int) -> tuple[torch.Tensor, Callable[[], A
     raise SystemExit(f"collectives: unknown op {op!r}; use {', '.join(engines.OPS)}")
 
 
+def verify(mgr: Any, op: str, x: torch.Tensor, call: Callable[[], Any]) -> None:
+    """One call on rank-valued input, checked, before timing: a fast path that returns wrong data must not
+    produce a fine-looking row. The input is zeroed again afterwards."""
+    n, r = mgr.size, mgr.rank
+    x.fill_(r + 1)
+    out = call().clone()  # allreduce_ and broadcast_ return x itself, zeroed below
+    ranks = torch.arange(1, n + 1, dtype=x.dtype).repeat_interleave(x.numel() // n if op == "alltoall" else 1)
+    expected = {"allreduce": torch.full_like(x, n * (n + 1) / 2), "broadcast": torch.ones_like(x),
+                "allgather": torch.arange(1, n + 1, dtype=x.dtype).repeat_interleave(x.numel()),
+                "reduce_scatter": torch.full((x.numel() // n,), n * (n + 1) / 2), "alltoall": ranks}[op]
+    x.zero_()
+    if out.shape != expected.shape or not torch.equal(out, expected):
+        raise SystemExit(f"collectives: {op} of {4 * x.numel()} bytes on rank {r} returned wrong values "
+                         f"({out.reshape(-1)[:8].tolist()}... expected {expected[:8].tolist()}...): not timing it")
+
+
 def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per collective and size: unidist's time and bandwidths and, with --compare, the raw call's
     and the ratio unidist / raw."""
@@ -110,6 +126,7 @@ def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     for op in ops:
         for nbytes in _sizes(args):
             x, unidist_call, actual = _calls(mgr, op, nbytes)
+            verify(mgr, op, x, unidist_call)
             columns = {"unidist": unidist_call}
             if op in raw_table:
                 columns["raw"] = raw_table[op](x)

@@ -60,11 +60,14 @@ def fused_label(backend: str) -> str:
         backend, "prepare: unidist DistributedOptimizer")
 
 
-def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float) -> tuple[dict[str, Method], list[Any]]:
-    """(before, unit, after) per method, and what must stay alive (the prepared optimizer, DDP)."""
+def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float
+             ) -> tuple[dict[str, Method], dict[str, list[torch.nn.Parameter]], list[Any]]:
+    """(before, unit, after) per method, the parameters whose gradients each method averages, and what must
+    stay alive (the prepared optimizer, DDP)."""
     keep: list[Any] = []
     plain = ShapeModel(shapes).to(mgr.device)
     params = list(plain.parameters())
+    owners = {"backward": params, "per_tensor": params, "raw_per_tensor": params}
     state: dict[str, torch.Tensor] = {}
 
     def forward(model: Callable[[float], torch.Tensor], key: str) -> Callable[[], None]:
@@ -108,13 +111,30 @@ def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float) -> t
         popt.zero_grad()
 
     methods["fused"] = (forward(prepared, "fused"), fused_unit, fused_after)
+    owners["fused"] = list(mgr.unwrap(prepared).parameters())
 
     if _ddp_available():
         ddp_model = ShapeModel(shapes).to(mgr.device)
         ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
         keep.append(ddp)
-        methods["ddp"] = (forward(ddp, "ddp"), backward_then("ddp", None), _clear(list(ddp_model.parameters())))
-    return methods, keep
+        owners["ddp"] = list(ddp_model.parameters())
+        methods["ddp"] = (forward(ddp, "ddp"), backward_then("ddp", None), _clear(owners["ddp"]))
+    return methods, owners, keep
+
+
+def _verifier(mgr: Any, owners: dict[str, list[torch.nn.Parameter]], c: float) -> Callable[[str], None]:
+    """After a method's first unit every gradient must hold the ranks' mean of c (backward alone: this
+    rank's c): a sync path that loses or double-counts gradients must not produce a fine-looking row."""
+    mean = sum(range(1, mgr.size + 1)) / mgr.size
+
+    def verify(method: str) -> None:
+        want = c if method == "backward" else mean
+        for p in owners[method]:
+            if p.grad is None or not torch.allclose(p.grad, torch.full_like(p.grad, want)):
+                got = None if p.grad is None else p.grad.reshape(-1)[:4].tolist()
+                raise SystemExit(f"gradsync: method {method} left gradient {got} in a {tuple(p.shape)} parameter on "
+                                 f"rank {mgr.rank}, expected {want}: not timing it")
+    return verify
 
 
 def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -123,9 +143,10 @@ def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     for name in (list(MODELS) if args.model == "both" else [args.model]):
         shapes = MODELS[name](args.scale)
         nparams = sum(math.prod(s) for _, s in shapes)
-        methods, keep = _methods(mgr, shapes, float(mgr.rank + 1))
+        c = float(mgr.rank + 1)
+        methods, owners, keep = _methods(mgr, shapes, c)
         med = slowest(mgr, per_unit_rounds(mgr, methods, iters=args.iters, rounds=args.rounds,
-                                           warmup=max(1, args.warmup)))
+                                           warmup=max(1, args.warmup), verify=_verifier(mgr, owners, c)))
         base = med["backward"]
         raw_sync = med["raw_per_tensor"] - base if "raw_per_tensor" in med else None
         for method, seconds in med.items():
@@ -142,7 +163,7 @@ def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
             remove = getattr(obj, "remove_hooks", None)
             if callable(remove):
                 remove()
-        del methods, keep
+        del methods, owners, keep
     return rows
 
 

@@ -55,16 +55,20 @@ def interleaved(mgr: Any, columns: Mapping[str, Callable[[], Any]], *, iters: in
 
 
 def per_unit_rounds(mgr: Any, methods: Mapping[str, tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]]],
-                    *, iters: int, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+                    *, iters: int, rounds: int, warmup: int = 1, verify: Callable[[str], None] | None = None
+                    ) -> dict[str, list[float]]:
     """Like ``interleaved`` for work that needs set-up and clean-up around each timed unit (a forward pass
     before a backward, clearing gradients after): each method is (before, unit, after) and only ``unit`` is
-    timed, after a barrier, ``iters`` times per round; a sample is the mean per unit of one round."""
+    timed, after a barrier, ``iters`` times per round; a sample is the mean per unit of one round.
+    ``verify(name)`` runs after each method's first warm-up unit (check results there, untimed)."""
     names = list(methods)
     for name in names:
         before, unit, after = methods[name]
-        for _ in range(warmup):
+        for i in range(max(warmup, 1 if verify else 0)):
             before()
             unit()
+            if verify is not None and i == 0:
+                verify(name)
             after()
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
