@@ -333,6 +333,30 @@ def plan(size: int) -> list[Case]:
         want = np.concatenate([np.full((r + 1, 2), r) for r in range(mgr.size)])
         expect(h.wait(), want.astype(np.float64), "int32", "numpy", "allgather_async")
 
+    # --- out= buffers (equal shapes on every rank; no row counts exchanged), even counts on MPI's block calls
+    for dtype, kind in (("float32", "torch"), ("int64", "numpy"), ("bfloat16", "torch"), ("float64", "torch")):
+        name = f"out_buffers[{dtype}-{kind}]"
+
+        @add(name)
+        def _(mgr: Any, name: str = name, dtype: str = dtype, kind: str = kind) -> None:
+            n = mgr.size
+            x = data(name, mgr.rank, (2 * n, 3), dtype, kind)
+            xs = [f64(data(name, r, (2 * n, 3), dtype, kind)) for r in range(n)]
+            like = (lambda shape: np.empty(shape, dtype=x.dtype)) if kind == "numpy" else \
+                (lambda shape: torch.empty(shape, dtype=x.dtype))
+            out = like((n * 2 * n, 3))
+            assert mgr.allgather(x, out=out) is out
+            expect(out, np.concatenate(xs), dtype, kind, name + " allgather")
+            if dtype != "bfloat16" or not type(mgr).__name__.startswith("Horovod"):  # Horovod cannot reduce bf16
+                out = like((2, 3))
+                assert mgr.reduce_scatter(x, out=out) is out
+                expect(out, sum(xs)[2 * mgr.rank:2 * mgr.rank + 2], dtype, kind, name + " reduce_scatter")
+            out = like((2 * n, 3))
+            assert mgr.alltoall(x, out=out) is out
+            expect(out, np.concatenate([v[2 * mgr.rank:2 * mgr.rank + 2] for v in xs]), dtype, kind,
+                   name + " alltoall")
+            raises(unidist.InvalidArgumentError, lambda: mgr.allgather(x, out=like((n, 3))), name + " bad out")
+
     @add("allgather[trailing-mismatch]")
     def _(mgr: Any) -> None:
         if mgr.size == 1:

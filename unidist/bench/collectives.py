@@ -91,13 +91,16 @@ def _calls(mgr: Any, op: str, nbytes: int) -> tuple[torch.Tensor, Callable[[], A
         return x, lambda: mgr.allreduce_(x), 4 * count
     if op == "broadcast":
         return x, lambda: mgr.broadcast_(x, 0), 4 * count
+    # the output buffers are reused, as the raw calls' are (``out=``: a fresh large buffer page-faults each call)
     if op == "allgather":
-        part = torch.zeros(count // n)
-        return part, lambda: mgr.allgather(part), 4 * count
+        part, gathered = torch.zeros(count // n), torch.zeros(count)
+        return part, lambda: mgr.allgather(part, out=gathered), 4 * count
     if op == "reduce_scatter":
-        return x, lambda: mgr.reduce_scatter(x), 4 * count
+        mine = torch.zeros(count // n)
+        return x, lambda: mgr.reduce_scatter(x, out=mine), 4 * count
     if op == "alltoall":
-        return x, lambda: mgr.alltoall(x), 4 * count
+        got = torch.zeros(count)
+        return x, lambda: mgr.alltoall(x, out=got), 4 * count
     raise SystemExit(f"collectives: unknown op {op!r}; use {', '.join(engines.OPS)}")
 
 

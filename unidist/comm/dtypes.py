@@ -94,6 +94,24 @@ def output(t: torch.Tensor, as_numpy: bool) -> Any:
     return t.numpy() if as_numpy else t
 
 
+def out_tensor(out: Any, like: torch.Tensor, rows: int, call: str) -> torch.Tensor:
+    """The caller's ``out=`` buffer as a tensor over its memory, checked to hold ``rows`` rows of ``like``'s
+    shape and dtype (reusing one buffer saves an allocation per call: fresh large buffers page-fault)."""
+    if isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable and out.dtype in NP_DTYPES:
+        o = torch.from_numpy(out)
+    elif isinstance(out, torch.Tensor) and out.is_contiguous() and not out.requires_grad:
+        o = out
+    else:
+        raise InvalidArgumentError(f"{call}(out=...) takes a contiguous, writable torch.Tensor or numpy.ndarray "
+                                   f"(not requiring grad), got {type(out).__name__}")
+    want = (rows, *like.shape[1:])
+    if o.dtype != like.dtype or tuple(o.shape) != want or o.device != like.device:
+        raise InvalidArgumentError(
+            f"{call}(out=...) must be {str(like.dtype).replace('torch.', '')}{list(want)} on {like.device}, got "
+            f"{str(o.dtype).replace('torch.', '')}{list(o.shape)} on {o.device}")
+    return o
+
+
 def rows_like(t: torch.Tensor, rows: int) -> torch.Tensor:
     """An uninitialised tensor with ``rows`` rows shaped like t's rows."""
     return t.new_empty([rows, *t.shape[1:]])

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unidist.comm import buffers
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.options import check_bucket_mb, check_clip, check_compression, check_passes, check_sync_op
@@ -42,16 +43,45 @@ _WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class _Bucket:
-    __slots__ = ("buffer", "handle", "index", "params", "ready", "wire")
+    """Parameters whose gradients are reduced in one call. Without compression the gradients *are* the bucket:
+    each ``p.grad`` is a view into ``buffer`` (DDP's ``gradient_as_bucket_view``), so nothing is copied in or out;
+    a gradient autograd made anew (after ``zero_grad()``, which sets gradients to None as torch does) is copied
+    in once and replaced by its view; ``zero_grad(set_to_none=False)`` zeroes the views in place and then no copy
+    is made at all. With a narrower wire dtype the buffer is a separate, compressed copy."""
+
+    __slots__ = ("buffer", "handle", "index", "offsets", "params", "ready", "views", "wire")
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], wire: torch.dtype | None) -> None:
         self.index = index
         self.params = params
-        self.wire = wire
         first = params[0]
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=wire or first.dtype, device=first.device)
+        self.views = wire is None or wire == first.dtype
+        self.wire = None if self.views else wire
+        self.buffer = buffers.zeros(sum(p.numel() for p in params), self.wire or first.dtype, first.device)
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
         self.ready: set[int] = set()
         self.handle: Handle[torch.Tensor] | None = None
+
+    def piece(self, i: int) -> torch.Tensor:
+        """Parameter i's part of the buffer, shaped like it. (Never kept: a second reference to a gradient
+        makes autograd accumulate out of place, into a new tensor.)"""
+        return self.buffer[self.offsets[i]:self.offsets[i + 1]].view(self.params[i].shape)
+
+    def adopt(self) -> None:
+        """Make every gradient a view of the buffer: copy in those autograd made anew, zeros for missing ones."""
+        base, size = self.buffer.data_ptr(), self.buffer.element_size()
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is not None and g.data_ptr() == base + self.offsets[i] * size and g.is_contiguous():
+                continue  # already the view
+            view = self.piece(i)
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g)
+            p.grad = view
 
 
 class DistributedOptimizer(WindowedOptimizer):
@@ -129,6 +159,13 @@ class DistributedOptimizer(WindowedOptimizer):
 
     def _launch(self, bucket: _Bucket) -> None:
         scale = 1.0 / self.dp.size if self.op is ReduceOp.MEAN else 1.0
+        if bucket.views:
+            with torch.no_grad():
+                bucket.adopt()
+                if scale != 1.0:  # divided before the sum, as the copying path does: the same rounding
+                    bucket.buffer.mul_(scale)
+            bucket.handle = self.dp.allreduce_async_(bucket.buffer, ReduceOp.SUM)
+            return
         offset = 0
         with torch.no_grad():
             for p in bucket.params:
@@ -154,6 +191,10 @@ class DistributedOptimizer(WindowedOptimizer):
             for bucket in self._buckets:
                 if bucket.handle is not None:
                     bucket.handle.wait()
+                if bucket.views:  # the gradients were reduced in place
+                    bucket.ready.clear()
+                    bucket.handle = None
+                    continue
                 offset = 0
                 for p in bucket.params:
                     n = p.numel()

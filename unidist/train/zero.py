@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unidist.comm import buffers
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.options import check_bucket_mb, check_clip, check_compression, check_passes, check_sync_op
@@ -54,7 +55,7 @@ class _Unit:
         self.lo = dp.rank * self.chunk
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
-        full = torch.zeros(self.chunk * dp.size, dtype=self.dtype, device=self.device)
+        full = buffers.zeros(self.chunk * dp.size, self.dtype, self.device)
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1) for p in params], out=full[: self.numel])
         self.full: torch.Tensor | None = None
@@ -101,7 +102,7 @@ class _Unit:
     # ------------------------------------------------------------------ gradients
     def launch(self, scale: float, wire: torch.dtype | None, free_grads: bool) -> None:
         """Start the reduce-scatter of this unit's (local) gradients; missing gradients count as zeros."""
-        flat = torch.zeros(self.chunk * self.dp.size, dtype=wire or self.dtype, device=self.device)
+        flat = buffers.zeros(self.chunk * self.dp.size, wire or self.dtype, self.device)
         offset = 0
         with torch.no_grad():
             for p, n in zip(self.params, self.numels, strict=True):
