@@ -7,5 +7,5 @@ Importing this package imports nothing heavy: each benchmark imports torch and i
 MEASURE = ("collectives", "gradsync", "train")  # measured inside one unidist.init()
 OFFLINE = ("plot", "report")  # no launcher: they read JSON files or start the launchers themselves
 DELEGATED = {"check": "unidist.bench.check", "zero": "unidist.bench.zero", "checkpoint": "unidist.bench.checkpoint",
-             "ddp_digits": "unidist.bench.ddp_digits"}
+             "ddp_digits": "unidist.bench.ddp_digits", "parallel": "unidist.bench.parallel"}
 SUBCOMMANDS = (*MEASURE, "all", *OFFLINE, *DELEGATED)

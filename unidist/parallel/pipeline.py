@@ -1,0 +1,227 @@
+"""Pipeline parallelism over any unidist communicator: rank i of the group runs stage i, micro-batches flow
+through with send/recv, on every backend.
+
+Schedules (S stages, M micro-batches):
+- ``gpipe``: every micro-batch forward, then every one backward; each stage keeps M micro-batches of
+  activations alive at the peak.
+- ``1f1b`` (PipeDream-flush, as Megatron's non-interleaved schedule): stage i runs min(S - i - 1, M) warm-up
+  forwards, then alternates one forward with one backward, then drains; it keeps at most min(S - i, M)
+  micro-batches alive. Same arithmetic, same bubble ((S - 1) / (M + S - 1) of the step), less memory.
+
+Each micro-batch's loss is divided by M before its backward, so the gradients are those of the batch's mean
+loss (``loss_fn`` must average over its micro-batch, as torch's losses do by default), and training equals the
+unsplit model's on the whole batch. Activation shapes are sent once per input shape (a small header before the
+first activation), then reused. Exchanges between neighbours are ordered (the lower stage sends first), so
+blocking send/recv cannot deadlock, whatever the message size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unidist.comm.dtypes import DTYPE_ID, SUPPORTED_DTYPES
+from unidist.errors import InvalidArgumentError
+
+__all__ = ["Pipeline"]
+
+_SCHEDULES = ("gpipe", "1f1b")
+_MAX_DIMS = 8
+_TAG_HEADER, _TAG_ACT, _TAG_GRAD = 11, 12, 13
+
+
+class Pipeline:
+    """One stage of a pipeline; every rank of ``group`` builds one, rank i with stage i.
+
+    Args:
+        stage_module: this rank's stage (its parameters are this rank's to optimise).
+        group: a Manager or Group; its size is the number of stages.
+        microbatches: M, the micro-batches each batch is cut into (along dim 0; the batch must divide by M).
+        schedule: "gpipe" or "1f1b".
+        loss_fn: ``loss_fn(output, target)`` on the last stage, a mean over the micro-batch.
+    """
+
+    def __init__(self, stage_module: torch.nn.Module, group: Any, *, microbatches: int, schedule: str = "gpipe",
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+        if not isinstance(stage_module, torch.nn.Module):
+            raise InvalidArgumentError(f"Pipeline(stage_module=...) takes a torch.nn.Module, got "
+                                       f"{type(stage_module).__name__}")
+        if not hasattr(group, "send") or not hasattr(group, "size"):
+            raise InvalidArgumentError(f"Pipeline(group=...) takes a unidist Manager or Group, got "
+                                       f"{type(group).__name__}")
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise InvalidArgumentError(f"Pipeline(microbatches={microbatches!r}) must be a positive int")
+        if schedule not in _SCHEDULES:
+            raise InvalidArgumentError(f"Pipeline(schedule={schedule!r}) must be one of {', '.join(_SCHEDULES)}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise InvalidArgumentError("Pipeline(loss_fn=...) must be callable: loss_fn(output, target)")
+        self.stage, self.group, self.microbatches, self.schedule = stage_module, group, microbatches, schedule
+        self.loss_fn = loss_fn
+        self.stages, self.index = group.size, group.rank
+        self.first, self.last = self.index == 0, self.index == self.stages - 1
+        self._incoming: dict[tuple[Any, ...], tuple[tuple[int, ...], torch.dtype]] = {}  # key -> activation
+        self._announced: set[tuple[Any, ...]] = set()
+        self._alive = self._peak = 0
+        self._busy = self._step_seconds = 0.0
+
+    # ------------------------------------------------------------------ neighbours
+    def _send_header(self, t: torch.Tensor) -> None:
+        if t.dim() > _MAX_DIMS:
+            raise InvalidArgumentError(f"Pipeline: activations of up to {_MAX_DIMS} dimensions, got {t.dim()}")
+        head = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+        head[0], head[1] = DTYPE_ID[t.dtype], t.dim()
+        head[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        self.group.send(head, self.index + 1, _TAG_HEADER)
+
+    def _recv_header(self) -> tuple[tuple[int, ...], torch.dtype]:
+        head = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
+        self.group.recv(head, self.index - 1, _TAG_HEADER)
+        dims = int(head[1])
+        return tuple(int(d) for d in head[2:2 + dims]), SUPPORTED_DTYPES[int(head[0])]
+
+    def _send_forward(self, out: torch.Tensor, key: tuple[Any, ...]) -> None:
+        if self.last:
+            return
+        out = out.detach().contiguous()
+        if key not in self._announced:
+            self._send_header(out)
+            self._announced.add(key)
+        self.group.send(out, self.index + 1, _TAG_ACT)
+
+    def _recv_forward(self, key: tuple[Any, ...]) -> torch.Tensor:
+        if key not in self._incoming:
+            self._incoming[key] = self._recv_header()
+        shape, dtype = self._incoming[key]
+        buf = torch.empty(shape, dtype=dtype, device=self.group.device)
+        self.group.recv(buf, self.index - 1, _TAG_ACT)
+        return buf.requires_grad_(dtype.is_floating_point)
+
+    def _send_backward(self, grad: torch.Tensor | None, like: torch.Tensor) -> None:
+        if self.first:
+            return
+        self.group.send((grad if grad is not None else torch.zeros_like(like)).contiguous(), self.index - 1,
+                        _TAG_GRAD)
+
+    def _recv_backward(self, out: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty_like(out, memory_format=torch.contiguous_format)
+        self.group.recv(buf, self.index + 1, _TAG_GRAD)
+        return buf
+
+    # ------------------------------------------------------------------ one micro-batch
+    def _input(self, j: int, inputs: list[torch.Tensor], key: tuple[Any, ...]) -> torch.Tensor:
+        return inputs[j] if self.first else self._recv_forward(key)
+
+    def _forward(self, inp: torch.Tensor, j: int, targets: list[Any],
+                 loss_sum: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
+        out = self.stage(inp)
+        if self.last:
+            if self.loss_fn is None:
+                raise InvalidArgumentError("Pipeline.train_step needs loss_fn (pass Pipeline(..., loss_fn=...))")
+            out = self.loss_fn(out, targets[j]) / self.microbatches
+            loss_sum.append(out.detach())
+        self._busy += time.perf_counter() - start
+        self._alive += 1
+        self._peak = max(self._peak, self._alive)
+        return inp, out
+
+    def _backward(self, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+        start = time.perf_counter()
+        if out.requires_grad:
+            torch.autograd.backward(out, grad)
+        self._busy += time.perf_counter() - start
+        self._alive -= 1
+        return inp.grad if (not self.first and inp.requires_grad) else None
+
+    # ------------------------------------------------------------------ schedules
+    def train_step(self, x: torch.Tensor, y: Any) -> float:
+        """Forward and backward of every micro-batch of (x, y); returns the batch's mean loss on every rank of
+        the group. Gradients accumulate into the stage's parameters (step and zero them as usual).
+
+        Args:
+            x: the batch's input (read by the first stage; every rank passes it, or a tensor of its shape).
+            y: the batch's target (read by the last stage).
+        """
+        m = self.microbatches
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % m:
+            raise InvalidArgumentError(f"Pipeline.train_step: the batch's first dim must divide into "
+                                       f"microbatches={m}, got {tuple(getattr(x, 'shape', ()))}")
+        inputs = list(x.chunk(m))
+        targets = list(y.chunk(m)) if isinstance(y, torch.Tensor) else [y] * m
+        key = (tuple(inputs[0].shape), x.dtype)
+        loss_sum: list[torch.Tensor] = []
+        self._alive = self._peak = 0
+        self._busy = 0.0
+        start = time.perf_counter()
+        if self.schedule == "gpipe":
+            self._gpipe(inputs, targets, key, loss_sum)
+        else:
+            self._one_f_one_b(inputs, targets, key, loss_sum)
+        self._step_seconds = time.perf_counter() - start
+        total = torch.stack(loss_sum).sum().reshape(1).float() if self.last else torch.zeros(1)
+        return float(self.group.broadcast(total, root=self.stages - 1)[0])
+
+    def _gpipe(self, inputs: list[torch.Tensor], targets: list[Any], key: tuple[Any, ...],
+               loss_sum: list[torch.Tensor]) -> None:
+        kept = []
+        for j in range(self.microbatches):
+            inp, out = self._forward(self._input(j, inputs, key), j, targets, loss_sum)
+            self._send_forward(out, key)
+            kept.append((inp, out))
+        for inp, out in reversed(kept):
+            grad = None if self.last else self._recv_backward(out)
+            self._send_backward(self._backward(inp, out, grad), inp)
+
+    def _one_f_one_b(self, inputs: list[torch.Tensor], targets: list[Any], key: tuple[Any, ...],
+                     loss_sum: list[torch.Tensor]) -> None:
+        m = self.microbatches
+        warmup = min(self.stages - self.index - 1, m)
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for j in range(warmup):
+            inp, out = self._forward(self._input(j, inputs, key), j, targets, loss_sum)
+            self._send_forward(out, key)
+            kept.append((inp, out))
+        steady = m - warmup
+        nxt = self._input(warmup, inputs, key) if steady else None
+        for k in range(steady):
+            j = warmup + k
+            inp = nxt if nxt is not None else inputs[j]  # (nxt is set whenever this loop runs)
+            _, out = self._forward(inp, j, targets, loss_sum)
+            kept.append((inp, out))
+            # with the next stage: this (lower) stage sends its activation, then receives a gradient
+            self._send_forward(out, key)
+            old_inp, old_out = kept.pop(0)
+            grad = None if self.last else self._recv_backward(old_out)
+            in_grad = self._backward(old_inp, old_out, grad)
+            # with the previous stage: this (upper) stage receives the next activation first, then sends
+            nxt = self._input(j + 1, inputs, key) if k < steady - 1 else None
+            self._send_backward(in_grad, old_inp)
+        for old_inp, old_out in kept:
+            grad = None if self.last else self._recv_backward(old_out)
+            self._send_backward(self._backward(old_inp, old_out, grad), old_inp)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Inference: the last stage's output for x (micro-batch by micro-batch), returned on every rank."""
+        m = self.microbatches if x.shape[0] % self.microbatches == 0 else 1
+        key = (tuple(x.chunk(m)[0].shape), x.dtype, "inference")
+        outs = []
+        for part in x.chunk(m):
+            inp = part if self.first else self._recv_forward(key).detach()
+            out = self.stage(inp)
+            self._send_forward(out, key)
+            outs.append(out)
+        full = torch.cat(outs) if self.last else None
+        return self.group.broadcast_object(full, root=self.stages - 1)  # type: ignore[no-any-return]
+
+    __call__ = forward
+
+    def memory_stats(self) -> dict[str, Any]:
+        """The last train_step: the most micro-batches of activations this stage held at once, and the share
+        of the step this stage spent computing (1 - busy/step is its idle share: the bubble and the waits)."""
+        return {"schedule": self.schedule, "stages": self.stages, "stage": self.index,
+                "microbatches": self.microbatches, "peak_activations": self._peak,
+                "busy_seconds": self._busy, "step_seconds": self._step_seconds}
