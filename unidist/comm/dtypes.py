@@ -97,6 +97,10 @@ def output(t: torch.Tensor, as_numpy: bool) -> Any:
 def out_tensor(out: Any, like: torch.Tensor, rows: int, call: str) -> torch.Tensor:
     """The caller's ``out=`` buffer as a tensor over its memory, checked to hold ``rows`` rows of ``like``'s
     shape and dtype (reusing one buffer saves an allocation per call: fresh large buffers page-fault)."""
+    if type(out) is torch.Tensor and out.dtype is like.dtype and out.dim() == like.dim() and out.is_contiguous() \
+            and not out.requires_grad and out.shape[0] == rows and out.shape[1:] == like.shape[1:] \
+            and out.get_device() == like.get_device():
+        return out  # the common case, in as few attribute reads as possible
     if isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable and out.dtype in NP_DTYPES:
         o = torch.from_numpy(out)
     elif isinstance(out, torch.Tensor) and out.is_contiguous() and not out.requires_grad:
