@@ -44,6 +44,7 @@ LAYERS = {
     "comm": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm"),
     "train": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm", "unidist.train"),
     "checkpoint": ("unidist.errors", "unidist.comm", "unidist.train", "unidist.checkpoint"),
+    "parallel": ("unidist.errors", "unidist.ops", "unidist.comm", "unidist.parallel"),
     "managers": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm", "unidist.managers",
                  "unidist.launch", "unidist.net", "unidist.selector"),
 }
