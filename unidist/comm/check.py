@@ -57,8 +57,7 @@ def signature(comm: Any, call: str, t: torch.Tensor | None, op: ReduceOp | None,
     """
     row = _row(comm, call, t, op, root, numel)
     comm._check_exchange()
-    if comm._check_np[0] + comm._check_np[1]:
-        _explain(comm, row)
+    _compare(comm, row)
 
 
 def overlapped(comm: Any, call: str, t: torch.Tensor, op: ReduceOp, run: Callable[[], None]) -> None:
@@ -73,8 +72,7 @@ def overlapped(comm: Any, call: str, t: torch.Tensor, op: ReduceOp, run: Callabl
     wait = comm._check_exchange_async()
     if wait is None:
         comm._check_exchange()
-        if comm._check_np[0] + comm._check_np[1]:
-            _explain(comm, row)
+        _compare(comm, row)
         run()
         return
     # the wait needs no watching: every peer posted its check before the data call this rank got through
@@ -82,10 +80,14 @@ def overlapped(comm: Any, call: str, t: torch.Tensor, op: ReduceOp, run: Callabl
         run()
     except Exception:
         wait()
-        if comm._check_np[0] + comm._check_np[1]:
-            _explain(comm, row)  # the failed call was a mismatched one: say so
+        _compare(comm, row)  # the failed call was a mismatched one: say so
         raise
     wait()
+    _compare(comm, row)
+
+
+def _compare(comm: Any, row: tuple[int, ...]) -> None:
+    """After the exchange: ``max(f) + max(-f)`` is 0 exactly when every rank sent the same fingerprint."""
     if comm._check_np[0] + comm._check_np[1]:
         _explain(comm, row)
 
@@ -100,7 +102,9 @@ def _row(comm: Any, call: str, t: torch.Tensor | None, op: ReduceOp | None, root
         row = (comm._seq, _CALL_ID[call], -1 if op is None else _OP_ID[op], DTYPE_ID.get(t.dtype, -1),
                t.numel() if numel is None else numel, root)
     fp = hash(row) & _MASK  # a tuple of ints hashes the same in every process (no hash randomisation)
-    comm._check_np[:] = (fp, -fp)
+    arr = comm._check_np  # two item writes: a slice write from a tuple costs 0.3 us more
+    arr[0] = fp
+    arr[1] = -fp
     return row
 
 

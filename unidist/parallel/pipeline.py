@@ -114,10 +114,9 @@ class Pipeline:
     def _input(self, j: int, inputs: list[torch.Tensor], key: tuple[Any, ...]) -> torch.Tensor:
         return inputs[j] if self.first else self._recv_forward(key)
 
-    def _forward(self, inp: torch.Tensor, j: int, targets: list[Any],
-                 loss_sum: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, inp: torch.Tensor, j: int, targets: list[Any], loss_sum: list[torch.Tensor]) -> torch.Tensor:
         start = time.perf_counter()
-        out = self.stage(inp)
+        out: torch.Tensor = self.stage(inp)
         if self.last:
             if self.loss_fn is None:
                 raise InvalidArgumentError("Pipeline.train_step needs loss_fn (pass Pipeline(..., loss_fn=...))")
@@ -126,7 +125,7 @@ class Pipeline:
         self._busy += time.perf_counter() - start
         self._alive += 1
         self._peak = max(self._peak, self._alive)
-        return inp, out
+        return out
 
     def _backward(self, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
         start = time.perf_counter()
@@ -168,7 +167,8 @@ class Pipeline:
                loss_sum: list[torch.Tensor]) -> None:
         kept = []
         for j in range(self.microbatches):
-            inp, out = self._forward(self._input(j, inputs, key), j, targets, loss_sum)
+            inp = self._input(j, inputs, key)
+            out = self._forward(inp, j, targets, loss_sum)
             self._send_forward(out, key)
             kept.append((inp, out))
         for inp, out in reversed(kept):
@@ -181,15 +181,16 @@ class Pipeline:
         warmup = min(self.stages - self.index - 1, m)
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         for j in range(warmup):
-            inp, out = self._forward(self._input(j, inputs, key), j, targets, loss_sum)
+            inp = self._input(j, inputs, key)
+            out = self._forward(inp, j, targets, loss_sum)
             self._send_forward(out, key)
             kept.append((inp, out))
         steady = m - warmup
-        nxt = self._input(warmup, inputs, key) if steady else None
+        if steady:
+            inp = self._input(warmup, inputs, key)
         for k in range(steady):
             j = warmup + k
-            inp = nxt if nxt is not None else inputs[j]  # (nxt is set whenever this loop runs)
-            _, out = self._forward(inp, j, targets, loss_sum)
+            out = self._forward(inp, j, targets, loss_sum)
             kept.append((inp, out))
             # with the next stage: this (lower) stage sends its activation, then receives a gradient
             self._send_forward(out, key)
@@ -197,7 +198,8 @@ class Pipeline:
             grad = None if self.last else self._recv_backward(old_out)
             in_grad = self._backward(old_inp, old_out, grad)
             # with the previous stage: this (upper) stage receives the next activation first, then sends
-            nxt = self._input(j + 1, inputs, key) if k < steady - 1 else None
+            if k < steady - 1:
+                inp = self._input(j + 1, inputs, key)
             self._send_backward(in_grad, old_inp)
         for old_inp, old_out in kept:
             grad = None if self.last else self._recv_backward(old_out)

@@ -113,6 +113,17 @@ def _shard(features: int, group: Any, what: str) -> int:
     return int(features // group.size)
 
 
+def _linear_parameters(shape: tuple[int, int], bias: int | None, fan_in: int, device: Any, dtype: Any
+                       ) -> tuple[torch.nn.Parameter, torch.nn.Parameter | None]:
+    """A shard's weight (and bias of ``bias`` elements) drawn within nn.Linear's bounds for the dense layer's
+    ``fan_in``; each rank draws its own part."""
+    bound = 1 / math.sqrt(fan_in) if fan_in else 0.0
+    weight = torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype).uniform_(-bound, bound))
+    if bias is None:
+        return weight, None
+    return weight, torch.nn.Parameter(torch.empty(bias, device=device, dtype=dtype).uniform_(-bound, bound))
+
+
 class ColumnParallelLinear(torch.nn.Module):
     """``y = x W^T + b`` with W's rows (output features) split over ``group``.
 
@@ -132,16 +143,8 @@ class ColumnParallelLinear(torch.nn.Module):
         self.group, self.gather_output = group, gather_output
         self.in_features, self.out_features = in_features, out_features
         self.local_out = _shard(out_features, group, "ColumnParallelLinear(out_features)")
-        self.weight = torch.nn.Parameter(torch.empty(self.local_out, in_features, device=device, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.empty(self.local_out, device=device, dtype=dtype)) if bias else None
-        self._init_like_dense()
-
-    def _init_like_dense(self) -> None:
-        """nn.Linear's initialisation bounds (fan_in = in_features); each rank draws its own rows."""
-        bound = 1 / math.sqrt(self.in_features) if self.in_features else 0.0
-        torch.nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            torch.nn.init.uniform_(self.bias, -bound, bound)
+        self.weight, self.bias = _linear_parameters((self.local_out, in_features), self.local_out if bias else None,
+                                                    in_features, device, dtype)
 
     @classmethod
     def from_dense(cls, linear: torch.nn.Linear, group: Any, *, gather_output: bool = True) -> ColumnParallelLinear:
@@ -184,12 +187,8 @@ class RowParallelLinear(torch.nn.Module):
         self.group, self.input_is_parallel = group, input_is_parallel
         self.in_features, self.out_features = in_features, out_features
         self.local_in = _shard(in_features, group, "RowParallelLinear(in_features)")
-        self.weight = torch.nn.Parameter(torch.empty(out_features, self.local_in, device=device, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        bound = 1 / math.sqrt(in_features)
-        torch.nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            torch.nn.init.uniform_(self.bias, -bound, bound)
+        self.weight, self.bias = _linear_parameters((out_features, self.local_in), out_features if bias else None,
+                                                    in_features, device, dtype)
 
     @classmethod
     def from_dense(cls, linear: torch.nn.Linear, group: Any, *, input_is_parallel: bool = False
