@@ -31,7 +31,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher adds it
-    args = parser.parse_args()
+    args = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         if mgr.size != 4:
             print(f"hybrid_mlp.py needs 4 processes (2-way tensor x 2-way data parallel), got {mgr.size}",

@@ -58,7 +58,7 @@ def main() -> int:
                         help="for testing resume: the last rank kills itself (SIGKILL) at this step, once")
     parser.add_argument("--plot", default=None, help="write the loss/accuracy curve to this PNG")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(unidist.script_args())
 
     with unidist.init(backend=args.backend) as mgr:
         if args.batch_size % mgr.size:

@@ -7,10 +7,11 @@ torch is imported until a Manager is used.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import unidist.backends  # noqa: F401  (registers the built-in backends: records only, no engine imported)
+from unidist import registry
 from unidist.config import Config
 from unidist.errors import (
     BackendUnavailableError,
@@ -25,16 +26,13 @@ from unidist.errors import (
     NotInitializedError,
     UnidistError,
 )
-from unidist.launch import LaunchInfo, detect, strip_local_rank_arg
+from unidist.launch import LaunchInfo, detect, script_args
 from unidist.ops import ReduceOp
 
 if TYPE_CHECKING:
     from unidist.managers.base import Manager
 
 __version__ = "0.1.0"
-
-# The deepspeed launcher appends --local_rank=N to the script's arguments; drop it before user argparse runs.
-strip_local_rank_arg(sys.argv)
 
 __all__ = [
     "BackendUnavailableError",
@@ -61,18 +59,8 @@ __all__ = [
     "detect",
     "get_manager",
     "init",
+    "script_args",
 ]
-
-_LAZY = {
-    "Manager": "unidist.managers.base",
-    "get_manager": "unidist.managers.base",
-    "LocalManager": "unidist.managers.local",
-    "MPIManager": "unidist.managers.mpi",
-    "HorovodManager": "unidist.managers.horovod",
-    "DeepSpeedManager": "unidist.managers.deepspeed",
-    "TorchManager": "unidist.managers.torch",
-}
-
 
 def init(config: Config | None = None, *, backend: str | None = None,
          environ: Mapping[str, str] | None = None) -> Manager:
@@ -80,19 +68,21 @@ def init(config: Config | None = None, *, backend: str | None = None,
 
     ``backend`` overrides UNIDIST_BACKEND and detection; ``environ`` defaults to ``os.environ``.
     """
-    from unidist.selector import select
+    from unidist.selector import create
 
     config = config if config is not None else Config.from_env(environ)
     if backend is not None:
         config = dataclasses.replace(config, backend=backend)
-    launch = detect(environ)
-    return select(config, launch)(config, launch)
+    return create(config, detect(environ))
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'unidist' has no attribute {name!r}")
-    import importlib
+    """The Manager classes, imported on first use (``unidist.MPIManager``): each backend's record names its own."""
+    if name in ("Manager", "get_manager"):
+        from unidist.managers import base
 
-    return getattr(importlib.import_module(module), name)
+        return getattr(base, name)
+    for record in registry.records():
+        if record.manager_name == name:
+            return record.manager()
+    raise AttributeError(f"module 'unidist' has no attribute {name!r}")

@@ -19,17 +19,30 @@ from pathlib import Path
 from typing import Any
 
 import unidist
+from unidist import registry
 from unidist.bench import OFFLINE as BENCH_OFFLINE
 from unidist.bench import SUBCOMMANDS as BENCHMARKS
 from unidist.config import ENV_VARS, Config
 from unidist.errors import UnidistError
-from unidist.launch import LAUNCHERS, NO_LAUNCHER_BACKEND, command_family, detect
+from unidist.launch import LAUNCHERS, detect, family
 from unidist.net import free_port
 
 __all__ = ["launch_command", "main"]
 
-PACKAGES = ("torch", "numpy", "mpi4py", "mpich", "horovod", "deepspeed")
-LAUNCHER_PROGRAMS = ("mpiexec", "mpirun", "torchrun", "deepspeed", "horovodrun", "srun")
+
+def _packages() -> list[str]:
+    """numpy, the MPI wheel, and every package a registered backend requires."""
+    names = ["numpy", "mpich"]
+    for record in registry.records():
+        names += [pkg for pkg in record.requires if pkg not in names]
+    return names
+
+
+def _programs() -> list[str]:
+    """Every launcher program unidist knows (the launcher families' commands), and Slurm's srun."""
+    names = [prog for fam in LAUNCHERS if fam.command is not None for prog in fam.command.programs]
+    return [*dict.fromkeys(names), "srun"]
+
 _EXTRA_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_STEP_ID")
 
@@ -51,14 +64,14 @@ def find_program(name: str) -> str | None:
 
 def info(environ: Mapping[str, str]) -> dict[str, Any]:
     """Everything ``unidist info`` reports, as data (the CLI prints it, tests read it as JSON)."""
-    from unidist.selector import backend_for, select, spec
+    from unidist.selector import backend_for, select
 
     report: dict[str, Any] = {
         "unidist": unidist.__version__,
         "python": f"{platform.python_version()} ({sys.executable})",
         "platform": platform.platform(),
-        "packages": {pkg: _version(pkg) for pkg in PACKAGES},
-        "programs": {p: find_program(p) or "not found" for p in LAUNCHER_PROGRAMS},
+        "packages": {pkg: _version(pkg) for pkg in _packages()},
+        "programs": {p: find_program(p) or "not found" for p in _programs()},
     }
     names = sorted({n for fam in LAUNCHERS for n in (fam.rank, *fam.size, fam.local_rank, fam.local_size,
                                                       fam.node_rank, *fam.marker) if n} | set(_EXTRA_VARS))
@@ -70,10 +83,10 @@ def info(environ: Mapping[str, str]) -> dict[str, Any]:
         report["launch"] = dict(launch.__dict__)
         name = backend_for(config, launch)
         report["backend"] = name
-        missing = spec(name).missing()
-        if missing:
+        record = registry.get(name)
+        if record.missing():
             select(config, launch)  # raises the install hint
-        report["manager"] = spec(name).target.split(":")[1]
+        report["manager"] = record.manager_name
     except UnidistError as err:
         report["error"] = f"{type(err).__name__}: {err}"
     return report
@@ -103,23 +116,23 @@ def _print_info(report: dict[str, Any]) -> None:
 
 
 def launch_command(backend: str, nprocs: int, script: str, args: Sequence[str]) -> list[str]:
-    """The argv that starts ``script`` on ``nprocs`` processes under ``backend``'s launcher (its row of
-    ``unidist.launch.LAUNCHERS``)."""
-    from unidist.selector import registered, spec
-
-    if backend == NO_LAUNCHER_BACKEND:
+    """The argv that starts ``script`` on ``nprocs`` processes under ``backend``'s launcher (the launcher
+    family its record in ``unidist.registry`` names)."""
+    try:
+        record = registry.get(backend)
+    except UnidistError:
+        raise UnidistError(f"`unidist launch` knows no backend {backend!r}; use one of "
+                           f"{', '.join(registry.names())}") from None
+    if record.launcher is None:
         if nprocs != 1:
-            raise UnidistError("the local backend runs one process; use -n 1 or another --backend")
+            raise UnidistError(f"the {backend} backend runs one process; use -n 1 or another --backend")
         return [sys.executable, script, *args]
-    fam = command_family(backend)
+    fam = family(record.launcher)
     if fam is None or fam.command is None:
-        choices = [NO_LAUNCHER_BACKEND] + [f.backend for f in LAUNCHERS if f.command is not None]
-        raise UnidistError(f"`unidist launch` has no launcher for backend {backend!r}; use one of "
-                           f"{', '.join(choices)}")
+        raise UnidistError(f"the {backend} backend names launcher {record.launcher!r}, which has no command line")
     cmd = fam.command
-    hint = spec(fam.backend).install if fam.backend in registered() else ""
     port = free_port() if any("{port}" in a for a in cmd.args) else None
-    return cmd.argv(_need(*cmd.programs, hint=hint), nprocs, sys.executable, port, [script, *args])
+    return cmd.argv(_need(*cmd.programs, hint=record.install), nprocs, sys.executable, port, [script, *args])
 
 
 def _need(*names: str, hint: str) -> str:
@@ -131,7 +144,13 @@ def _need(*names: str, hint: str) -> str:
 
 
 def _default_backend() -> str:
-    return "mpi" if find_program("mpiexec") or find_program("mpirun") else "torch"
+    """The first backend, in the records' order of preference, whose launcher program is installed."""
+    for record in registry.records():
+        fam = family(record.launcher) if record.launcher else None
+        if fam is not None and fam.command is not None and any(find_program(p) for p in fam.command.programs):
+            return record.name
+    raise UnidistError("no launcher program (mpiexec, torchrun, ...) is installed; pass --backend, or run the "
+                       "script with python")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,8 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_info.add_argument("--json", action="store_true", help="machine-readable output")
     p_launch = sub.add_parser("launch", help="run a script on N processes under a real launcher")
     p_launch.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
-    p_launch.add_argument("--backend", help="local, mpi, torch, deepspeed or horovod (default: mpi when mpiexec "
-                                            "is found, else torch)")
+    p_launch.add_argument("--backend", help=f"{', '.join(registry.names())} (default: the first of these whose "
+                                            "launcher is installed)")
     p_launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p_launch.add_argument("script", help="the Python script to run")
     p_launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -178,8 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if ns.nprocs < 1:
         parser.error("-n must be at least 1")
-    backend = (ns.backend or _default_backend()).lower()
     try:
+        backend = (ns.backend or _default_backend()).lower()
         cmd = launch_command(backend, ns.nprocs, ns.script, ns.args)
     except UnidistError as err:
         print(f"unidist {ns.command}: {err}", file=sys.stderr)

@@ -1,23 +1,27 @@
 """What the launcher told this process: a pure function of an environment mapping.
 
-Each launcher family is one row of ``LAUNCHERS``: the variables it sets, the backend it implies, whether it
-is MPI-like (its ranks share an MPI world, so mpi4py can carry a rendezvous) and, for the launchers
-``unidist launch`` drives, how to spell its command line. Detection walks the rows in the documented order
-and the first family whose rank variable is present wins; the selector, the torch rendezvous, the CLI and
-the tests read these rows. Nothing here imports an engine or touches MPI.
+Each launcher family is one row of ``LAUNCHERS``: the variables it sets, whether it is MPI-like (its ranks
+share an MPI world, so mpi4py can carry a rendezvous) and, for the launchers ``unidist launch`` drives, how to
+spell its command line. Which backend a family implies is the backends' own fact (their records in
+``unidist.registry``). Detection walks the rows in the documented order and the first family whose rank
+variable is present wins; the selector, the torch rendezvous, the CLI and the tests read these rows. Nothing
+here imports an engine or touches MPI.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from unidist.errors import LaunchEnvironmentError
 
-__all__ = ["LAUNCHERS", "NO_LAUNCHER_BACKEND", "Command", "Family", "LaunchInfo", "backend_of", "command_family",
-           "detect", "family", "strip_local_rank_arg"]
+__all__ = ["LAUNCHERS", "NO_LAUNCHER", "Command", "Family", "LaunchInfo", "detect", "family", "script_args"]
+
+
+NO_LAUNCHER = "none"  # ``LaunchInfo.launcher`` of a plain ``python script.py``: no family matches
 
 
 @dataclass(frozen=True)
@@ -31,12 +35,12 @@ class LaunchInfo:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
-    launcher: str = "none"
+    launcher: str = NO_LAUNCHER
     attempt: int = 0  # the launcher's restart count (torchrun --max-restarts): 0 on the first run
 
     @property
     def launched(self) -> bool:
-        return self.launcher != "none"
+        return self.launcher != NO_LAUNCHER
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,8 @@ class Command:
 
 @dataclass(frozen=True)
 class Family:
-    """One launcher family: the variables it sets (``marker`` must be present for it to match), the backend
-    it implies, whether it is MPI-like, and its command line when ``unidist launch`` can drive it."""
+    """One launcher family: the variables it sets (``marker`` must be present for it to match), whether it is
+    MPI-like, and its command line when ``unidist launch`` can drive it."""
 
     name: str
     rank: str
@@ -70,29 +74,25 @@ class Family:
     master_addr: str | None = None
     master_port: str | None = None
     attempt: str | None = None  # the variable counting restarts of the whole job
-    backend: str = "mpi"
     mpi_like: bool = False
     command: Command | None = None
-
-
-NO_LAUNCHER_BACKEND = "local"  # a plain ``python script.py``: no family matches
 
 
 # Order is the detection order of DESIGN.md: torchrun, horovodrun, deepspeed, MPI launchers, SLURM, plain.
 LAUNCHERS: tuple[Family, ...] = (
     Family("torchrun", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
            marker=("TORCHELASTIC_RUN_ID",), master_addr="MASTER_ADDR", master_port="MASTER_PORT",
-           attempt="TORCHELASTIC_RESTART_COUNT", backend="torch",
+           attempt="TORCHELASTIC_RESTART_COUNT",
            command=Command(("torchrun",), ("--standalone", "--nproc_per_node", "{n}"))),
     # Horovod's gloo controller: horovodrun's MPI mode does not recognise every MPI (the mpich wheel's hydra
     # prints no "MPICH" in its version); for MPI, start with mpiexec and UNIDIST_BACKEND=horovod.
     Family("horovodrun", "HOROVOD_RANK", ("HOROVOD_SIZE",), "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
-           "HOROVOD_CROSS_RANK", backend="horovod",
+           "HOROVOD_CROSS_RANK",
            command=Command(("horovodrun",), ("-np", "{n}", "--gloo", "-H", "localhost:{n}", "{python}"))),
     # --num_gpus also sets the process count with DeepSpeed's CPU accelerator; a free port avoids a clash
     # with another job on the default 29500; --no_local_rank keeps the script's argv as given.
     Family("deepspeed", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK",
-           marker=("CROSS_RANK",), master_addr="MASTER_ADDR", master_port="MASTER_PORT", backend="deepspeed",
+           marker=("CROSS_RANK",), master_addr="MASTER_ADDR", master_port="MASTER_PORT",
            command=Command(("deepspeed",), ("--num_gpus", "{n}", "--master_port", "{port}", "--no_local_rank"))),
     Family("openmpi", "OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",), "OMPI_COMM_WORLD_LOCAL_RANK",
            "OMPI_COMM_WORLD_LOCAL_SIZE", mpi_like=True),
@@ -108,24 +108,13 @@ LAUNCHERS: tuple[Family, ...] = (
            None, "SLURM_NODEID", marker=("SLURM_STEP_ID",), mpi_like=True),
     # plain env:// variables (torch.distributed.launch, a hand-written script): torch's rendezvous
     Family("env", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-           master_addr="MASTER_ADDR", master_port="MASTER_PORT", backend="torch"),
+           master_addr="MASTER_ADDR", master_port="MASTER_PORT"),
 )
 
 
 def family(name: str) -> Family | None:
     """The row named ``name`` (a ``LaunchInfo.launcher``); None for ``"none"`` or an unknown name."""
     return next((fam for fam in LAUNCHERS if fam.name == name), None)
-
-
-def backend_of(launcher: str) -> str:
-    """The backend a launcher family implies (``"none"``: no launcher, the local backend)."""
-    fam = family(launcher)
-    return fam.backend if fam is not None else NO_LAUNCHER_BACKEND
-
-
-def command_family(backend: str) -> Family | None:
-    """The family whose command line ``unidist launch --backend <backend>`` uses (None: no launcher)."""
-    return next((fam for fam in LAUNCHERS if fam.backend == backend and fam.command is not None), None)
 
 
 def _int(environ: Mapping[str, str], name: str, family: str) -> int:
@@ -229,19 +218,29 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     return LaunchInfo()
 
 
-def strip_local_rank_arg(argv: list[str], environ: Mapping[str, str] | None = None) -> bool:
-    """Remove the ``--local_rank=N`` the deepspeed launcher (and torch.distributed.launch) append, in place.
+def script_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The script's own arguments: ``argv[1:]`` (default ``sys.argv``) without the ``--local_rank=N`` that the
+    deepspeed launcher (and torch.distributed.launch) append, for ``parser.parse_args(unidist.script_args())``.
 
-    Only an argument whose N equals LOCAL_RANK is removed, so a user's own flag survives elsewhere; the
-    value stays available as ``mgr.local_rank``. Returns whether anything was removed.
+    Nothing is edited in place: importing unidist never touches ``sys.argv``, so a script that declares
+    ``--local_rank`` itself (as DeepSpeed's examples do) still sees it. Only an argument whose N equals
+    LOCAL_RANK is dropped, so a user's own flag with another value survives; the value stays available as
+    ``mgr.local_rank``. ``deepspeed --no_local_rank`` (what ``unidist launch`` passes) appends nothing.
     """
+    args = list((sys.argv if argv is None else argv)[1:])
     env = os.environ if environ is None else environ
     local = env.get("LOCAL_RANK")
     if local is None:
-        return False
-    launcher_args = {f"--local_rank={local}", f"--local-rank={local}"}
-    kept = [a for a in argv[1:] if a not in launcher_args]
-    if len(kept) == len(argv) - 1:
-        return False
-    argv[1:] = kept
-    return True
+        return args
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in (f"--local_rank={local}", f"--local-rank={local}"):
+            i += 1
+        elif a in ("--local_rank", "--local-rank") and i + 1 < len(args) and args[i + 1] == local:
+            i += 2
+        else:
+            out.append(a)
+            i += 1
+    return out

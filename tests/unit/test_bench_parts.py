@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from unidist.bench import SUBCOMMANDS
-from unidist.bench.__main__ import _strip_local_rank
 from unidist.bench.collectives import busbw_factor, default_sizes, parse_size
 from unidist.bench.models import ShapeModel, gpt2_shapes, resnet, resnet50_shapes
 from unidist.bench.output import human_bytes, markdown, write_json
@@ -52,11 +51,6 @@ def test_shape_model_backward_fills_every_gradient() -> None:
     model = ShapeModel(gpt2_shapes(0.02))
     model(3.0).backward()
     assert all(p.grad is not None and bool((p.grad == 3.0).all()) for p in model.parameters())
-
-
-def test_local_rank_argument_is_dropped() -> None:
-    assert _strip_local_rank(["all", "--local_rank=1", "--rounds", "2", "--local-rank", "0"]) == \
-        ["all", "--rounds", "2"]
 
 
 def test_subcommands_listed_in_help() -> None:

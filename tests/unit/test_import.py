@@ -38,15 +38,16 @@ def test_error_family() -> None:
     assert unidist.ReduceOp("mean") is unidist.ReduceOp.MEAN
 
 
-# Each layer may import only these unidist modules (README "Layout"). Manager's entry points (prepare,
-# save_checkpoint, ...) reach unidist.train and unidist.checkpoint through the backend table in selector.py.
+# Each layer may import only these unidist modules (README "Layout"). The managers are handed their training
+# strategy when made (a call in their backend's record, unidist/backends/), so they never import the layers
+# above them; the records sit on top and point down.
+BASE = ("unidist.errors", "unidist.ops", "unidist.config")
 LAYERS = {
-    "comm": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm"),
-    "train": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm", "unidist.train"),
+    "comm": (*BASE, "unidist.comm"),
+    "managers": (*BASE, "unidist.comm", "unidist.managers", "unidist.launch", "unidist.net", "unidist.registry"),
+    "train": (*BASE, "unidist.comm", "unidist.train", "unidist.checkpoint"),
     "checkpoint": ("unidist.errors", "unidist.comm", "unidist.train", "unidist.checkpoint"),
-    "parallel": ("unidist.errors", "unidist.ops", "unidist.comm", "unidist.parallel"),
-    "managers": ("unidist.errors", "unidist.ops", "unidist.config", "unidist.comm", "unidist.managers",
-                 "unidist.launch", "unidist.net", "unidist.selector"),
+    "parallel": (*BASE, "unidist.comm", "unidist.parallel"),
 }
 
 
@@ -69,3 +70,58 @@ def test_layers_import_only_below(layer: str) -> None:
         for name in _imports(path):
             allowed = any(name == a or name.startswith(a + ".") for a in LAYERS[layer])
             assert allowed, f"{rel} imports {name}: {layer}/ may import only {LAYERS[layer]}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """unidist's modules and the unidist modules each imports anywhere in its text (function bodies too, where
+    unidist defers heavy imports), ``from pkg import sub`` counted as an import of the submodule."""
+    root = Path(unidist.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules]
+                edges.update(subs or ([node.module] if node.module in modules else []))
+            elif isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in modules)
+        graph[name] = edges - {name}
+    return graph
+
+
+def test_no_import_cycle() -> None:
+    """No module of unidist reaches itself through imports (Tarjan's strongly connected components)."""
+    graph = _module_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"

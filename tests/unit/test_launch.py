@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from unidist import LaunchEnvironmentError, LaunchInfo, detect
-from unidist.launch import slurm_first_host, strip_local_rank_arg
+from unidist.launch import script_args, slurm_first_host
 
 CASES = {
     "nothing": ({}, LaunchInfo()),
@@ -122,12 +126,22 @@ def test_slurm_first_host(nodelist: str, host: str) -> None:
     assert slurm_first_host(nodelist) == host
 
 
-def test_strip_local_rank_arg() -> None:
+
+
+def test_script_args_drop_the_launchers_local_rank_only() -> None:
     argv = ["train.py", "--local_rank=1", "--lr", "0.1"]
-    assert strip_local_rank_arg(argv, {"LOCAL_RANK": "1"})
-    assert argv == ["train.py", "--lr", "0.1"]
-    user = ["train.py", "--local_rank=3"]
-    assert not strip_local_rank_arg(user, {"LOCAL_RANK": "1"})  # not the launcher's value: the user's own
-    assert not strip_local_rank_arg(["t.py", "--local_rank=0"], {})
-    dashed = ["t.py", "--local-rank=0", "x"]
-    assert strip_local_rank_arg(dashed, {"LOCAL_RANK": "0"}) and dashed == ["t.py", "x"]
+    assert script_args(argv, {"LOCAL_RANK": "1"}) == ["--lr", "0.1"]
+    assert argv == ["train.py", "--local_rank=1", "--lr", "0.1"]  # never edited in place
+    assert script_args(["train.py", "--local_rank=3"], {"LOCAL_RANK": "1"}) == ["--local_rank=3"]  # the user's
+    assert script_args(["t.py", "--local_rank=0"], {}) == ["--local_rank=0"]  # no launcher: nothing dropped
+    assert script_args(["t.py", "--local-rank=0", "x"], {"LOCAL_RANK": "0"}) == ["x"]
+    assert script_args(["t.py", "--local_rank", "0", "x"], {"LOCAL_RANK": "0"}) == ["x"]
+    assert script_args(["t.py", "--local_rank", "2"], {"LOCAL_RANK": "0"}) == ["--local_rank", "2"]
+
+
+def test_import_leaves_argv_alone() -> None:
+    """DeepSpeed's own examples declare --local_rank: importing unidist must not take it from them."""
+    code = "import sys; sys.argv = ['t.py', '--local_rank=0']; import unidist; print(sys.argv)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "LOCAL_RANK": "0"}).stdout
+    assert out.strip() == "['t.py', '--local_rank=0']"

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 import unidist
-from unidist import BackendUnavailableError, Config, ConfigError, LaunchInfo
-from unidist.launch import LAUNCHERS, backend_of, command_family
-from unidist.selector import backend_for, register, registered, select, spec, unregister
+from unidist import BackendUnavailableError, Config, ConfigError, LaunchInfo, registry
+from unidist.backends import unidist_training
+from unidist.launch import LAUNCHERS, family
+from unidist.registry import Backend, Launch
+from unidist.selector import backend_for, create, select
 
 MPICH = {"PMI_RANK": "0", "PMI_SIZE": "1"}
 
@@ -43,8 +45,15 @@ def test_modin_value_explained() -> None:
         select(environ={"UNIDIST_BACKEND": "ray"})
 
 
+def _record(name: str, **kw: object) -> Backend:
+    fields: dict[str, object] = {"manager_name": "LocalManager", "manager": lambda: unidist.LocalManager,
+                                 "strategy": unidist_training}
+    fields.update(kw)
+    return Backend(name=name, **fields)  # type: ignore[arg-type]
+
+
 def test_missing_package_gives_pip_command() -> None:
-    register("fake", "no_such_module:Nope", ("no_such_engine_pkg",), "pip install no-such-engine")
+    registry.register(_record("fake", requires=("no_such_engine_pkg",), install="pip install no-such-engine"))
     try:
         with pytest.raises(BackendUnavailableError) as info:
             select(environ={"UNIDIST_BACKEND": "fake"})
@@ -52,36 +61,61 @@ def test_missing_package_gives_pip_command() -> None:
         assert "no_such_engine_pkg" in str(info.value)
         assert "pip install no-such-engine" in str(info.value)
     finally:
-        unregister("fake")
-    assert "fake" not in registered()
+        registry.unregister("fake")
+    assert "fake" not in registry.names()
 
 
-def test_registry_refuses_duplicates() -> None:
-    with pytest.raises(ConfigError, match=r"already registered \(unidist.managers.mpi:MPIManager\).*replace=True"):
-        register("mpi", "my_plugin:FastMPI")
-    assert spec("mpi").target == "unidist.managers.mpi:MPIManager"
-    register("mine", "a:B")
+def test_registry_refuses_duplicates_and_bad_records() -> None:
+    with pytest.raises(ConfigError, match=r"'mpi' is already registered.*replace=True"):
+        registry.register(_record("mpi"))
+    assert registry.get("mpi").manager_name == "MPIManager"
+    registry.register(_record("mine"))
     try:
-        register("mine", "c:D", replace=True)
-        assert spec("mine").target == "c:D"
+        registry.register(_record("mine", install="x"), replace=True)
+        assert registry.get("mine").install == "x"
     finally:
-        unregister("mine")
+        registry.unregister("mine")
     with pytest.raises(ConfigError, match="non-empty"):
-        register("", "a:B")
+        registry.register(_record(""))
+    with pytest.raises(ConfigError, match="already implies the 'mpi' backend"):
+        registry.register(_record("mine", implied_by=("mpich",)))
+    with pytest.raises(ConfigError, match="launcher family 'srun'"):
+        registry.register(_record("mine", launches=(Launch("srun", "srun-{n}"),)))
+    assert "mine" not in registry.names()
 
 
-def test_launcher_table_is_consistent() -> None:
-    """Every family implies a registered backend; MPI-like ones imply mpi; each backend unidist launch
-    drives has exactly one command row."""
+def test_a_registered_backend_is_chosen_and_handed_its_strategy() -> None:
+    class Strategy:
+        def __init__(self, mgr: object) -> None:
+            self.mgr = mgr
+
+        @staticmethod
+        def latest_checkpoint(directory: object) -> str:
+            return f"latest in {directory}"
+
+    registry.register(_record("mine", strategy=lambda: Strategy))
+    try:
+        mgr = create(environ={"UNIDIST_BACKEND": "mine"})
+        assert isinstance(mgr, unidist.LocalManager)
+        assert mgr.latest_checkpoint("d") == "latest in d"
+        with mgr:
+            assert isinstance(mgr._training(), Strategy)
+    finally:
+        registry.unregister("mine")
+
+
+def test_launcher_table_and_records_agree() -> None:
+    """Every launcher family implies exactly one registered backend, MPI-like ones mpi; each backend's
+    launcher has a command line that spells a well-formed argv."""
     for fam in LAUNCHERS:
-        assert fam.backend in registered(), fam
-        assert backend_of(fam.name) == fam.backend
-        assert not fam.mpi_like or fam.backend == "mpi", fam
-    assert backend_of("none") == "local"
-    drivable = [fam.backend for fam in LAUNCHERS if fam.command is not None]
-    assert sorted(drivable) == sorted(set(drivable)) == ["deepspeed", "horovod", "mpi", "torch"]
-    for backend in drivable:
-        fam = command_family(backend)
+        implied = [r.name for r in registry.records() if fam.name in r.implied_by]
+        assert len(implied) == 1, (fam.name, implied)
+        assert not fam.mpi_like or implied == ["mpi"], fam
+    assert registry.for_launcher("none") == "local"
+    for record in registry.records():
+        if record.launcher is None:
+            continue
+        fam = family(record.launcher)
         assert fam is not None and fam.command is not None
         argv = fam.command.argv("prog", 3, "py", 1234, ["s.py", "--x"])
         assert argv[0] == "prog" and argv[-2:] == ["s.py", "--x"] and "3" in " ".join(argv)

@@ -105,7 +105,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--crash-at", default=None)
     parser.add_argument("--in-place", action="store_true", help="the crashed save overwrites the first one")
-    ns = parser.parse_args()
+    ns = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         report: dict[str, Any] = {"backend": mgr.backend, "size": mgr.size}
         for name in OPTS:

@@ -637,7 +637,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--only", help="run the cases whose name contains this")
     parser.add_argument("--mode", choices=("suite", "desync", "timeout", "crash"), default="suite")
-    ns = parser.parse_args()
+    ns = parser.parse_args(unidist.script_args())
     ns.out.mkdir(parents=True, exist_ok=True)
     with unidist.init() as mgr:
         if ns.mode != "suite":

@@ -14,7 +14,7 @@ import unidist
 def report_main(fill: Callable[[Any, dict[str, Any]], None]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    ns = parser.parse_args()
+    ns = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         report: dict[str, Any] = {"backend": mgr.backend, "size": mgr.size}
         fill(mgr, report)

@@ -231,7 +231,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    ns = parser.parse_args()
+    ns = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         report: dict[str, Any] = {"backend": mgr.backend, "size": mgr.size}
         for name in ns.variants.split(","):

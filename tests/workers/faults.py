@@ -27,7 +27,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--fault", required=True, choices=["kill", "stop", "raise", "exit0", "sum_max", "kind"])
 parser.add_argument("--local_rank", type=int)  # the deepspeed launcher appends it
-args = parser.parse_args()
+args = parser.parse_args(unidist.script_args())
 
 with unidist.init() as mgr:
     (args.out / f"pid{mgr.rank}").write_text(str(os.getpid()))

@@ -160,7 +160,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--sample", action="store_true", help="a dozen cases per collective instead of all")
-    ns = parser.parse_args()
+    ns = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         results: dict[str, Any] = {}
         split = mgr.split(mgr.rank % 2)

@@ -135,7 +135,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    ns = parser.parse_args()
+    ns = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         results: dict[str, Any] = {}
         for name in ns.variants.split(","):

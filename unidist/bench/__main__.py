@@ -16,7 +16,6 @@ This file also runs as a script path (the deepspeed launcher and ``unidist bench
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -31,28 +30,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from unidist.bench import DELEGATED, MEASURE, SUBCOMMANDS
+from unidist.launch import script_args
 
 __all__ = ["main"]
-
-_LOCAL_RANK = re.compile(r"--local[_-]rank(=\d+)?$")
-
-
-def _strip_local_rank(argv: list[str]) -> list[str]:
-    """The deepspeed launcher appends ``--local_rank=N`` (unidist's import removes it when N matches
-    LOCAL_RANK; this catches the other spellings so argparse never sees it)."""
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        m = _LOCAL_RANK.match(a)
-        if m:
-            skip = m.group(1) is None
-            continue
-        out.append(a)
-    return out
-
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the rows (and the run's metadata) to this file (rank 0)")
@@ -120,7 +100,7 @@ def measure(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    raw = _strip_local_rank(list(sys.argv[1:] if argv is None else argv))
+    raw = script_args() if argv is None else script_args(["unidist.bench", *argv])
     if raw[:1] and raw[0] in DELEGATED:
         # the older benchmarks parse sys.argv themselves: run them as `python -m` would
         sys.argv = [DELEGATED[raw[0]], *raw[1:]]

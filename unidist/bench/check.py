@@ -38,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--sizes", type=int, nargs="*", default=list(SIZES), help="bytes per buffer")
-    args = parser.parse_args()
+    args = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         rows = []
         for nbytes in args.sizes:

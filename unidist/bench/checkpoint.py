@@ -31,7 +31,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         rows = []
         for stage in range(4):

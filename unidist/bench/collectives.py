@@ -158,7 +158,7 @@ def table(rows: list[dict[str, Any]], run_meta: dict[str, Any]) -> str:
     if compare:
         cols += [("raw_time_us", "raw us", fmt(2)), ("raw_busbw_GBps", "raw busbw GB/s", fmt(3)),
                  ("ratio", "unidist/raw", fmt(2))]
-    engine = engines.ENGINE_NAMES.get(run_meta["backend"], "?")
+    engine = engines.engine_name(run_meta["backend"])
     head = (f"collectives: backend={run_meta['backend']} launcher={run_meta['launcher']} ranks={run_meta['ranks']}"
             f", float32 sum, slowest rank's median of {rows[0]['rounds'] if rows else 0} interleaved rounds"
             + (f"; raw = {engine}" if compare else ""))

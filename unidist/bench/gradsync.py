@@ -170,7 +170,7 @@ def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
 def _describe(method: str, backend: str) -> str:
     return {"backward": "backward only (no communication)",
             "per_tensor": "mgr.allreduce_(grad, 'mean') per tensor",
-            "raw_per_tensor": f"{engines.ENGINE_NAMES.get(backend, '?')} allreduce per tensor",
+            "raw_per_tensor": f"{engines.engine_name(backend)} allreduce per tensor",
             "fused": fused_label(backend),
             "ddp": "torch DDP reducer (gloo)"}.get(method, method)
 

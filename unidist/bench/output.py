@@ -39,8 +39,8 @@ def meta(mgr: Any) -> dict[str, Any]:
     launch = unidist.detect(os.environ)
     return {
         "backend": mgr.backend, "launcher": launch.launcher, "ranks": mgr.size,
-        "unidist": unidist.__version__, "torch": _version("torch"), "mpi4py": _version("mpi4py"),
-        "deepspeed": _version("deepspeed"), "horovod": _version("horovod"),
+        "unidist": unidist.__version__,
+        **{pkg: _version(pkg) for record in unidist.registry.records() for pkg in record.requires},
         "python": platform.python_version(), "host": platform.node(), "cpus": os.cpu_count(),
         "omp_threads": os.environ.get("OMP_NUM_THREADS", ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

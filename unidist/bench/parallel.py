@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="Linear+Tanh layers per stage")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         rows = pipeline_rows(mgr, args)
         tp = tensor_rows(mgr, args)

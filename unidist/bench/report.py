@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unidist import registry
 from unidist.bench.output import Column, fmt, human_bytes, label, load, markdown, plot_bandwidth
 
-__all__ = ["RUNS", "add_arguments", "main", "render"]
+__all__ = ["add_arguments", "main", "render", "runs"]
 
 BEGIN, END = "<!-- generated: begin -->", "<!-- generated: end -->"
 QUICK = ["--sizes", "8,4K", "--rounds", "2", "--warmup", "1", "--budget", "0.01", "--scale", "0.05", "--iters", "1",
@@ -41,22 +42,22 @@ _LAUNCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_
 
 @dataclass(frozen=True)
 class Run:
-    """One launch: its name (the JSON file's stem), the backend whose launcher starts it, the engine whose
-    ``--bin`` directory provides the programs, and extra environment."""
+    """One launch: its name (the JSON file's stem), the launcher family that starts it, the backend (whose
+    ``--bin`` directory provides the programs), and extra environment."""
 
     name: str
-    launcher_backend: str
-    engine: str
+    launcher: str
+    backend: str
     env: Mapping[str, str] = field(default_factory=dict)
 
 
-RUNS = (
-    Run("mpi", "mpi", "mpi"),
-    Run("torch", "torch", "torch"),
-    Run("deepspeed", "deepspeed", "deepspeed", {"DS_ACCELERATOR": "cpu"}),
-    Run("horovod-gloo", "horovod", "horovod"),
-    Run("horovod-mpi", "mpi", "horovod", {"UNIDIST_BACKEND": "horovod"}),
-)
+def runs() -> tuple[Run, ...]:
+    """Every registered launch with a benchmark run name (``Launch.bench``), in the records' order."""
+    import torch
+
+    return tuple(Run(lch.bench, lch.launcher, rec.name,
+                     {**lch.env, **({} if torch.cuda.is_available() else lch.cpu_env)})
+                 for rec in registry.records() for lch in rec.launches if lch.bench)
 
 
 def add_arguments(sub: Any) -> None:
@@ -67,7 +68,7 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--bin", action="append", default=[], metavar="ENGINE=DIR",
                    help="directory with python and the launcher for an engine (mpi, torch, deepspeed, horovod); "
                         "default: beside this interpreter")
-    p.add_argument("--runs", default=",".join(r.name for r in RUNS), help="which runs, comma-separated")
+    p.add_argument("--runs", default=",".join(r.name for r in runs()), help="which runs, comma-separated")
     p.add_argument("-n", "--nprocs", type=int, default=2)
     p.add_argument("--render-only", action="store_true", help="no runs: render from the JSON files there")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke of the pipeline; needs --out-dir)")
@@ -91,12 +92,12 @@ def _bins(specs: list[str]) -> dict[str, Path]:
 
 def command(run: Run, bindir: Path, n: int, rest: list[str]) -> list[str]:
     """The launch of ``python -m unidist.bench all`` (by script path, as the deepspeed launcher needs)."""
-    from unidist.launch import command_family
+    from unidist.launch import family
     from unidist.net import free_port
 
-    fam = command_family(run.launcher_backend)
+    fam = family(run.launcher)
     if fam is None or fam.command is None:
-        raise SystemExit(f"no launcher for backend {run.launcher_backend!r}")
+        raise SystemExit(f"run {run.name!r}: launcher family {run.launcher!r} has no command line")
     program = next((str(bindir / p) for p in fam.command.programs if (bindir / p).exists()),
                    fam.command.programs[0])
     script = str(Path(__file__).resolve().with_name("__main__.py"))
@@ -119,14 +120,14 @@ def run_all(args: argparse.Namespace) -> list[str]:
     results = args.out_dir / "results"
     results.mkdir(parents=True, exist_ok=True)
     chosen = [r.strip() for r in args.runs.split(",") if r.strip()]
-    known = {r.name: r for r in RUNS}
+    known = {r.name: r for r in runs()}
     failed = []
     extra = list(getattr(args, "bench_args", []))
     for name in chosen:
         if name not in known:
             raise SystemExit(f"unknown run {name!r}; use {', '.join(known)}")
         run = known[name]
-        bindir = bins.get(run.engine, Path(sys.executable).parent)
+        bindir = bins.get(run.backend, Path(sys.executable).parent)
         rest = ["--compare", "--json", str((results / f"{name}.json").resolve()), *(QUICK if args.quick else []),
                 *extra]
         argv = command(run, bindir, args.nprocs, rest)
@@ -284,7 +285,7 @@ def main(args: argparse.Namespace) -> int:
     if args.quick and args.out_dir == Path("benchmarks"):
         raise SystemExit("report --quick writes smoke figures: give another --out-dir than benchmarks")
     failed = [] if args.render_only else run_all(args)
-    order = {r.name: i for i, r in enumerate(RUNS)}
+    order = {r.name: i for i, r in enumerate(runs())}
     files = sorted((args.out_dir / "results").glob("*.json"), key=lambda p: (order.get(p.stem, 99), p.stem))
     if not files:
         raise SystemExit(f"no results in {args.out_dir / 'results'}")

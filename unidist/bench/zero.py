@@ -59,7 +59,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=32, help="rows per rank")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per stage and round")
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         stats: dict[int, dict[str, int]] = {}
         times: dict[int, list[float]] = {s: [] for s in range(4)}

@@ -1,1 +1,2 @@
-"""One module per backend; import a backend's module only when it is selected (see unidist.selector)."""
+"""One module per backend, imported only when its backend is selected (its record in unidist/backends/ says
+how)."""

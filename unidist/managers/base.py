@@ -30,7 +30,7 @@ from unidist.errors import CollectiveMismatchError, ConfigError, InvalidArgument
 from unidist.launch import LaunchInfo, detect
 from unidist.net import local_only_env
 from unidist.ops import ReduceOp
-from unidist.selector import checkpoint_call, trainer_of
+from unidist.registry import Strategy, get
 
 __all__ = ["DONE", "EngineWork", "Group", "Handle", "Manager", "Work", "get_manager"]
 
@@ -50,9 +50,17 @@ class Manager(Collectives):
 
     name: ClassVar[str] = "base"
 
-    def __init__(self, config: Config | None = None, launch: LaunchInfo | None = None) -> None:
+    def __init__(self, config: Config | None = None, launch: LaunchInfo | None = None, *,
+                 strategy: Strategy | None = None) -> None:
+        """Args:
+            config: the settings (default: ``Config.from_env()``). launch: what the launcher said (default:
+                ``detect()``).
+            strategy: the training layer behind ``prepare``, ``backward`` and the checkpoints (default: the
+                one this backend's record in ``unidist.registry`` names).
+        """
         self.config = config if config is not None else Config.from_env()
         self.launch = launch if launch is not None else detect()
+        self._strategy = strategy if strategy is not None else get(self.name).strategy()
         self._started = False
         self._rank = self._size = self._local_rank = self._local_size = self._node_rank = -1
         self._device = torch.device("cpu")
@@ -273,12 +281,12 @@ class Manager(Collectives):
         raise UnidistError(f"the {self.name} backend has no sub-groups")
 
     # ----------------------------------------------------------------- training entry points
-    # Thin calls into the training layer, reached through the backend table (selector.py), never imported.
+    # Thin calls into the training layer: the strategy this Manager was handed when made, never imported here.
     def _training(self) -> Any:
-        """This backend's trainer from unidist.train, made on first use."""
+        """This backend's trainer (its strategy made over this Manager), made on first use."""
         if self._trainer is None:
             self._need_started()
-            self._trainer = trainer_of(self.name)(self)
+            self._trainer = self._strategy(self)
         return self._trainer
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
@@ -392,9 +400,8 @@ class Manager(Collectives):
             extra: anything else to restore (step counters, ``scheduler.state_dict()``): tensors, numbers,
                 strings, lists and dicts, as ``torch.load(weights_only=True)`` accepts.
         """
-        self._need_started()
-        save = checkpoint_call("save_checkpoint")
-        return save(self, path, model, optimizer, keep=keep, extra=extra)  # type: ignore[no-any-return]
+        return self._training().save_checkpoint(  # type: ignore[no-any-return]
+            path, model, optimizer, keep=keep, extra=extra)
 
     def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
                         ) -> dict[str, Any]:
@@ -407,13 +414,15 @@ class Manager(Collectives):
             path: a checkpoint directory (``latest_checkpoint(dir)`` finds the newest).
             model, optimizer: what ``prepare`` returned (optimizer None: the weights only).
         """
-        self._need_started()
-        return checkpoint_call("load_checkpoint")(self, path, model, optimizer)  # type: ignore[no-any-return]
+        return self._training().load_checkpoint(path, model, optimizer)  # type: ignore[no-any-return]
 
-    @staticmethod
-    def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-        """The newest complete checkpoint directly inside ``directory``, or None (no collective)."""
-        latest: Path | None = checkpoint_call("latest_checkpoint")(directory)
+    def latest_checkpoint(self, directory: str | os.PathLike[str]) -> Path | None:
+        """The newest complete checkpoint directly inside ``directory``, or None (no collective).
+
+        Args:
+            directory: where ``save_checkpoint`` wrote checkpoint directories.
+        """
+        latest: Path | None = self._strategy.latest_checkpoint(directory)
         return latest
 
     def shard(self, data: Sized | int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 from unidist.comm import watchdog
 from unidist.errors import BackendUnavailableError
 from unidist.managers.torch import TorchManager
-from unidist.selector import spec
+from unidist.registry import get
 
 __all__ = ["DeepSpeedManager"]
 
@@ -27,7 +27,7 @@ class DeepSpeedManager(TorchManager):
             import deepspeed.comm as ds_comm
         except ImportError as err:
             raise BackendUnavailableError(
-                f"the 'deepspeed' backend needs deepspeed ({err}); {spec('deepspeed').install}") from err
+                f"the 'deepspeed' backend needs deepspeed ({err}); {get('deepspeed').install}") from err
         if self.config.log_level != "DEBUG":  # DeepSpeed warns about every untested optimizer otherwise
             deepspeed.utils.logger.setLevel(max(logging.ERROR, logging.getLevelName(self.config.log_level)))
         self._deepspeed = deepspeed

@@ -22,7 +22,7 @@ from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.launch import family
 from unidist.managers.base import Manager
 from unidist.ops import ReduceOp
-from unidist.selector import spec
+from unidist.registry import for_launcher, get
 
 __all__ = ["MPIManager"]
 
@@ -36,7 +36,7 @@ def import_mpi() -> Any:
         from mpi4py import MPI
     except ImportError as err:
         raise BackendUnavailableError(
-            f"the 'mpi' backend needs mpi4py and an MPI library ({err}); {spec('mpi').install}") from err
+            f"the 'mpi' backend needs mpi4py and an MPI library ({err}); {get('mpi').install}") from err
     return MPI
 
 
@@ -314,6 +314,13 @@ class MPIManager(MPIComm, Manager):
 
     name = "mpi"
 
+    @property
+    def comm(self) -> Any:
+        """The mpi4py communicator unidist's world collectives use (a duplicate of ``COMM_WORLD``), for code
+        that calls mpi4py beside unidist without matching unidist's messages."""
+        self._need_started()
+        return self._comm
+
     def _start(self) -> None:
         MPI = import_mpi()
         self._comm = MPI.COMM_WORLD.Dup()  # our own context: user MPI traffic cannot match ours
@@ -327,8 +334,8 @@ class MPIManager(MPIComm, Manager):
                 raise LaunchEnvironmentError(
                     f"UNIDIST_BACKEND=mpi, but the {self.launch.launcher} launcher started these "
                     f"{self.launch.size} processes without an MPI world (each one is MPI rank 0 of 1). Use the "
-                    f"{fam.backend} backend under {self.launch.launcher} (unset UNIDIST_BACKEND), or start the job "
-                    "with mpiexec for the mpi backend.")
+                    f"{for_launcher(fam.name)} backend under {self.launch.launcher} (unset UNIDIST_BACKEND), or "
+                    "start the job with mpiexec for the mpi backend.")
             raise LaunchEnvironmentError(
                 f"the {self.launch.launcher} launcher announced {self.launch.size} processes but MPI sees "
                 f"{self._size}: mpi4py is linked to a different MPI than the launcher that started this job. "

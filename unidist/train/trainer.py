@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import weakref
 from collections.abc import Iterable, Mapping, Sized
+from pathlib import Path
 from typing import Any
 
 import torch
 
+import unidist.checkpoint as checkpoint
 from unidist.comm.group import Group
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
@@ -145,6 +148,24 @@ class Trainer:
         if self.prepared is None:
             raise InvalidArgumentError(f"{what}() describes the prepared model; call mgr.prepare(model, opt) first")
         return self.prepared
+
+    # ----------------------------------------------------------------- checkpoints (unidist.checkpoint)
+    def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
+                        keep: int | None = None, extra: Mapping[str, Any] | None = None) -> Path:
+        """``Manager.save_checkpoint``."""
+        self.mgr._need_started()
+        return checkpoint.save_checkpoint(self.mgr, path, model, optimizer, keep=keep, extra=dict(extra or {}))
+
+    def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
+                        ) -> dict[str, Any]:
+        """``Manager.load_checkpoint``: the checkpoint's ``extra``."""
+        self.mgr._need_started()
+        return checkpoint.load_checkpoint(self.mgr, path, model, optimizer)
+
+    @staticmethod
+    def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+        """``Manager.latest_checkpoint``: needs no Manager."""
+        return checkpoint.latest_checkpoint(directory)
 
     # ----------------------------------------------------------------- building blocks
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer,

@@ -1,0 +1,78 @@
+"""The mpi backend (mpi4py) and mpi4py's own calls, as its users write them, for the benchmarks.
+
+The raw calls use mpi4py's buffer (uppercase) API on the Manager's own communicator: the fastest ordinary form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from unidist.backends.local import unidist_training
+from unidist.launch import LAUNCHERS
+from unidist.registry import Backend, Launch, register
+
+
+def _manager() -> type[Any]:
+    from unidist.managers.mpi import MPIManager
+
+    return MPIManager
+
+
+def _raw_calls(mgr: Any) -> dict[str, Callable[[Any], Callable[[], Any]]]:
+    from mpi4py import MPI
+
+    comm, n = mgr.comm, mgr.size
+
+    def allreduce(x: Any) -> Callable[[], Any]:
+        a = x.numpy()
+        return lambda: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM)
+
+    def allgather(x: Any) -> Callable[[], Any]:
+        a, out = x.numpy(), x.new_empty(n * x.numel()).numpy()
+        return lambda: comm.Allgather(a, out)
+
+    def broadcast(x: Any) -> Callable[[], Any]:
+        a = x.numpy()
+        return lambda: comm.Bcast(a, 0)
+
+    def reduce_scatter(x: Any) -> Callable[[], Any]:
+        a, out = x.numpy(), x.new_empty(x.numel() // n).numpy()
+        return lambda: comm.Reduce_scatter_block(a, out, MPI.SUM)
+
+    def alltoall(x: Any) -> Callable[[], Any]:
+        a, out = x.numpy(), x.new_empty(x.shape).numpy()
+        return lambda: comm.Alltoall(a, out)
+
+    return {"allreduce": allreduce, "allgather": allgather, "broadcast": broadcast,
+            "reduce_scatter": reduce_scatter, "alltoall": alltoall}
+
+
+def _raw_grad_mean(mgr: Any) -> Callable[[Any], None]:
+    """MPI has no average op: sum, then divide, as hand-written loops do."""
+    from mpi4py import MPI
+
+    comm, n = mgr.comm, mgr.size
+
+    def mean(g: Any) -> None:
+        comm.Allreduce(MPI.IN_PLACE, g.numpy(), MPI.SUM)
+        g.div_(n)
+    return mean
+
+
+BACKEND = register(Backend(
+    name="mpi",
+    manager_name="MPIManager",
+    manager=_manager,
+    strategy=unidist_training,
+    requires=("torch", "mpi4py"),
+    install="pip install mpi4py mpich  (the mpich wheel provides mpiexec; on a cluster, build mpi4py against "
+            "its MPI)",
+    launcher="mpich",
+    implied_by=tuple(fam.name for fam in LAUNCHERS if fam.mpi_like),
+    engine="mpi4py",
+    raw_calls=_raw_calls,
+    raw_grad_mean=_raw_grad_mean,
+    launches=(Launch("mpich", "mpiexec-{n}", (2, 3), bench="mpi"),
+              Launch("mpich", "mpiexec-{n}-checked", (2,), {"UNIDIST_CHECK_COLLECTIVES": "1"})),
+))

@@ -1,0 +1,172 @@
+"""The backend table: one record per engine, and nothing else in the package keeps a list of backends.
+
+A record says everything the rest of the code needs to know about a backend: the Manager class and the
+training strategy behind ``prepare`` (both handed over as calls that import them when called, so that
+``import unidist`` imports no engine), the packages it needs and how to install them, the launcher family that
+starts it and the ones that imply it, the engine's own calls the benchmarks compare with, and the launches the
+tests use. The selector, ``unidist launch``, ``unidist info``, the benchmarks and the multi-process tests read
+it. unidist's own five records live in ``unidist/backends/``; a backend written outside the package registers
+with one call, :func:`register`, and is then chosen with ``UNIDIST_BACKEND``.
+
+This module sits low (it imports only errors and launch): the managers read their record from here, and
+the records point up at the managers through their calls, never the other way round.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from unidist.errors import ConfigError
+from unidist.launch import LAUNCHERS, NO_LAUNCHER, family
+
+__all__ = ["Backend", "Launch", "Strategy", "for_launcher", "get", "names", "records", "register", "unregister"]
+
+
+class Strategy(Protocol):
+    """The training layer behind a Manager's ``prepare``, ``backward``, checkpoints and friends: made with
+    the started Manager (``Strategy(mgr)``); ``latest_checkpoint`` needs no Manager."""
+
+    def __call__(self, manager: Any) -> Any: ...
+
+    def latest_checkpoint(self, directory: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One way to start this backend: a launcher family of ``unidist.launch.LAUNCHERS`` (or ``"none"`` for
+    plain python) and the environment it needs.
+
+    Attributes:
+        launcher: the family whose command line starts the processes.
+        label: the test id pattern (``{n}`` is the process count: ``"mpiexec-{n}"``).
+        sizes: the process counts the standard test suites run it with.
+        env: variables the launch needs (``UNIDIST_BACKEND`` where the launcher implies another backend).
+        cpu_env: variables it needs on a machine without a GPU (DeepSpeed's ``DS_ACCELERATOR=cpu``).
+        bench: the name of this launch's run in ``python -m unidist.bench report`` (None: not run there).
+    """
+
+    launcher: str
+    label: str
+    sizes: tuple[int, ...] = (2,)
+    env: Mapping[str, str] = field(default_factory=dict)
+    cpu_env: Mapping[str, str] = field(default_factory=dict)
+    bench: str | None = None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One engine's registration.
+
+    Attributes:
+        name: the value of ``UNIDIST_BACKEND`` that selects it.
+        manager_name: the Manager class's name (``unidist.<manager_name>`` gives the class).
+        manager: returns the Manager class (importing it when called).
+        strategy: returns the training strategy class (see :class:`Strategy`) behind ``prepare``.
+        requires: packages that must be importable; checked before the manager is imported, for a clear error.
+        install: the command that installs them, shown when one is missing.
+        launcher: the launcher family whose command ``unidist launch --backend <name>`` runs (None: plain
+            python, one process).
+        implied_by: launcher families that pick this backend when ``UNIDIST_BACKEND`` is unset.
+        engine: what the benchmarks call the engine's own API (``"mpi4py"``).
+        raw_calls: given a started Manager, the engine's own collective calls by name (the benchmarks' raw
+            column): ``{"allreduce": builder, ...}``, a builder taking the input tensor and returning a call.
+        raw_grad_mean: given a started Manager, the engine's in-place average of one gradient.
+        launches: how the tests start it; the first one is its main launch.
+    """
+
+    name: str
+    manager_name: str
+    manager: Callable[[], type[Any]]
+    strategy: Callable[[], Strategy]
+    requires: tuple[str, ...] = ()
+    install: str = ""
+    launcher: str | None = None
+    implied_by: tuple[str, ...] = ()
+    engine: str = "none"
+    raw_calls: Callable[[Any], Mapping[str, Callable[[Any], Callable[[], Any]]]] | None = None
+    raw_grad_mean: Callable[[Any], Callable[[Any], Any]] | None = None
+    launches: tuple[Launch, ...] = ()
+
+    def missing(self) -> list[str]:
+        """The required packages that are not installed."""
+        return [pkg for pkg in self.requires if importlib.util.find_spec(pkg) is None]
+
+
+_TABLE: dict[str, Backend] = {}
+
+
+def register(backend: Backend, *, replace: bool = False) -> Backend:
+    """Add a backend; ``UNIDIST_BACKEND=<backend.name>`` then selects it.
+
+    Args:
+        backend: its record.
+        replace: allow replacing a backend registered under the same name (refused otherwise, so a plugin
+            cannot silently shadow a built-in backend).
+
+    A launcher family named in ``implied_by`` must exist and may imply one backend only.
+    """
+    if not isinstance(backend, Backend):
+        raise ConfigError(f"register() takes a unidist.registry.Backend record, got {type(backend).__name__}")
+    name = backend.name
+    if not name or not isinstance(name, str):
+        raise ConfigError(f"a backend name must be a non-empty string, not {name!r}")
+    old = _TABLE.get(name)
+    if old is not None and not replace:
+        raise ConfigError(f"a backend named {name!r} is already registered; pick another name, or pass "
+                          "replace=True to replace it")
+    known = {fam.name for fam in LAUNCHERS} | {NO_LAUNCHER}
+    for fam in (*backend.implied_by, *([backend.launcher] if backend.launcher else []),
+                *(lch.launcher for lch in backend.launches)):
+        if fam not in known:
+            raise ConfigError(f"backend {name!r} names launcher family {fam!r}, which unidist.launch does not "
+                              f"know; use one of {', '.join(sorted(known))}")
+    for fam in backend.implied_by:
+        other = next((b.name for b in _TABLE.values() if fam in b.implied_by and b.name != name), None)
+        if other is not None:
+            raise ConfigError(f"launcher family {fam!r} already implies the {other!r} backend; a backend "
+                              "outside unidist is chosen with UNIDIST_BACKEND, not by its launcher")
+    if backend.launcher is not None and (fam_row := family(backend.launcher)) is not None and fam_row.command is None:
+        raise ConfigError(f"backend {name!r}: launcher family {backend.launcher!r} has no command line to run")
+    _TABLE[name] = backend
+    return backend
+
+
+def unregister(name: str) -> None:
+    """Remove a backend (a no-op for an unknown name)."""
+    _TABLE.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    """Every registered backend's name, in registration order."""
+    return tuple(_TABLE)
+
+
+def records() -> tuple[Backend, ...]:
+    """Every registered backend's record, in registration order."""
+    return tuple(_TABLE.values())
+
+
+def get(name: str) -> Backend:
+    """The record of backend ``name``; an unknown name is a ConfigError listing the registered ones."""
+    try:
+        return _TABLE[name]
+    except KeyError:
+        hint = ""
+        if name in ("ray", "dask", "pymp", "pyseq"):
+            hint = (" (that value is for Modin's unrelated 'unidist' package, which reads the same variable; "
+                    "unset UNIDIST_BACKEND for this run)")
+        raise ConfigError(
+            f"UNIDIST_BACKEND={name!r} is not a registered backend; choose one of {', '.join(_TABLE)}{hint}"
+        ) from None
+
+
+def for_launcher(launcher: str) -> str:
+    """The backend a launcher family implies when ``UNIDIST_BACKEND`` is unset."""
+    for backend in _TABLE.values():
+        if launcher in backend.implied_by:
+            return backend.name
+    raise ConfigError(f"no registered backend runs under the {launcher!r} launcher by default; set UNIDIST_BACKEND "
+                      f"to one of {', '.join(_TABLE)}")
