@@ -7,9 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,15 +66,29 @@ def python(n: int, *args: str) -> list[str]:
     return [sys.executable, *args]
 
 
-def launcher(backend: str, n: int, *args: str) -> list[str]:
-    """The command line of ``backend``'s launcher family (the table in unidist.launch, as ``unidist launch``
-    spells it), with the program installed beside this interpreter."""
-    from unidist.launch import command_family
+def family_argv(launcher: str, n: int, *args: str) -> list[str]:
+    """The command line of launcher family ``launcher`` (a row of unidist.launch.LAUNCHERS, as ``unidist
+    launch`` spells it), with the program installed beside this interpreter; ``"none"`` is plain python."""
+    from unidist.launch import NO_LAUNCHER, family
 
-    fam = command_family(backend)
+    if launcher == NO_LAUNCHER:
+        return python(n, *args)
+    fam = family(launcher)
     if fam is None or fam.command is None:
-        raise ValueError(f"no launcher command for {backend!r}")
-    return fam.command.argv(str(BIN / fam.command.programs[0]), n, sys.executable, free_port(), list(args))
+        raise ValueError(f"no command line for launcher family {launcher!r}")
+    argv = fam.command.argv(str(BIN / fam.command.programs[0]), n, sys.executable, free_port(), list(args))
+    if launcher == "deepspeed":
+        # leave out --no_local_rank so the launcher appends --local_rank=N, as it does for users' scripts
+        argv = [a for a in argv if a != "--no_local_rank"]
+    return argv
+
+
+def launcher(backend: str, n: int, *args: str) -> list[str]:
+    """The command line ``unidist launch --backend <backend>`` would run (the launcher its record names)."""
+    from unidist import registry
+
+    fam = registry.get(backend).launcher
+    return family_argv(fam if fam is not None else "none", n, *args)
 
 
 def mpiexec(n: int, *args: str) -> list[str]:
@@ -89,17 +104,18 @@ def torchrun(n: int, *args: str) -> list[str]:
     return launcher("torch", n, *args)
 
 
-def require(engine: str) -> None:
-    """Skip when ``engine`` is not installed, unless REQUIRE_ENGINES (set by tox/CI) names it: then fail."""
+def require(*engines: str) -> None:
+    """Skip when an engine is not installed, unless REQUIRE_ENGINES (set by tox/CI) names it: then fail."""
     import importlib.util
 
-    if importlib.util.find_spec(engine) is not None:
-        return
     required = os.environ.get("REQUIRE_ENGINES", "").replace(",", " ").split()
-    reason = f"{engine} is not installed"
-    if engine in required or "all" in required:
-        pytest.fail(f"{reason}, but REQUIRE_ENGINES={os.environ['REQUIRE_ENGINES']!r} requires it")
-    pytest.skip(reason)
+    for engine in engines:
+        if importlib.util.find_spec(engine) is not None:
+            continue
+        reason = f"{engine} is not installed"
+        if engine in required or "all" in required:
+            pytest.fail(f"{reason}, but REQUIRE_ENGINES={os.environ['REQUIRE_ENGINES']!r} requires it")
+        pytest.skip(reason)
 
 
 def free_port() -> int:
@@ -109,9 +125,8 @@ def free_port() -> int:
 
 
 def deepspeed(n: int, *args: str) -> list[str]:
-    """The deepspeed launcher on this CPU-only machine: its CPU accelerator starts n local processes. Tests
-    leave out --no_local_rank so the launcher appends --local_rank=N and unidist's stripping of it runs."""
-    return [a for a in launcher("deepspeed", n, *args) if a != "--no_local_rank"]
+    """The deepspeed launcher on this CPU-only machine: its CPU accelerator starts n local processes."""
+    return family_argv("deepspeed", n, *args)
 
 
 def horovodrun(n: int, *args: str) -> list[str]:
@@ -121,30 +136,81 @@ def horovodrun(n: int, *args: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Launch:
-    """One way to start N processes: the launcher, the backend init() must pick, the engine it needs."""
+    """One way to start N processes: the launcher family, the backend init() must pick, the packages it needs."""
 
     size: int
-    argv: Callable[..., list[str]]
+    launcher: str
     backend: str
-    engine: str = "torch"
+    engines: tuple[str, ...] = ("torch",)
     env: dict[str, str] = field(default_factory=dict)
+    own_training: bool = True  # prepare runs unidist's DistributedOptimizer (no engine trainer of its own)
 
     def command(self, *args: str) -> list[str]:
-        return self.argv(self.size, *args)
+        return family_argv(self.launcher, self.size, *args)
+
+    def resized(self, n: int) -> Launch:
+        return Launch(n, self.launcher, self.backend, self.engines, self.env, self.own_training)
 
 
-LAUNCHES = {
-    "local-1": Launch(1, python, "local"),
-    "mpiexec-2": Launch(2, mpiexec, "mpi", "mpi4py"),
-    "mpiexec-3": Launch(3, mpiexec, "mpi", "mpi4py"),
-    "mpiexec-2-checked": Launch(2, mpiexec, "mpi", "mpi4py", {"UNIDIST_CHECK_COLLECTIVES": "1"}),
-    "torchrun-2": Launch(2, torchrun, "torch"),
-    "torch-under-mpiexec-3": Launch(3, mpiexec, "torch", "mpi4py", {"UNIDIST_BACKEND": "torch"}),
-    "deepspeed-2": Launch(2, deepspeed, "deepspeed", "deepspeed"),
-    "horovodrun-gloo-2": Launch(2, horovodrun, "horovod", "horovod"),
-    "horovod-under-mpiexec-2": Launch(2, mpiexec, "horovod", "horovod", {"UNIDIST_BACKEND": "horovod"}),
-}
-MARKS = {"local": pytest.mark.local, "mpi": pytest.mark.mpi, "torch": pytest.mark.torch,
-         "deepspeed": pytest.mark.deepspeed, "horovod": pytest.mark.horovod}
+def _launch(record: Any, way: Any, n: int) -> Launch:
+    from unidist.backends import unidist_training
+    from unidist.launch import family
+
+    fam = family(way.launcher)
+    engines = tuple(record.requires) + (("mpi4py",) if fam is not None and fam.mpi_like else ())
+    env = {**way.env, **({} if _has_cuda() else way.cpu_env)}
+    return Launch(n, way.launcher, record.name, tuple(dict.fromkeys(engines)), env,
+                  record.strategy is unidist_training)
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _all_launches() -> dict[str, Launch]:
+    """Every registered backend's test launches (its record's ``launches``) at their standard sizes, by id."""
+    from unidist import registry
+
+    return {way.label.format(n=n): _launch(rec, way, n)
+            for rec in registry.records() for way in rec.launches for n in way.sizes}
+
+
+def main_launches(n: int) -> dict[str, Launch]:
+    """Each registered multi-process backend's main launch (its record's first) at n processes, by id."""
+    from unidist import registry
+
+    return {rec.launches[0].label.format(n=n): _launch(rec, rec.launches[0], n)
+            for rec in registry.records() if rec.launches and rec.launcher is not None}
+
+
+def solo_launches() -> dict[str, Launch]:
+    """Each registered one-process backend's launch (plain python), by id."""
+    from unidist import registry
+
+    return {rec.launches[0].label.format(n=1): _launch(rec, rec.launches[0], 1)
+            for rec in registry.records() if rec.launches and rec.launcher is None}
+
+
+def ways(n: int) -> dict[str, Launch]:
+    """Every way each registered multi-process backend is started (all its record's launches) at n, by id."""
+    from unidist import registry
+
+    return {way.label.format(n=n): _launch(rec, way, n)
+            for rec in registry.records() if rec.launcher is not None for way in rec.launches}
+
+
+LAUNCHES = _all_launches()
+
+
+class _Marks(dict[str, Any]):
+    """The pytest mark of each backend (pyproject.toml registers unidist's; a backend registered elsewhere
+    gets one of its own name)."""
+
+    def __missing__(self, backend: str) -> Any:
+        return getattr(pytest.mark, backend)
+
+
+MARKS = _Marks(local=pytest.mark.local, mpi=pytest.mark.mpi, torch=pytest.mark.torch,
+               deepspeed=pytest.mark.deepspeed, horovod=pytest.mark.horovod)

@@ -16,7 +16,7 @@ from helpers import BIN, LAUNCHES, MARKS, WORKERS, Launch, mpiexec, require, res
 
 WORKER = str(WORKERS / "checkpoint.py")
 TOL = {"sgd": 1e-5, "adam": 1e-4}
-LAUNCH = {**LAUNCHES, "torchrun-3": Launch(3, torchrun, "torch")}
+LAUNCH = {**LAUNCHES, "torchrun-3": LAUNCHES["torchrun-2"].resized(3)}
 # (saved by, at stage) -> (resumed by, at stage); the mark is the engine whose tox env runs the pair
 PAIRS = [
     ("mpiexec-2", 2, "torchrun-3", 0, "torch"),
@@ -49,8 +49,7 @@ def _check(out: Path, launch: Launch) -> dict[int, dict[str, object]]:
     pytest.param(*p, marks=MARKS[p[4]], id=f"{p[0]}-stage{p[1]}-to-{p[2]}-stage{p[3]}") for p in PAIRS])
 def test_resume_elsewhere(tmp_path: Path, saver: str, s_stage: int, loader: str, l_stage: int, mark: str) -> None:
     a, b = LAUNCH[saver], LAUNCH[loader]
-    require(a.engine)
-    require(b.engine)
+    require(*a.engines, *b.engines)
     _phase(a, "--phase", "save", "--stage", str(s_stage), "--dir", str(tmp_path / "ck"))
     manifest = json.loads((tmp_path / "ck" / "adam" / "step-3" / "manifest.json").read_text())
     assert (manifest["backend"], manifest["world_size"]) == (a.backend, a.size)
@@ -74,7 +73,7 @@ def test_killed_inside_save(tmp_path: Path, launch: str, point: str, in_place: b
     """SIGKILL at a point inside save_checkpoint: a complete checkpoint remains (the previous one, or the
     new one when the kill came after it was published), and resuming from it reproduces the uninterrupted run."""
     lch = LAUNCH[launch]
-    require(lch.engine)
+    require(*lch.engines)
     args = ["--phase", "save", "--stage", "2", "--dir", str(tmp_path / "ck"), "--crash-at", point]
     proc = run(lch.command(WORKER, *args, *(["--in-place"] if in_place else [])), env=lch.env, timeout=600)
     assert proc.returncode != 0, "the save was meant to be killed"
@@ -137,7 +136,7 @@ def test_damaged_shard_fails_every_rank_clearly(tmp_path: Path) -> None:
     """Rank 1's shard altered after the save: every rank raises CheckpointCorruptError naming the file (the
     ranks agree before anything is loaded), and the job ends instead of waiting."""
     lch = LAUNCH["mpiexec-2"]
-    require(lch.engine)
+    require(*lch.engines)
     _phase(lch, "--phase", "save", "--stage", "1", "--dir", str(tmp_path / "ck"))
     shard = tmp_path / "ck" / "adam" / "step-3" / "shard-00001-of-00002.pt"
     data = bytearray(shard.read_bytes())

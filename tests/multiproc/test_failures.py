@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import LAUNCHES, MARKS, WORKERS, mpiexec, require, results, run, torchrun
+from helpers import LAUNCHES, MARKS, WORKERS, main_launches, mpiexec, require, results, run, torchrun
 
 pytestmark = pytest.mark.mpi
 WORKER = str(WORKERS / "collectives.py")
@@ -49,12 +49,12 @@ def test_exception_on_one_rank_ends_the_job(tmp_path: Path) -> None:
     assert not (tmp_path / "rank0.json").exists()  # rank 0 never got past its barrier
 
 
-@pytest.mark.parametrize("name", [pytest.param(k, marks=MARKS[LAUNCHES[k].backend])
-                                  for k in ("torchrun-2", "deepspeed-2", "horovodrun-gloo-2")])
+@pytest.mark.parametrize("name", [pytest.param(k, marks=MARKS[v.backend]) for k, v in main_launches(2).items()
+                                  if v.launcher != "mpich"])
 def test_exception_on_one_rank_ends_the_job_on_other_launchers(name: str, tmp_path: Path) -> None:
     """torchrun, deepspeed and horovodrun end the job when a worker fails: no hang, non-zero exit."""
     launch = LAUNCHES[name]
-    require(launch.engine)
+    require(*launch.engines)
     proc = run(launch.command(WORKER, "--out", str(tmp_path), "--mode", "crash"), env=launch.env, timeout=200)
     assert not proc.timed_out, proc.describe()
     assert proc.returncode != 0

@@ -18,14 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import LAUNCHES, MARKS, WORKERS, Launch, clean_env, require
+from helpers import MARKS, WORKERS, clean_env, require, ways
 
 from unidist.comm.watchdog import BACKSTOP_GRACE
 
 WORKER = str(WORKERS / "faults.py")
 TIMEOUT = 3.0
-LAUNCH_NAMES = ("mpiexec-2", "torch-under-mpiexec-2", "horovod-under-mpiexec-2", "torchrun-2", "deepspeed-2",
-                "horovodrun-gloo-2")
+# every way each backend is started (its record's launches), at 2 ranks; the check mode has tests of its own
+LAUNCH_AT_2 = {k: v for k, v in ways(2).items() if "UNIDIST_CHECK_COLLECTIVES" not in v.env}
 FAULTS = ("kill", "stop", "raise", "exit0", "sum_max", "kind")
 
 # what names the culprit: the last rank (1) and, where the rank is alive to say so, its call
@@ -41,20 +41,13 @@ CULPRIT = {
 }
 
 
-def _launch(name: str) -> Launch:
-    if name in LAUNCHES:
-        return LAUNCHES[name]
-    base = LAUNCHES["torch-under-mpiexec-3" if name.startswith("torch") else "horovod-under-mpiexec-2"]
-    return Launch(2, base.argv, base.backend, base.engine, base.env)
-
-
-CASES = [pytest.param(n, f, marks=MARKS[_launch(n).backend], id=f"{n}-{f}") for n in LAUNCH_NAMES for f in FAULTS]
+CASES = [pytest.param(n, f, marks=MARKS[v.backend], id=f"{n}-{f}") for n, v in LAUNCH_AT_2.items() for f in FAULTS]
 
 
 @pytest.mark.parametrize(("name", "fault"), CASES)
 def test_fault_ends_the_job(name: str, fault: str, tmp_path: Path) -> None:
-    launch = _launch(name)
-    require(launch.engine)
+    launch = LAUNCH_AT_2[name]
+    require(*launch.engines)
     env = {**launch.env, "UNIDIST_TIMEOUT": str(TIMEOUT)}
     if fault == "sum_max":
         env["UNIDIST_CHECK_COLLECTIVES"] = "1"

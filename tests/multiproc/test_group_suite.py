@@ -12,21 +12,14 @@ import json
 from collections import Counter
 
 import pytest
-from helpers import MARKS, WORKERS, Launch, Run, deepspeed, horovodrun, mpiexec, require, results, run, torchrun
+from helpers import LAUNCHES, MARKS, WORKERS, Launch, Run, main_launches, require, results, run
 from workers.collectives import plan
 from workers.group_suite import SKIP, sample
 
 WORKER = str(WORKERS / "group_suite.py")
 # Horovod at 3 ranks on 2 cores costs ~15 ms a call (all 3 suites: 8.5 min): it runs a sample of each family
-GROUP_LAUNCHES = {
-    "mpiexec-3": Launch(3, mpiexec, "mpi", "mpi4py"),
-    "mpiexec-4": Launch(4, mpiexec, "mpi", "mpi4py"),
-    "torchrun-4": Launch(4, torchrun, "torch"),
-    "torch-under-mpiexec-3": Launch(3, mpiexec, "torch", "mpi4py", {"UNIDIST_BACKEND": "torch"}),
-    "horovodrun-gloo-3": Launch(3, horovodrun, "horovod", "horovod"),
-    "deepspeed-4": Launch(4, deepspeed, "deepspeed", "deepspeed"),
-}
-SAMPLED = {"horovodrun-gloo-3"}
+GROUP_LAUNCHES = {**{k: v for k, v in LAUNCHES.items() if v.size == 3}, **main_launches(4)}
+SAMPLED = {k for k, v in GROUP_LAUNCHES.items() if v.backend == "horovod"}
 PASSES = ("split/", "subset/", "reversed/")
 Suite = tuple[str, Launch, Run, dict[int, dict[str, str]]]
 
@@ -34,7 +27,7 @@ Suite = tuple[str, Launch, Run, dict[int, dict[str, str]]]
 @pytest.fixture(scope="module", params=[pytest.param(k, marks=MARKS[v.backend]) for k, v in GROUP_LAUNCHES.items()])
 def suite(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Suite:
     launch = GROUP_LAUNCHES[request.param]
-    require(launch.engine)
+    require(*launch.engines)
     out = tmp_path_factory.mktemp(request.param)
     args = ["--sample"] if request.param in SAMPLED else []
     proc = run(launch.command(WORKER, "--out", str(out), *args), env=launch.env, timeout=900)

@@ -11,16 +11,11 @@ import json
 from typing import Any
 
 import pytest
-from helpers import LAUNCHES, MARKS, ROOT, WORKERS, Launch, Run, mpiexec, require, run, torchrun
+from helpers import MARKS, ROOT, WORKERS, Launch, Run, main_launches, mpiexec, require, run
 
 WORKER = str(WORKERS / "parallel.py")
-RUNS = {
-    "mpiexec-2": LAUNCHES["mpiexec-2"],
-    "mpiexec-4": Launch(4, mpiexec, "mpi", "mpi4py"),
-    "torchrun-4": Launch(4, torchrun, "torch"),
-    "horovodrun-gloo-2": LAUNCHES["horovodrun-gloo-2"],
-    "deepspeed-2": LAUNCHES["deepspeed-2"],
-}
+# every backend's main launch at 2 ranks; 4-rank pipelines (and pairs of groups) on mpi and torch, sampled for time
+RUNS = {**main_launches(2), **{k: v for k, v in main_launches(4).items() if v.backend in ("mpi", "torch")}}
 CASES_2 = ["tp_world_parallel_io", "tp_world_gathered", "pipeline_2_gpipe", "pipeline_2_1f1b", "pipeline_2_gpipe_big",
            "pipeline_2_1f1b_big", "pipeline_2_1f1b_m2"]
 CASES_4 = ["tp_world_parallel_io", "tp_world_gathered", "pipeline_4_gpipe", "pipeline_4_1f1b", "pipeline_4_gpipe_big",
@@ -31,7 +26,7 @@ CASES_4 = ["tp_world_parallel_io", "tp_world_gathered", "pipeline_4_gpipe", "pip
 def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> tuple[Launch, Run, dict[int, dict[str, Any]]]:
     launch = RUNS[request.param]
-    require(launch.engine)
+    require(*launch.engines)
     out = tmp_path_factory.mktemp(request.param)
     proc = run(launch.command(WORKER, "--out", str(out)), env=launch.env, timeout=600)
     reports = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(launch.size)
@@ -68,7 +63,7 @@ def test_one_f_one_b_holds_fewer_activations(launched: tuple[Launch, Run, dict[i
 def test_hybrid_example_equals_single_process_training(name: str) -> None:
     """examples/hybrid_mlp.py (README): 2-way tensor x 2-way data parallel follows the dense model (1e-5)."""
     launch = RUNS[name]
-    require(launch.engine)
+    require(*launch.engines)
     proc = run(launch.command(str(ROOT / "examples" / "hybrid_mlp.py")), timeout=300)
     assert proc.returncode == 0, proc.describe()
     last = [line for line in proc.stdout.splitlines() if line.startswith("max |hybrid - dense|")]

@@ -19,7 +19,7 @@ WORKER = str(WORKERS / "collectives.py")
 def suite(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
           ) -> tuple[Launch, Run, dict[int, dict[str, str]]]:
     launch = LAUNCHES[request.param]
-    require(launch.engine)
+    require(*launch.engines)
     out = tmp_path_factory.mktemp(request.param)
     proc = run(launch.command(WORKER, "--out", str(out)), env=launch.env, timeout=900)
     return launch, proc, results(out, launch.size)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from helpers import LAUNCHES, MARKS, WORKERS, Launch, Run, require, run
 
-TRAINING = [k for k in LAUNCHES if k != "mpiexec-2-checked"]
+TRAINING = [k for k, v in LAUNCHES.items() if "UNIDIST_CHECK_COLLECTIVES" not in v.env]  # checks change no math
 # float32 end to end agrees to rounding (Adam's division by sqrt(v) amplifies it); compressed wires round every
 # gradient once per step
 TOLERANCE = {"plain": 1e-5, "k2": 1e-5, "fp16": 1e-3, "bf16": 5e-3, "sgd_big": 1e-5, "adam_clip": 1e-4,
@@ -25,7 +25,7 @@ GENTLE = ("plain", "k2", "fp16", "bf16")
 def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             ) -> tuple[Launch, Run, list[dict[str, Any]]]:
     launch = LAUNCHES[request.param]
-    require(launch.engine)
+    require(*launch.engines)
     out = tmp_path_factory.mktemp(f"eq-{request.param}")
     proc = run(launch.command(str(WORKERS / "equivalence.py"), "--out", str(out)), env=launch.env, timeout=900)
     return launch, proc, [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
@@ -82,13 +82,14 @@ def test_prepare_has_one_signature(reports: tuple[Launch, Run, list[dict[str, An
             assert r[name] == "ok", (name, r[name])
 
 
-FEATURES = ["mpiexec-2", "mpiexec-3", "torchrun-2"]
+# unidist's own DistributedOptimizer (the backends whose record names no engine trainer of its own)
+FEATURES = [k for k, v in LAUNCHES.items() if v.own_training and v.size > 1 and not v.env]
 
 
 @pytest.mark.parametrize("name", [pytest.param(k, marks=MARKS[LAUNCHES[k].backend]) for k in FEATURES])
 def test_optimizer_features(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     launch = LAUNCHES[name]
-    require(launch.engine)
+    require(*launch.engines)
     out = tmp_path_factory.mktemp(f"features-{name}")
     proc = run(launch.command(str(WORKERS / "optimizer_features.py"), "--out", str(out)), env=launch.env,
                timeout=600)

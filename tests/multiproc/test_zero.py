@@ -12,11 +12,12 @@ import sys
 from typing import Any
 
 import pytest
-from helpers import BIN, LAUNCHES, MARKS, WORKERS, Launch, Run, require, results, run
+from helpers import BIN, LAUNCHES, MARKS, WORKERS, Launch, Run, main_launches, require, results, run, solo_launches
 from workers.zero import VARIANTS
 
 WORKER = str(WORKERS / "zero.py")
-ZERO_LAUNCHES = ["local-1", "mpiexec-2", "mpiexec-3", "torchrun-2", "horovodrun-gloo-2", "deepspeed-2"]
+# every backend's main launch, and its 3-rank one where it has one (uneven shards)
+ZERO_LAUNCHES = [*solo_launches(), *main_launches(2), *(k for k, v in LAUNCHES.items() if v.size == 3 and not v.env)]
 # float32 SGD momentum / Adam against one process; the fp16 wire rounds every gradient
 PARAM_TOL = {"sgd": 1e-5, "adam": 1e-4, "adam_clip_k2_steplr": 1e-4, "fp16": 1e-3, "group": 1e-5}
 STATE_TOL = {"sgd": 1e-5, "adam": 1e-4, "adam_clip_k2_steplr": 1e-4, "fp16": 5e-3, "group": 1e-5}
@@ -27,7 +28,7 @@ Zero = tuple[Launch, Run, dict[int, dict[str, Any]]]
 @pytest.fixture(scope="module", params=[pytest.param(k, marks=MARKS[LAUNCHES[k].backend]) for k in ZERO_LAUNCHES])
 def zero(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Zero:
     launch = LAUNCHES[request.param]
-    require(launch.engine)
+    require(*launch.engines)
     out = tmp_path_factory.mktemp(request.param)
     proc = run(launch.command(WORKER, "--out", str(out)), env=launch.env, timeout=900)
     return launch, proc, results(out, launch.size)  # type: ignore[return-value]
@@ -83,8 +84,8 @@ def test_memory_per_stage(zero: Zero) -> None:
         print(f"rank {rank} of {n} ({launch.backend}): " + json.dumps(mem))
 
 
-EXAMPLE_LAUNCHES = {"local": 1, "mpi": 2, "torch": 2, "deepspeed": 2, "horovod": 2}
-ENGINE = {"local": "torch", "mpi": "mpi4py", "torch": "torch", "deepspeed": "deepspeed", "horovod": "horovod"}
+# every backend through `unidist launch`, at its main launch's size
+EXAMPLE_LAUNCHES = {v.backend: v for v in {**solo_launches(), **main_launches(2)}.values()}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -92,8 +93,9 @@ ENGINE = {"local": "torch", "mpi": "mpi4py", "torch": "torch", "deepspeed": "dee
 def test_example_trains_with_zero(backend: str, stage: int) -> None:
     """examples/train_digits.py --zero-stage k through `unidist launch` on every backend: it learns, and the
     ranks end with the same whole model."""
-    require(ENGINE[backend])
-    n = EXAMPLE_LAUNCHES[backend]
+    launch = EXAMPLE_LAUNCHES[backend]
+    require(*launch.engines)
+    n = launch.size
     proc = run([str(BIN / "unidist"), "launch", "-n", str(n), "--backend", backend, "examples/train_digits.py",
                 "--epochs", "2", "--zero-stage", str(stage)], timeout=300)
     assert proc.returncode == 0, proc.describe()
