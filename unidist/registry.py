@@ -22,7 +22,8 @@ from typing import Any, Protocol
 from unidist.errors import ConfigError
 from unidist.launch import LAUNCHERS, NO_LAUNCHER, family
 
-__all__ = ["Backend", "Launch", "Strategy", "for_launcher", "get", "names", "records", "register", "unregister"]
+__all__ = ["ENTRY_POINTS", "Backend", "Launch", "Strategy", "for_launcher", "get", "names", "records", "register",
+           "unregister"]
 
 
 class Strategy(Protocol):
@@ -150,7 +151,14 @@ def records() -> tuple[Backend, ...]:
 
 
 def get(name: str) -> Backend:
-    """The record of backend ``name``; an unknown name is a ConfigError listing the registered ones."""
+    """The record of backend ``name``; an unknown name is first looked up among the installed packages'
+    ``unidist.backends`` entry points (see :data:`ENTRY_POINTS`), then a ConfigError listing the registered
+    ones."""
+    try:
+        return _TABLE[name]
+    except KeyError:
+        pass
+    _load_entry_point(name)
     try:
         return _TABLE[name]
     except KeyError:
@@ -161,6 +169,26 @@ def get(name: str) -> Backend:
         raise ConfigError(
             f"UNIDIST_BACKEND={name!r} is not a registered backend; choose one of {', '.join(_TABLE)}{hint}"
         ) from None
+
+
+ENTRY_POINTS = "unidist.backends"
+"""The entry-point group of installed backends: a package that declares ``[project.entry-points."unidist.backends"]
+name = "its_package.its_module"`` is imported when ``UNIDIST_BACKEND=name`` is first looked up, and its module
+registers the backend (one :func:`register` call at import). So an unchanged script runs on it."""
+
+
+def _load_entry_point(name: str) -> None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINTS, name=name):
+        try:
+            ep.load()
+        except Exception as err:  # a broken plugin is named, not hidden behind "not registered"
+            raise ConfigError(f"UNIDIST_BACKEND={name!r}: importing its entry point {ep.value!r} failed: "
+                              f"{type(err).__name__}: {err}") from err
+        if name not in _TABLE:
+            raise ConfigError(f"UNIDIST_BACKEND={name!r}: its entry point {ep.value!r} was imported but registered "
+                              f"no backend of that name; its module must call unidist.registry.register()")
 
 
 def for_launcher(launcher: str) -> str:
