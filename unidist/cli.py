@@ -75,6 +75,8 @@ def info(environ: Mapping[str, str]) -> dict[str, Any]:
     }
     names = sorted({n for fam in LAUNCHERS for n in (fam.rank, *fam.size, fam.local_rank, fam.local_size,
                                                       fam.node_rank, *fam.marker) if n} | set(_EXTRA_VARS))
+    report["backends"] = {rec.name: "usable" if not rec.missing() else f"needs {', '.join(rec.missing())}"
+                          for rec in registry.records()}
     report["launch_variables"] = {n: environ[n] for n in names if n in environ}
     report["unidist_variables"] = {n: environ[n] for n in sorted(environ) if n.startswith("UNIDIST_")}
     try:
@@ -101,6 +103,7 @@ def _print_info(report: dict[str, Any]) -> None:
     print("launchers on PATH:")
     for prog, where in report["programs"].items():
         print(f"  {prog:<10} {where}")
+    print("backends (UNIDIST_BACKEND): " + ", ".join(f"{k} ({v})" for k, v in report["backends"].items()))
     launch = report.get("launch")
     if launch:
         print(f"launcher seen: {launch['launcher']}  rank {launch['rank']} of {launch['size']}, local "

@@ -55,7 +55,8 @@ class Config:
             return ConfigError(f"{_env_name(name)}={value!r} is not valid; allowed: {allowed}")
 
         if self.backend is not None and not re.fullmatch(r"[a-z][a-z0-9_]*", self.backend):
-            raise bad("backend", self.backend, "a backend name such as local, mpi, torch, horovod, deepspeed")
+            raise bad("backend", self.backend, "a registered backend's name: lowercase letters, digits and _ (`unidist "
+                      "info` lists them)")
         if not 0 < self.timeout <= MAX_TIMEOUT:  # also refuses nan and inf
             raise bad("timeout", self.timeout, _TIMEOUT_ALLOWED)
         if self.zero_stage not in (0, 1, 2, 3):
