@@ -20,7 +20,7 @@ from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.ddp import DistributedOptimizer
 from unidist.train.memory import MemoryStats, optimizer_tensors, peak_bytes, storage_bytes
-from unidist.train.options import TrainOptions
+from unidist.train.options import SyncOptions, TrainOptions
 from unidist.train.sampler import ShardSampler
 from unidist.train.state import broadcast_optimizer_state, broadcast_parameters
 from unidist.train.zero import ZeroOptimizer
@@ -84,15 +84,9 @@ class Trainer:
         broadcast_optimizer_state(comm, optimizer)
         wrapped: DistributedOptimizer | ZeroOptimizer
         if opts.zero_stage:
-            wrapped = ZeroOptimizer(
-                comm, model, optimizer, opts.zero_stage, op=opts.op, compression=opts.compression,
-                backward_passes_per_step=opts.backward_passes_per_step, bucket_mb=opts.bucket_mb,
-                clip_grad_norm=opts.clip_grad_norm)
+            wrapped = ZeroOptimizer(comm, model, optimizer, opts.zero_stage, opts.sync)
         else:
-            wrapped = DistributedOptimizer(
-                comm, optimizer, model.named_parameters(), op=opts.op, compression=opts.compression,
-                backward_passes_per_step=opts.backward_passes_per_step, bucket_mb=opts.bucket_mb,
-                clip_grad_norm=opts.clip_grad_norm)
+            wrapped = DistributedOptimizer(comm, optimizer, model.named_parameters(), opts.sync)
         self.prepared = wrapped
         self.prepared_for[model] = wrapped
         return model, wrapped
@@ -117,13 +111,12 @@ class Trainer:
         """This rank's bytes for the prepared model (see unidist.train.memory)."""
         opt = self._need_prepared("memory_stats")
         model = self.unwrap(self.model) if self.model is not None else None
-        params = list(model.parameters()) if model is not None else []
+        params: list[torch.Tensor] = list(model.parameters()) if model is not None else []
         grads: list[Any] = [p.grad for p in params]
-        if isinstance(opt, ZeroOptimizer):
-            params += [u.shard for u in opt.units]
-            grads += [u.shard.grad for u in opt.units]
-        elif isinstance(opt, DistributedOptimizer):
-            grads += [b.buffer for b in opt._buckets]  # fusion buckets persist between steps
+        if isinstance(opt, (ZeroOptimizer, DistributedOptimizer)):
+            held, held_grads = opt.held_tensors()  # ZeRO's shards, the fusion buckets (they persist)
+            params += held
+            grads += held_grads
         return {"param_bytes": storage_bytes(params), "grad_bytes": storage_bytes(grads),
                 "optimizer_bytes": storage_bytes(optimizer_tensors(opt.optimizer)),
                 "peak_bytes": peak_bytes(self.mgr.device)}
@@ -152,12 +145,20 @@ class Trainer:
                               op: ReduceOp | str = ReduceOp.MEAN, compression: str | None = None,
                               backward_passes_per_step: int = 1, bucket_mb: float | None = None,
                               clip_grad_norm: float | None = None) -> torch.optim.Optimizer:
+        """``Manager.distributed_optimizer``: the arguments checked once (``None`` takes the UNIDIST_* default),
+        then the backend's optimizer (``_distributed_optimizer``)."""
         config = self.mgr.config
-        return DistributedOptimizer(
-            self.mgr, optimizer, named_parameters, op=op,
-            compression=compression if compression is not None else config.compression,
+        sync = SyncOptions.parse(
+            "distributed_optimizer", op=op, compression=compression if compression is not None else config.compression,
             backward_passes_per_step=backward_passes_per_step,
             bucket_mb=bucket_mb if bucket_mb is not None else config.bucket_mb, clip_grad_norm=clip_grad_norm)
+        return self._distributed_optimizer(optimizer, named_parameters, sync)
+
+    def _distributed_optimizer(self, optimizer: torch.optim.Optimizer,
+                               named_parameters: Iterable[tuple[str, torch.Tensor]] | None, sync: SyncOptions
+                               ) -> torch.optim.Optimizer:
+        """unidist's DistributedOptimizer over the world; engines with their own override this."""
+        return DistributedOptimizer(self.mgr, optimizer, named_parameters, sync)
 
     def broadcast_parameters(self, model_or_state: Any, root: int = 0) -> None:
         broadcast_parameters(self.mgr, model_or_state, self.mgr._check_root(root))
