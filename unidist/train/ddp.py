@@ -27,11 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unidist.checkpoint.layout import FullLayout
 from unidist.comm import buffers
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.gradcore import Compression, Compressor, InOrder, pack
 from unidist.train.options import SyncOptions
+from unidist.train.protocol import world_ranks
 from unidist.train.window import WindowedOptimizer
 
 if TYPE_CHECKING:
@@ -184,6 +186,10 @@ class DistributedOptimizer(WindowedOptimizer):
     def _clip(self, max_norm: float) -> None:
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def checkpoint_layout(self, model: torch.nn.Module) -> FullLayout:
+        """Every member of the data-parallel communicator holds the whole state: each writes an even slice."""
+        return FullLayout(self.dp.rank, self.dp.size, model, self.optimizer, world_ranks(self.dp))
 
     def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """(parameters, gradients) this optimizer keeps beyond the model's own: the fusion buffers."""

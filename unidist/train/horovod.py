@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from unidist.checkpoint.layout import FullLayout
 from unidist.comm import watchdog
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
@@ -56,7 +57,7 @@ class HorovodTrainer(Trainer):
             op=hvd.Average if sync.op is ReduceOp.MEAN else hvd.Sum, gradient_predivide_factor=1.0,
             sparse_as_dense=False)
         hvd_opt.load_state_dict(optimizer.state_dict())  # Horovod builds a fresh optimizer from param_groups
-        return HorovodOptimizer(hvd_opt, sync.backward_passes_per_step, sync.clip_grad_norm)
+        return HorovodOptimizer(hvd_opt, sync.backward_passes_per_step, sync.clip_grad_norm, self.mgr)
 
     def _compressor(self, name: str) -> Any:
         comp = self.mgr._hvd.Compression
@@ -94,11 +95,16 @@ class HorovodOptimizer(OptimizerView):
     an explicit ``synchronize()`` by the user is honoured the same way.
     """
 
-    def __init__(self, hvd_optimizer: Any, k: int, clip_grad_norm: float | None) -> None:
+    def __init__(self, hvd_optimizer: Any, k: int, clip_grad_norm: float | None, world: Any) -> None:
         super().__init__(hvd_optimizer)
+        self.world = world  # the ranks Horovod averages over (checkpoint_layout)
         self.backward_passes_per_step, self.clip_grad_norm = k, clip_grad_norm
         self._calls = 0
         self._synced = False
+
+    def checkpoint_layout(self, model: torch.nn.Module) -> FullLayout:
+        """Every rank holds the whole state: each writes an even slice of it."""
+        return FullLayout(self.world.rank, self.world.size, model, self.optimizer)
 
     def synchronize(self) -> None:
         """Wait for the averaged gradients (written into ``p.grad``); the next ``step()`` uses them as they are."""

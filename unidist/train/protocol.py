@@ -9,7 +9,7 @@ import torch
 from unidist.comm.work import Handle
 from unidist.ops import ReduceOp
 
-__all__ = ["Comm"]
+__all__ = ["Comm", "world_ranks"]
 
 
 class Comm(Protocol):
@@ -35,3 +35,9 @@ class Comm(Protocol):
     def broadcast_(self, x: torch.Tensor, root: int = ...) -> torch.Tensor: ...
 
     def broadcast_object(self, obj: Any, root: int = ...) -> Any: ...
+
+
+def world_ranks(comm: Comm) -> tuple[int, ...]:
+    """The world ranks of ``comm``'s members, in its rank order: a Group's ``ranks``, or the whole world."""
+    ranks = getattr(comm, "ranks", None)
+    return tuple(ranks) if ranks is not None else tuple(range(comm.size))

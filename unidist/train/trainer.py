@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import weakref
 from collections.abc import Iterable, Mapping, Sized
+from pathlib import Path
 from typing import Any
 
 import torch
 
+import unidist.checkpoint as checkpoint
+from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.comm.group import Group
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
@@ -133,6 +137,30 @@ class Trainer:
             return optimizer.full_state_dict()
         inner = getattr(optimizer, "optimizer", optimizer)
         return copy.deepcopy(inner.state_dict())  # type: ignore[no-any-return]
+
+    # ----------------------------------------------------------------- checkpoints (unidist.checkpoint)
+    def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
+                        keep: int | None = None, extra: dict[str, Any] | None = None) -> Path:
+        """``Manager.save_checkpoint``: the prepared optimizer's layout, written by unidist.checkpoint."""
+        return checkpoint.save(self.mgr, path, self.checkpoint_layout(model, optimizer), keep=keep, extra=extra)
+
+    def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
+                        ) -> dict[str, Any]:
+        """``Manager.load_checkpoint``: returns the checkpoint's ``extra``."""
+        return checkpoint.load(self.mgr, path, self.checkpoint_layout(model, optimizer))
+
+    def checkpoint_layout(self, model: torch.nn.Module, optimizer: Any = None) -> Layout:
+        """What this rank holds of ``model`` (and ``optimizer``), from the optimizer that holds it: the one given,
+        or for ``optimizer=None`` the one prepare returned for the model (ZeRO-3 shards the parameters
+        themselves). An optimizer prepare did not make is whole on every rank."""
+        module = self.unwrap(model)
+        holder = optimizer if optimizer is not None else self.prepared_for.get(module)
+        make = getattr(holder, "checkpoint_layout", None)
+        if make is not None:
+            layout: Layout = make(module)
+        else:
+            layout = FullLayout(self.mgr.rank, self.mgr.size, module, holder)
+        return layout if optimizer is not None else layout.without_optimizer()
 
     def _need_prepared(self, what: str) -> Any:
         if self.prepared is None:

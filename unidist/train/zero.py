@@ -34,6 +34,7 @@ from unidist.ops import ReduceOp
 from unidist.train.gradcore import Compression, Compressor, InOrder, pack
 from unidist.train.options import SyncOptions
 from unidist.train.window import WindowedOptimizer
+from unidist.train.zero_layout import ZeroLayout
 
 if TYPE_CHECKING:
     from unidist.comm.work import Handle
@@ -263,6 +264,13 @@ class ZeroOptimizer(WindowedOptimizer):
     def _added_param_group(self, group: dict[str, Any]) -> None:
         raise InvalidArgumentError("add_param_group after prepare(zero_stage>0) is not supported: the parameters "
                                    "are already sharded; add the group before prepare()")
+
+    def checkpoint_layout(self, model: torch.nn.Module | None = None) -> ZeroLayout:
+        """How this optimizer's shards map to a checkpoint's full tensors (unidist.checkpoint)."""
+        if model is not None and model is not self.model:
+            raise InvalidArgumentError("this ZeroOptimizer was prepared for another model; pass the model and "
+                                       "optimizer prepare() returned together")
+        return ZeroLayout(self)
 
     def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """(parameters, gradients) this optimizer keeps beyond the model's own: the shards."""
