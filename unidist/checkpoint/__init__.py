@@ -81,7 +81,7 @@ def _parts(world: World, layout: Layout) -> tuple[int, list[tuple[int, ...]]]:
     return parts.index(tuple(layout.ranks)), parts
 
 
-def _agree(mgr: Any, problem: BaseException | None) -> None:
+def _agree(mgr: World, problem: BaseException | None) -> None:
     """Raise on every rank if any rank failed (the first rank's error, same type), so nobody waits alone."""
     seen = mgr.allgather_object(None if problem is None else (type(problem).__name__, str(problem)))
     for rank, item in enumerate(seen):
