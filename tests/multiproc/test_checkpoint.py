@@ -159,3 +159,29 @@ def test_bench_checkpoint_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.describe()
     assert sum(line.startswith(("| 0 |", "| 1 |", "| 2 |", "| 3 |")) for line in proc.stdout.splitlines()) == 4
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("save_stage", "load_stage"), [(1, 0), (0, 2)])
+def test_group_prepared_model_saves_its_part(tmp_path: Path, save_stage: int, load_stage: int) -> None:
+    """A data-parallel group inside a 2x2 tensor x data parallel job (prepare(group=dp)) saves its own shard set:
+    one part per data-parallel group, numbered by the groups' lowest world ranks; a fresh model prepared at
+    another ZeRO stage loads it and trains on to the dense single-process weights; a model prepared over the
+    whole world (one part) is refused on every rank with CheckpointMismatchError."""
+    require("mpi4py")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run(mpiexec(4, str(WORKERS / "checkpoint_groups.py"), "--save-stage", str(save_stage), "--load-stage",
+                       str(load_stage), "--dir", str(tmp_path / "ck"), "--out", str(out)), timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    manifest = json.loads((tmp_path / "ck" / "step-3" / "manifest.json").read_text())
+    assert [p["ranks"] for p in manifest["parts"]] == [[0, 2], [1, 3]]
+    assert sorted(f["part"] for f in manifest["files"]) == [0, 0, 1, 1]
+    res = results(out, 4)
+    assert sorted(res) == [0, 1, 2, 3]
+    for rank, rep in res.items():
+        assert rep["resumed_from"] == 3, (rank, rep)
+        assert float(rep["diff"]) <= 1e-5, (rank, rep)
+        assert str(rep["world_load"]).startswith("CheckpointMismatchError"), (rank, rep)
+        assert "2 data-parallel part(s)" in str(rep["world_load"]), (rank, rep)
+

@@ -155,3 +155,30 @@ def test_overwrite_in_place(mgr: unidist.Manager, tmp_path: Path) -> None:
     mgr.save_checkpoint(tmp_path / "ck", model, opt, step=2)
     assert mgr.load_checkpoint(tmp_path / "ck", model, opt) == {"step": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # the replaced one is gone
+
+
+class _OverlappingWorld:
+    """Rank 0 of 2 whose peer reports a data-parallel group {0, 1} while rank 0's model is prepared over {0}:
+    the groups do not partition the world, so no part numbering is consistent."""
+
+    rank, size, backend = 0, 2, "fake"
+
+    def broadcast_object(self, obj: object, root: int = 0) -> object:
+        return obj
+
+    def allgather_object(self, obj: object) -> list[object]:
+        return [obj, (0, 1)]
+
+    def barrier(self) -> None:
+        pass
+
+
+def test_layouts_whose_groups_do_not_partition_the_world_are_refused(tmp_path: Path) -> None:
+    import unidist.checkpoint as ckpt
+
+    layout = ckpt.FullLayout(0, 1, make(), None, ranks=(0,))
+    with pytest.raises(InvalidArgumentError, match="do not partition the world"):
+        ckpt.save(_OverlappingWorld(), tmp_path / "c", layout)
+    with pytest.raises(InvalidArgumentError, match="do not partition the world"):
+        ckpt.load(_OverlappingWorld(), tmp_path / "c", layout)
+    assert not list(tmp_path.iterdir())  # refused before anything was written

@@ -40,13 +40,15 @@ def test_error_family() -> None:
 
 # Each layer may import only these unidist modules (README "Layout"). The managers are handed their training
 # strategy when made (a call in their backend's record, unidist/backends/), so they never import the layers
-# above them; the records sit on top and point down.
+# above them; the records sit on top and point down. The training layer writes checkpoints through
+# unidist.checkpoint, which knows files, manifests and agreement only (each prepared optimizer supplies its own
+# layout), so it imports no training code.
 BASE = ("unidist.errors", "unidist.ops", "unidist.config")
 LAYERS = {
     "comm": (*BASE, "unidist.comm"),
     "managers": (*BASE, "unidist.comm", "unidist.managers", "unidist.launch", "unidist.net", "unidist.registry"),
     "train": (*BASE, "unidist.comm", "unidist.train", "unidist.checkpoint"),
-    "checkpoint": ("unidist.errors", "unidist.comm", "unidist.train", "unidist.checkpoint"),
+    "checkpoint": ("unidist.errors", "unidist.checkpoint"),
     "parallel": (*BASE, "unidist.comm", "unidist.parallel"),
 }
 
@@ -125,3 +127,18 @@ def test_no_import_cycle() -> None:
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_checkpoint_reads_no_private_names_of_other_layers() -> None:
+    """checkpoint/ touches other objects only through public names: an attribute starting with ``_`` is read
+    only on ``self`` (ZeRO units, trainers and managers are other layers' business)."""
+    root = Path(unidist.__file__).parent / "checkpoint"
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            raise AssertionError(f"unidist/checkpoint/{path.name}:{node.lineno} reads {node.attr}: checkpoint/ uses "
+                                 "public names only")
+

@@ -87,7 +87,7 @@ def test_prepared_optimizer_is_a_torch_optimizer_sharing_groups_and_state(mgr: u
     assert opt.state_dict()["state"][0]["step"] == saved["state"][0]["step"]
     extra = torch.nn.Parameter(torch.zeros(3))
     opt.add_param_group({"params": [extra], "lr": 0.1})
-    assert len(inner.param_groups) == 2 and opt._where[id(extra)] is opt._buckets[-1]
+    assert len(inner.param_groups) == 2 and opt.bucket_of(extra) is opt.buckets[-1]
 
 
 def test_clip_grad_norm_matches_torch(mgr: unidist.Manager) -> None:

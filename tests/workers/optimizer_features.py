@@ -44,7 +44,7 @@ def unused_parameters(mgr: Any) -> dict[str, Any]:
         mgr.backward(loss)
         opt.step()
         opt.zero_grad()
-    return {"spread": spread(mgr, model), "buckets": len(opt._buckets)}
+    return {"spread": spread(mgr, model), "buckets": len(opt.buckets)}
 
 
 def no_sync_equals_summed_loss(mgr: Any) -> dict[str, Any]:

@@ -4,10 +4,17 @@ A checkpoint is a directory: ``manifest.json`` (format version, every model stat
 and dtype, the optimizer's class, parameter names and param groups, which file holds which slice of which
 tensor, and each file's size and sha256), ``meta.pt`` (param-group settings, per-parameter scalars such as
 Adam's step, the caller's ``extra``) and one ``shard-R-of-N.pt`` per saving rank holding the slices of the
-*full* tensors that rank owns (see layout.py). A run saved by N ranks at stage s on one backend loads on M
-ranks at stage s' on another: each rank reads the slices it needs. Writes are atomic (files.py); loads use
+*full* tensors that rank owns. A run saved by N ranks at stage s on one backend loads on M ranks at stage s'
+on another: each rank reads the slices it needs. Writes are atomic (files.py); loads use
 ``torch.load(weights_only=True)`` after checking sizes and checksums, and every rank validates the whole
 checkpoint against the model and optimizer before anything is modified.
+
+This layer knows files, manifests, checksums and cross-rank agreement only. What a rank holds is described
+by a ``Layout`` (layout.py) that the prepared optimizer makes (``checkpoint_layout(model)``); the training
+layer's ``Trainer.save_checkpoint``/``load_checkpoint`` hand it to ``save``/``load`` here with the world
+communicator. A model prepared with ``group=`` (data parallel within a tensor- or pipeline-parallel job)
+is saved as one *part* per data-parallel group, numbered by the groups' lowest world ranks: each group
+writes and reads its own shard set, and a checkpoint loads where the job has as many parts.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import pickle
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -32,41 +39,49 @@ from unidist.checkpoint.files import (
     resolve,
     save_tensors,
 )
-from unidist.checkpoint.layout import DeepSpeedLayout, FullLayout, Layout, ZeroLayout
+from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, InvalidArgumentError
 
-__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["FullLayout", "Layout", "World", "latest_checkpoint", "load", "save"]
 
 _ERRORS = {cls.__name__: cls for cls in (CheckpointError, CheckpointMismatchError, CheckpointCorruptError,
                                          InvalidArgumentError)}
 
 
-def _layout(mgr: Any, model: torch.nn.Module, optimizer: Any) -> Layout:
-    from unidist.train.zero import ZeroOptimizer
+class World(Protocol):
+    """The whole job's communicator (a Manager): what saving and loading agree over."""
 
-    trainer = mgr._training()
-    # the optimizer holds the sharding; with optimizer=None (the model only) the one prepare returned does
-    prepared = optimizer if optimizer is not None else trainer.prepared_for.get(trainer.unwrap(model))
-    comm = getattr(prepared, "comm", mgr)
-    if comm is not mgr:
-        raise InvalidArgumentError("checkpoints of a model prepared with group= are not supported yet; prepare "
-                                   "over the whole world to save and load checkpoints")
-    layout: Layout
-    engine = getattr(trainer, "engine", None)
-    if isinstance(prepared, ZeroOptimizer):
-        layout = ZeroLayout(prepared)
-    elif engine is not None and prepared is trainer.prepared and trainer._zero_optimizer() is not None:
-        layout = DeepSpeedLayout(mgr.rank, mgr.size, engine, trainer.full_groups)
-    else:
-        inner = trainer.full_optimizer if engine is not None and prepared is trainer.prepared else \
-            getattr(prepared, "optimizer", prepared)
-        layout = FullLayout(mgr.rank, mgr.size, trainer.unwrap(model), inner)
-    if optimizer is None:
-        layout.optimizer = None  # the model only
-    return layout
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    def broadcast_object(self, obj: Any, root: int = ...) -> Any: ...
+
+    def allgather_object(self, obj: Any) -> list[Any]: ...
+
+    def barrier(self) -> None: ...
 
 
-def _agree(mgr: Any, problem: BaseException | None) -> None:
+def _parts(world: World, layout: Layout) -> tuple[int, list[tuple[int, ...]]]:
+    """This rank's part and every part's world ranks: one part per data-parallel communicator, in the order
+    of their lowest world ranks (the whole world is the one part of a model prepared without ``group=``)."""
+    seen: list[tuple[int, ...]] = [tuple(r) for r in world.allgather_object(tuple(layout.ranks))]
+    parts = sorted(set(seen), key=min)
+    members = [r for part in parts for r in part]
+    if any(rank not in ranks for rank, ranks in enumerate(seen)) or len(members) != len(set(members)):
+        raise InvalidArgumentError(
+            "save_checkpoint/load_checkpoint: the models' data-parallel groups do not partition the world "
+            f"(each rank's group, by world rank: {seen}); every rank must pass a model prepared over a group it "
+            "belongs to, the groups disjoint (as mgr.split() makes them)")
+    return parts.index(tuple(layout.ranks)), parts
+
+
+def _agree(mgr: World, problem: BaseException | None) -> None:
     """Raise on every rank if any rank failed (the first rank's error, same type), so nobody waits alone."""
     seen = mgr.allgather_object(None if problem is None else (type(problem).__name__, str(problem)))
     for rank, item in enumerate(seen):
@@ -77,13 +92,14 @@ def _agree(mgr: Any, problem: BaseException | None) -> None:
             raise cls(f"rank {rank}: {item[1]}")
 
 
-def save_checkpoint(mgr: Any, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                    keep: int | None = None, extra: dict[str, Any] | None = None) -> Path:
-    """Write a checkpoint directory atomically; every rank calls it. See ``Manager.save_checkpoint``."""
+def save(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int | None = None,
+         extra: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint directory atomically; every rank of ``mgr`` (the world) calls it with its layout
+    (``layout.optimizer`` None: the model only). See ``Manager.save_checkpoint``."""
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise InvalidArgumentError(f"save_checkpoint(keep={keep!r}) must be an int >= 1, or None to keep all")
     final = Path(path).absolute()
-    layout = _layout(mgr, model, optimizer)
+    part, parts = _parts(mgr, layout)
     tmp_name = mgr.broadcast_object(f".{final.name}.tmp-{time.time_ns()}-{os.getpid()}")
     tmp = final.parent / tmp_name
     problem: BaseException | None = None
@@ -99,7 +115,7 @@ def save_checkpoint(mgr: Any, path: str | os.PathLike[str], model: torch.nn.Modu
         try:
             shard = tmp / f"shard-{mgr.rank:05d}-of-{mgr.size:05d}.pt"
             size, sha = save_tensors(pieces, shard)
-            info = {"file": shard.name, "bytes": size, "sha256": sha,
+            info = {"file": shard.name, "bytes": size, "sha256": sha, **({"part": part} if len(parts) > 1 else {}),
                     "model": {k: [s, s + t.numel()] for k, (s, t) in pieces["model"].items()},
                     "optim": {n: {k: [s, s + t.numel()] for k, (s, t) in st.items()}
                               for n, st in pieces["optim"].items()}}
@@ -109,22 +125,29 @@ def save_checkpoint(mgr: Any, path: str | os.PathLike[str], model: torch.nn.Modu
         _agree(mgr, problem if problem is not None else (CheckpointError("a rank failed to write its shard")
                                                          if any(i is None for i in infos) else None))
         meta = layout.meta()
+        # each part's description and meta, from its first member (one part: rank 0's own)
+        described = [(layout.describe(), meta)]
+        if len(parts) > 1:
+            leads = mgr.allgather_object((part, layout.describe(), meta) if layout.rank == 0 else None)
+            described = [(d, m) for _, d, m in sorted((x for x in leads if x is not None), key=lambda x: x[0])]
         if mgr.rank == 0:
             try:
                 meta_file = tmp / "meta.pt"
                 try:
-                    meta_size, meta_sha = save_tensors({"meta": meta, "extra": dict(extra or {})}, meta_file)
+                    meta_size, meta_sha = save_tensors(
+                        {"meta": described[0][1], "extra": dict(extra or {}),
+                         **({"parts": [m for _, m in described]} if len(parts) > 1 else {})}, meta_file)
                 except (pickle.PicklingError, AttributeError, TypeError) as err:
                     raise CheckpointCorruptError("cannot be pickled") from err
                 load_tensors(meta_file, meta_size, meta_sha)  # what will not load safely is refused now
-                keys: dict[str, set[str]] = {}
-                for i in infos:
-                    for name, st in i["optim"].items():
-                        keys.setdefault(name, set()).update(st)
+                keys = [_state_keys([i for i in infos if i.get("part", 0) == k]) for k in range(len(parts))]
                 manifest = {"format": FORMAT, "version": VERSION, "created_ns": time.time_ns(), "backend": mgr.backend,
-                            "world_size": mgr.size, "zero_stage": getattr(optimizer, "stage", 0),
-                            "state": layout.describe(), "state_keys": {n: sorted(k) for n, k in keys.items()},
+                            "world_size": mgr.size, "zero_stage": layout.zero_stage,
+                            "state": described[0][0], "state_keys": keys[0],
                             "files": infos, "meta": {"file": "meta.pt", "bytes": meta_size, "sha256": meta_sha}}
+                if len(parts) > 1:
+                    manifest["parts"] = [{"ranks": list(ranks), "state": d, "state_keys": k}
+                                         for ranks, (d, _), k in zip(parts, described, keys, strict=True)]
                 publish(tmp, final, manifest)
                 if keep is not None:
                     remove_old(final.parent, keep)
@@ -141,9 +164,18 @@ def save_checkpoint(mgr: Any, path: str | os.PathLike[str], model: torch.nn.Modu
     return final
 
 
-def _check(manifest: dict[str, Any], layout: Layout, with_optimizer: bool, path: Path) -> None:
+def _state_keys(infos: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Every optimizer state key saved per parameter name, over one part's files."""
+    keys: dict[str, set[str]] = {}
+    for i in infos:
+        for name, st in i["optim"].items():
+            keys.setdefault(name, set()).update(st)
+    return {n: sorted(k) for n, k in keys.items()}
+
+
+def _check(state: dict[str, Any], layout: Layout, with_optimizer: bool, path: Path) -> None:
     """The first difference between the checkpoint and the model/optimizer, as a CheckpointMismatchError."""
-    saved, mine = manifest["state"]["model"], layout.describe()["model"]
+    saved, mine = state["model"], layout.describe()["model"]
     for name, want in mine.items():
         got = saved.get(name)
         if got is None:
@@ -157,7 +189,7 @@ def _check(manifest: dict[str, Any], layout: Layout, with_optimizer: bool, path:
             raise CheckpointMismatchError(f"{path}: the checkpoint has {name!r}, which the model does not")
     if not with_optimizer:
         return
-    opt = manifest["state"].get("optimizer")
+    opt = state.get("optimizer")
     want_opt = layout.describe()["optimizer"]
     if opt is None:
         raise CheckpointMismatchError(f"{path} was saved without an optimizer; load it with optimizer=None")
@@ -202,30 +234,38 @@ class _Reader:
         return out if out is not None else torch.empty(0)
 
 
-def load_checkpoint(mgr: Any, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
-                    ) -> dict[str, Any]:
-    """Load a checkpoint into the prepared model (and optimizer); returns ``extra``. Every rank calls it."""
+def load(mgr: World, path: str | os.PathLike[str], layout: Layout) -> dict[str, Any]:
+    """Load a checkpoint into what ``layout`` describes (``layout.optimizer`` None: the model only); returns
+    ``extra``. Every rank of ``mgr`` (the world) calls it."""
     where = resolve(Path(path).absolute())
+    with_optimizer = layout.optimizer is not None
     problem: BaseException | None = None
     reader: _Reader | None = None
-    layout: Layout | None = None
-    manifest: dict[str, Any] = {}
+    state_keys: dict[str, list[str]] = {}
+    inner_meta: dict[str, Any] = {"param_groups": [], "scalars": {}}
     meta: dict[str, Any] = {}
     try:
-        layout = _layout(mgr, model, optimizer)
+        part, parts = _parts(mgr, layout)
         manifest = read_manifest(where)
-        _check(manifest, layout, optimizer is not None, where)
+        saved_parts = manifest.get("parts")
+        if len(saved_parts or [None]) != len(parts):
+            raise CheckpointMismatchError(
+                f"{where} holds {len(saved_parts or [None])} data-parallel part(s) and this job's models form "
+                f"{len(parts)} (one per data-parallel group of prepare(group=...)); load it with the same tensor/"
+                "pipeline-parallel layout it was saved with")
+        saved = saved_parts[part] if saved_parts else manifest
+        _check(saved["state"], layout, with_optimizer, where)
         m = manifest["meta"]
         meta = load_tensors(where / m["file"], m["bytes"], m["sha256"])
-        reader = _Reader(where, manifest["files"])
+        reader = _Reader(where, [f for f in manifest["files"] if f.get("part", 0) == part])
+        if with_optimizer:
+            state_keys, inner_meta = saved["state_keys"], meta["parts"][part] if saved_parts else meta["meta"]
     except (CheckpointError, InvalidArgumentError) as err:
         problem = err
     _agree(mgr, problem)  # nothing was modified on any rank if any of them found a problem
-    if reader is None or layout is None:  # unreachable: _agree raised
+    if reader is None:  # unreachable: _agree raised
         raise CheckpointError(f"{where}: could not be read")
-    keys = manifest["state_keys"] if optimizer is not None else {}
-    inner_meta = meta["meta"] if optimizer is not None else {"param_groups": [], "scalars": {}}
-    layout.load(reader.read, inner_meta, keys)
+    layout.load(reader.read, inner_meta, state_keys)
     mgr.barrier()
     return dict(meta.get("extra", {}))
 

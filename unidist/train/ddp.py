@@ -27,10 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unidist.checkpoint.layout import FullLayout
 from unidist.comm import buffers
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
-from unidist.train.options import check_bucket_mb, check_clip, check_compression, check_passes, check_sync_op
+from unidist.train.gradcore import Compression, Compressor, InOrder, pack
+from unidist.train.options import SyncOptions
+from unidist.train.protocol import world_ranks
 from unidist.train.window import WindowedOptimizer
 
 if TYPE_CHECKING:
@@ -38,8 +41,6 @@ if TYPE_CHECKING:
     from unidist.train.protocol import Comm
 
 __all__ = ["DistributedOptimizer"]
-
-_WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class _Bucket:
@@ -49,18 +50,17 @@ class _Bucket:
     in once and replaced by its view; ``zero_grad(set_to_none=False)`` zeroes the views in place and then no copy
     is made at all. With a narrower wire dtype the buffer is a separate, compressed copy."""
 
-    __slots__ = ("buffer", "handle", "index", "offsets", "params", "ready", "views", "wire")
+    __slots__ = ("buffer", "handle", "numels", "offsets", "params", "ready", "views")
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter], wire: torch.dtype | None) -> None:
-        self.index = index
+    def __init__(self, params: list[torch.nn.Parameter], compressor: Compressor) -> None:
         self.params = params
         first = params[0]
-        self.views = wire is None or wire == first.dtype
-        self.wire = None if self.views else wire
-        self.buffer = buffers.zeros(sum(p.numel() for p in params), self.wire or first.dtype, first.device)
+        self.views = not compressor.copies(first.dtype)
+        self.numels = [p.numel() for p in params]
+        self.buffer = buffers.zeros(sum(self.numels), compressor.wire_dtype(first.dtype), first.device)
         self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
+        for n in self.numels:
+            self.offsets.append(self.offsets[-1] + n)
         self.ready: set[int] = set()
         self.handle: Handle[torch.Tensor] | None = None
 
@@ -83,22 +83,33 @@ class _Bucket:
                 view.copy_(g)
             p.grad = view
 
+    def finish(self) -> None:
+        """Wait for the allreduce; a compressed copy is written back into the gradients."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        if self.views:  # the gradients were reduced in place
+            return
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                avg = self.piece(i)
+                if p.grad is None:
+                    p.grad = avg.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(avg)
+
 
 class DistributedOptimizer(WindowedOptimizer):
-    """Wraps any torch optimizer; see the module docstring for the protocol."""
+    """Wraps any torch optimizer; see the module docstring for the protocol. ``options`` are checked by
+    their maker (``SyncOptions.parse``, which ``prepare`` and ``distributed_optimizer`` call)."""
 
     def __init__(self, comm: Comm, optimizer: torch.optim.Optimizer,
-                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
-                 op: ReduceOp | str = ReduceOp.MEAN, compression: str = "none", backward_passes_per_step: int = 1,
-                 bucket_mb: float = 25.0, clip_grad_norm: float | None = None) -> None:
-        where = "DistributedOptimizer"
-        rop = check_sync_op(op, where)
-        check_compression(compression, where)
-        check_passes(backward_passes_per_step, where)
-        self._bucket_bytes = check_bucket_mb(bucket_mb, where) * 2**20
-        self.clip_grad_norm = check_clip(clip_grad_norm, where)
+                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                 options: SyncOptions | None = None) -> None:
+        options = options if options is not None else SyncOptions()
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise InvalidArgumentError(f"{where} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise InvalidArgumentError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
+                                       f"{type(optimizer).__name__}")
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if named_parameters is not None:
             known = {id(p) for _, p in named_parameters}
@@ -107,75 +118,51 @@ class DistributedOptimizer(WindowedOptimizer):
                 raise InvalidArgumentError(f"{len(missing)} optimizer parameters are not in named_parameters")
         super().__init__(optimizer)
         self.dp = comm  # the ranks gradients are averaged over (the world or a data-parallel Group)
-        self.op, self.compression, self.backward_passes_per_step = rop, compression, backward_passes_per_step
-        self._buckets: list[_Bucket] = []
-        self._where: dict[int, _Bucket] = {}
+        self.options = options
+        self.op, self.compression = options.op, options.compression
+        self.backward_passes_per_step, self.clip_grad_norm = options.backward_passes_per_step, options.clip_grad_norm
+        self._compressor = Compression.of(options.compression)
+        self._order: InOrder[_Bucket] = InOrder(self._launch)
         self._hooks: list[Any] = []
-        self._next = 0  # buckets launch in this order on every rank
         self._calls = 0  # step() calls: the pass index within the accumulation window
         self._no_sync = False
         self._synced = False  # synchronize() already ran for this step
         self._track(params)
 
+    @property
+    def buckets(self) -> list[_Bucket]:
+        """The fusion buckets, in launch order (their buffers persist between steps)."""
+        return self._order.slots
+
+    def bucket_of(self, p: torch.Tensor) -> _Bucket | None:
+        return self._order.slot_of(p)
+
     def _track(self, params: list[torch.nn.Parameter]) -> None:
         """Bucket ``params`` (new buckets after the existing ones) and hook their gradients."""
-        for bucket in self._make_buckets(params, self._bucket_bytes, _WIRE[self.compression]):
-            bucket.index = len(self._buckets)
-            self._buckets.append(bucket)
-            self._where.update({id(p): bucket for p in bucket.params})
+        for members in pack(params, self.options.bucket_bytes, lambda p: (p.dtype, p.device)):
+            self._order.add(_Bucket(members, self._compressor))
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
                         for p in params]
 
     def _added_param_group(self, group: dict[str, Any]) -> None:
-        self._track([p for p in group["params"] if p.requires_grad and id(p) not in self._where])
-
-    @staticmethod
-    def _make_buckets(params: list[torch.nn.Parameter], limit: float, wire: torch.dtype | None) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
-        current: list[torch.nn.Parameter] = []
-        size = 0.0
-        for p in reversed(params):
-            key = (p.dtype, p.device)
-            if current and (size + p.numel() * p.element_size() > limit or (current[0].dtype, current[0].device)
-                            != key):
-                buckets.append(_Bucket(len(buckets), current, wire))
-                current, size = [], 0.0
-            current.append(p)
-            size += p.numel() * p.element_size()
-        if current:
-            buckets.append(_Bucket(len(buckets), current, wire))
-        return buckets
+        self._track([p for p in group["params"] if p.requires_grad and self._order.slot_of(p) is None])
 
     # ------------------------------------------------------------------ sync
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._sync_pass or self.dp.size == 1:
             return
-        bucket = self._where[id(p)]
-        bucket.ready.add(id(p))
-        while self._next < len(self._buckets) and len(self._buckets[self._next].ready) == \
-                len(self._buckets[self._next].params):
-            self._launch(self._buckets[self._next])
-            self._next += 1
+        self._order.ready(p)
+        self._order.launch_ready()
 
     def _launch(self, bucket: _Bucket) -> None:
         scale = 1.0 / self.dp.size if self.op is ReduceOp.MEAN else 1.0
-        if bucket.views:
-            with torch.no_grad():
+        with torch.no_grad():
+            if bucket.views:
                 bucket.adopt()
                 if scale != 1.0:  # divided before the sum, as the copying path does: the same rounding
                     bucket.buffer.mul_(scale)
-            bucket.handle = self.dp.allreduce_async_(bucket.buffer, ReduceOp.SUM)
-            return
-        offset = 0
-        with torch.no_grad():
-            for p in bucket.params:
-                n = p.numel()
-                piece = bucket.buffer[offset:offset + n]
-                if p.grad is None:
-                    piece.zero_()
-                else:  # pre-scale before a narrow wire dtype so the sum cannot overflow it
-                    piece.copy_(p.grad.reshape(-1).mul(scale) if scale != 1.0 else p.grad.reshape(-1))
-                offset += n
+            else:
+                self._compressor.write(bucket.buffer, [p.grad for p in bucket.params], bucket.numels, scale)
         bucket.handle = self.dp.allreduce_async_(bucket.buffer, ReduceOp.SUM)
 
     def synchronize(self) -> None:
@@ -184,29 +171,7 @@ class DistributedOptimizer(WindowedOptimizer):
         self._synced = True
         if self.dp.size == 1:
             return
-        while self._next < len(self._buckets):
-            self._launch(self._buckets[self._next])
-            self._next += 1
-        with torch.no_grad():
-            for bucket in self._buckets:
-                if bucket.handle is not None:
-                    bucket.handle.wait()
-                if bucket.views:  # the gradients were reduced in place
-                    bucket.ready.clear()
-                    bucket.handle = None
-                    continue
-                offset = 0
-                for p in bucket.params:
-                    n = p.numel()
-                    avg = bucket.buffer[offset:offset + n].view(p.shape)
-                    if p.grad is None:
-                        p.grad = avg.to(p.dtype).clone()
-                    else:
-                        p.grad.copy_(avg)
-                    offset += n
-                bucket.ready.clear()
-                bucket.handle = None
-        self._next = 0
+        self._order.drain()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -222,6 +187,14 @@ class DistributedOptimizer(WindowedOptimizer):
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         torch.nn.utils.clip_grad_norm_(params, max_norm)
 
+    def checkpoint_layout(self, model: torch.nn.Module) -> FullLayout:
+        """Every member of the data-parallel communicator holds the whole state: each writes an even slice."""
+        return FullLayout(self.dp.rank, self.dp.size, model, self.optimizer, world_ranks(self.dp))
+
+    def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """(parameters, gradients) this optimizer keeps beyond the model's own: the fusion buffers."""
+        return [], [b.buffer for b in self.buckets]
+
     def __repr__(self) -> str:
-        return (f"DistributedOptimizer({type(self.optimizer).__name__}, buckets={len(self._buckets)}, "
+        return (f"DistributedOptimizer({type(self.optimizer).__name__}, buckets={len(self.buckets)}, "
                 f"op={self.op.value}, compression={self.compression}, k={self.backward_passes_per_step})")

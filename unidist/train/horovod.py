@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from unidist.checkpoint.layout import FullLayout
 from unidist.comm import watchdog
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
-from unidist.train.options import TrainOptions, check_bucket_mb, check_clip, check_passes, check_sync_op
+from unidist.train.options import SyncOptions, TrainOptions
 from unidist.train.trainer import Trainer
 from unidist.train.view import OptimizerView
 
@@ -38,11 +39,9 @@ class HorovodTrainer(Trainer):
         with watchdog.watching("hvd.broadcast_parameters"):
             self.mgr._hvd.broadcast_parameters(state, root_rank=root)
 
-    def distributed_optimizer(self, optimizer: torch.optim.Optimizer,
-                              named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
-                              op: ReduceOp | str = ReduceOp.MEAN, compression: str | None = None,
-                              backward_passes_per_step: int = 1, bucket_mb: float | None = None,
-                              clip_grad_norm: float | None = None) -> Any:
+    def _distributed_optimizer(self, optimizer: torch.optim.Optimizer,
+                               named_parameters: Iterable[tuple[str, torch.Tensor]] | None, sync: SyncOptions
+                               ) -> Any:
         """``hvd.DistributedOptimizer`` with the contract's arguments, behind the uniform loop (``step`` and
         ``zero_grad`` after every backward act on every k-th). Horovod fuses by its own
         HOROVOD_FUSION_THRESHOLD (read at init), so ``bucket_mb`` is checked and otherwise unused.
@@ -50,21 +49,15 @@ class HorovodTrainer(Trainer):
         Horovod's defaults that would change the math are pinned: gradients averaged after the sum
         (``gradient_predivide_factor=1``), no sparse-as-dense or Adasum, and the optimizer's existing state
         (e.g. a resumed Adam) carried over, which ``hvd.DistributedOptimizer`` alone would drop."""
-        where = "distributed_optimizer"
-        rop = check_sync_op(op, where)
-        check_passes(backward_passes_per_step, where)
-        check_clip(clip_grad_norm, where)
-        if bucket_mb is not None:
-            check_bucket_mb(bucket_mb, where)
         hvd = self.mgr._hvd
-        compressor = self._compressor(compression if compression is not None else self.mgr.config.compression)
+        compressor = self._compressor(sync.compression)
         hvd_opt = hvd.DistributedOptimizer(
             optimizer, named_parameters=list(named_parameters) if named_parameters is not None else None,
-            compression=compressor, backward_passes_per_step=backward_passes_per_step,
-            op=hvd.Average if rop is ReduceOp.MEAN else hvd.Sum, gradient_predivide_factor=1.0,
+            compression=compressor, backward_passes_per_step=sync.backward_passes_per_step,
+            op=hvd.Average if sync.op is ReduceOp.MEAN else hvd.Sum, gradient_predivide_factor=1.0,
             sparse_as_dense=False)
         hvd_opt.load_state_dict(optimizer.state_dict())  # Horovod builds a fresh optimizer from param_groups
-        return HorovodOptimizer(hvd_opt, backward_passes_per_step, clip_grad_norm)
+        return HorovodOptimizer(hvd_opt, sync.backward_passes_per_step, sync.clip_grad_norm, self.mgr)
 
     def _compressor(self, name: str) -> Any:
         comp = self.mgr._hvd.Compression
@@ -75,7 +68,7 @@ class HorovodTrainer(Trainer):
         if name == "bf16":
             raise InvalidArgumentError("Horovod 0.28 cannot allreduce bfloat16 tensors, so compression='bf16' is "
                                        "unavailable on the horovod backend; use compression='fp16'")
-        raise InvalidArgumentError(f"compression={name!r}; use none, fp16 or bf16")
+        raise InvalidArgumentError(f"compression={name!r}; use none or fp16")
 
     def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions
                  ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -88,9 +81,7 @@ class HorovodTrainer(Trainer):
         model = model.to(self.mgr._device)
         self.broadcast_parameters(model)
         self.broadcast_optimizer_state(optimizer)
-        self.prepared = self.distributed_optimizer(
-            optimizer, model.named_parameters(), op=opts.op, compression=opts.compression,
-            backward_passes_per_step=opts.backward_passes_per_step, clip_grad_norm=opts.clip_grad_norm)
+        self.prepared = self._distributed_optimizer(optimizer, model.named_parameters(), opts.sync)
         self.prepared_for[model] = self.prepared  # a second prepare of this model is refused
         return model, self.prepared
 
@@ -104,11 +95,16 @@ class HorovodOptimizer(OptimizerView):
     an explicit ``synchronize()`` by the user is honoured the same way.
     """
 
-    def __init__(self, hvd_optimizer: Any, k: int, clip_grad_norm: float | None) -> None:
+    def __init__(self, hvd_optimizer: Any, k: int, clip_grad_norm: float | None, world: Any) -> None:
         super().__init__(hvd_optimizer)
+        self.world = world  # the ranks Horovod averages over (checkpoint_layout)
         self.backward_passes_per_step, self.clip_grad_norm = k, clip_grad_norm
         self._calls = 0
         self._synced = False
+
+    def checkpoint_layout(self, model: torch.nn.Module) -> FullLayout:
+        """Every rank holds the whole state: each writes an even slice of it."""
+        return FullLayout(self.world.rank, self.world.size, model, self.optimizer)
 
     def synchronize(self) -> None:
         """Wait for the averaged gradients (written into ``p.grad``); the next ``step()`` uses them as they are."""

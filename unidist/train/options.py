@@ -20,11 +20,10 @@ from unidist.ops import ReduceOp, resolve_op
 if TYPE_CHECKING:
     from unidist.config import Config
 
-__all__ = ["PREPARE_ARGS", "TrainOptions", "check_bucket_mb", "check_clip", "check_compression", "check_passes",
-           "check_sync_op"]
+__all__ = ["PREPARE_ARGS", "SyncOptions", "TrainOptions"]
 
 
-def check_sync_op(op: ReduceOp | str, where: str) -> ReduceOp:
+def _check_sync_op(op: ReduceOp | str, where: str) -> ReduceOp:
     """Gradients are averaged or summed; min/max/product make no sense for them."""
     try:
         rop = resolve_op(op)
@@ -35,31 +34,54 @@ def check_sync_op(op: ReduceOp | str, where: str) -> ReduceOp:
     return rop
 
 
-def check_compression(compression: str, where: str) -> str:
+def _check_compression(compression: str, where: str) -> str:
     if compression not in COMPRESSIONS:
         raise InvalidArgumentError(f"{where}(compression={compression!r}); use one of {', '.join(COMPRESSIONS)}")
     return compression
 
 
-def check_passes(k: object, where: str) -> int:
+def _check_passes(k: object, where: str) -> int:
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise InvalidArgumentError(f"{where}(backward_passes_per_step={k!r}) must be an int >= 1")
     return k
 
 
-def check_bucket_mb(mb: object, where: str) -> float:
+def _check_bucket_mb(mb: object, where: str) -> float:
     if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not (mb > 0 and math.isfinite(mb)):
         raise InvalidArgumentError(f"{where}(bucket_mb={mb!r}) must be a positive number of MiB")
     return float(mb)
 
 
-def check_clip(clip: object, where: str) -> float | None:
+def _check_clip(clip: object, where: str) -> float | None:
     if clip is None:
         return None
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (clip > 0 and math.isfinite(clip)):
         raise InvalidArgumentError(f"{where}(clip_grad_norm={clip!r}) must be a positive finite number, or None "
                                    "for no clipping")
     return float(clip)
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """How gradients are reduced, checked once (by ``parse``); the optimizers trust what they are given."""
+
+    op: ReduceOp = ReduceOp.MEAN
+    compression: str = "none"
+    backward_passes_per_step: int = 1
+    bucket_mb: float = 25.0
+    clip_grad_norm: float | None = None
+
+    @classmethod
+    def parse(cls, where: str, *, op: ReduceOp | str, compression: str, backward_passes_per_step: int,
+              bucket_mb: float, clip_grad_norm: float | None) -> SyncOptions:
+        """The one place these arguments are validated; ``where`` names the call in error messages."""
+        return cls(op=_check_sync_op(op, where), compression=_check_compression(compression, where),
+                   backward_passes_per_step=_check_passes(backward_passes_per_step, where),
+                   bucket_mb=_check_bucket_mb(bucket_mb, where), clip_grad_norm=_check_clip(clip_grad_norm, where))
+
+    @property
+    def bucket_bytes(self) -> float:
+        return self.bucket_mb * 2**20
 
 
 @dataclass(frozen=True)
@@ -93,16 +115,20 @@ class TrainOptions:
         if deepspeed_config is not None and not isinstance(deepspeed_config, (Mapping, str, Path)):
             raise InvalidArgumentError(f"prepare(deepspeed_config=...) takes a dict or a JSON file path, got "
                                        f"{type(deepspeed_config).__name__}")
-        return cls(
-            zero_stage=stage,
-            clip_grad_norm=check_clip(clip_grad_norm, "prepare"),
-            op=check_sync_op(op, "prepare"),
-            compression=check_compression(config.compression if compression is None else compression, "prepare"),
-            backward_passes_per_step=check_passes(backward_passes_per_step, "prepare"),
-            bucket_mb=check_bucket_mb(config.bucket_mb if bucket_mb is None else bucket_mb, "prepare"),
-            group=group,
-            deepspeed_config=deepspeed_config,
-        )
+        sync = SyncOptions.parse(
+            "prepare", op=op, compression=config.compression if compression is None else compression,
+            backward_passes_per_step=backward_passes_per_step,
+            bucket_mb=config.bucket_mb if bucket_mb is None else bucket_mb, clip_grad_norm=clip_grad_norm)
+        return cls(zero_stage=stage, clip_grad_norm=sync.clip_grad_norm, op=sync.op, compression=sync.compression,
+                   backward_passes_per_step=sync.backward_passes_per_step, bucket_mb=sync.bucket_mb, group=group,
+                   deepspeed_config=deepspeed_config)
+
+    @property
+    def sync(self) -> SyncOptions:
+        """The gradient-reduction part (already checked by ``parse``)."""
+        return SyncOptions(op=self.op, compression=self.compression,
+                           backward_passes_per_step=self.backward_passes_per_step, bucket_mb=self.bucket_mb,
+                           clip_grad_norm=self.clip_grad_norm)
 
 
 PREPARE_ARGS: tuple[str, ...] = tuple(f.name for f in fields(TrainOptions))

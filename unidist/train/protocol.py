@@ -9,7 +9,7 @@ import torch
 from unidist.comm.work import Handle
 from unidist.ops import ReduceOp
 
-__all__ = ["Comm"]
+__all__ = ["Comm", "world_ranks"]
 
 
 class Comm(Protocol):
@@ -28,10 +28,16 @@ class Comm(Protocol):
 
     def allreduce_async_(self, x: torch.Tensor, op: ReduceOp | str = ...) -> Handle[torch.Tensor]: ...
 
-    def allgather(self, x: torch.Tensor) -> torch.Tensor: ...
+    def allgather(self, x: torch.Tensor, out: torch.Tensor | None = ...) -> torch.Tensor: ...
 
     def reduce_scatter_async(self, x: torch.Tensor, op: ReduceOp | str = ...) -> Handle[torch.Tensor]: ...
 
     def broadcast_(self, x: torch.Tensor, root: int = ...) -> torch.Tensor: ...
 
     def broadcast_object(self, obj: Any, root: int = ...) -> Any: ...
+
+
+def world_ranks(comm: Comm) -> tuple[int, ...]:
+    """The world ranks of ``comm``'s members, in its rank order: a Group's ``ranks``, or the whole world."""
+    ranks = getattr(comm, "ranks", None)
+    return tuple(ranks) if ranks is not None else tuple(range(comm.size))

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 import unidist.checkpoint as checkpoint
+from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.comm.group import Group
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.ddp import DistributedOptimizer
 from unidist.train.memory import MemoryStats, optimizer_tensors, peak_bytes, storage_bytes
-from unidist.train.options import TrainOptions
+from unidist.train.options import SyncOptions, TrainOptions
 from unidist.train.sampler import ShardSampler
 from unidist.train.state import broadcast_optimizer_state, broadcast_parameters
 from unidist.train.zero import ZeroOptimizer
@@ -87,15 +88,9 @@ class Trainer:
         broadcast_optimizer_state(comm, optimizer)
         wrapped: DistributedOptimizer | ZeroOptimizer
         if opts.zero_stage:
-            wrapped = ZeroOptimizer(
-                comm, model, optimizer, opts.zero_stage, op=opts.op, compression=opts.compression,
-                backward_passes_per_step=opts.backward_passes_per_step, bucket_mb=opts.bucket_mb,
-                clip_grad_norm=opts.clip_grad_norm)
+            wrapped = ZeroOptimizer(comm, model, optimizer, opts.zero_stage, opts.sync)
         else:
-            wrapped = DistributedOptimizer(
-                comm, optimizer, model.named_parameters(), op=opts.op, compression=opts.compression,
-                backward_passes_per_step=opts.backward_passes_per_step, bucket_mb=opts.bucket_mb,
-                clip_grad_norm=opts.clip_grad_norm)
+            wrapped = DistributedOptimizer(comm, optimizer, model.named_parameters(), opts.sync)
         self.prepared = wrapped
         self.prepared_for[model] = wrapped
         return model, wrapped
@@ -120,13 +115,12 @@ class Trainer:
         """This rank's bytes for the prepared model (see unidist.train.memory)."""
         opt = self._need_prepared("memory_stats")
         model = self.unwrap(self.model) if self.model is not None else None
-        params = list(model.parameters()) if model is not None else []
+        params: list[torch.Tensor] = list(model.parameters()) if model is not None else []
         grads: list[Any] = [p.grad for p in params]
-        if isinstance(opt, ZeroOptimizer):
-            params += [u.shard for u in opt.units]
-            grads += [u.shard.grad for u in opt.units]
-        elif isinstance(opt, DistributedOptimizer):
-            grads += [b.buffer for b in opt._buckets]  # fusion buckets persist between steps
+        if isinstance(opt, (ZeroOptimizer, DistributedOptimizer)):
+            held, held_grads = opt.held_tensors()  # ZeRO's shards, the fusion buckets (they persist)
+            params += held
+            grads += held_grads
         return {"param_bytes": storage_bytes(params), "grad_bytes": storage_bytes(grads),
                 "optimizer_bytes": storage_bytes(optimizer_tensors(opt.optimizer)),
                 "peak_bytes": peak_bytes(self.mgr.device)}
@@ -144,23 +138,34 @@ class Trainer:
         inner = getattr(optimizer, "optimizer", optimizer)
         return copy.deepcopy(inner.state_dict())  # type: ignore[no-any-return]
 
+    # ----------------------------------------------------------------- checkpoints (unidist.checkpoint)
+    def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
+                        keep: int | None = None, extra: dict[str, Any] | None = None) -> Path:
+        """``Manager.save_checkpoint``: the prepared optimizer's layout, written by unidist.checkpoint."""
+        return checkpoint.save(self.mgr, path, self.checkpoint_layout(model, optimizer), keep=keep, extra=extra)
+
+    def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
+                        ) -> dict[str, Any]:
+        """``Manager.load_checkpoint``: returns the checkpoint's ``extra``."""
+        return checkpoint.load(self.mgr, path, self.checkpoint_layout(model, optimizer))
+
+    def checkpoint_layout(self, model: torch.nn.Module, optimizer: Any = None) -> Layout:
+        """What this rank holds of ``model`` (and ``optimizer``), from the optimizer that holds it: the one given,
+        or for ``optimizer=None`` the one prepare returned for the model (ZeRO-3 shards the parameters
+        themselves). An optimizer prepare did not make is whole on every rank."""
+        module = self.unwrap(model)
+        holder = optimizer if optimizer is not None else self.prepared_for.get(module)
+        make = getattr(holder, "checkpoint_layout", None)
+        if make is not None:
+            layout: Layout = make(module)
+        else:
+            layout = FullLayout(self.mgr.rank, self.mgr.size, module, holder)
+        return layout if optimizer is not None else layout.without_optimizer()
+
     def _need_prepared(self, what: str) -> Any:
         if self.prepared is None:
             raise InvalidArgumentError(f"{what}() describes the prepared model; call mgr.prepare(model, opt) first")
         return self.prepared
-
-    # ----------------------------------------------------------------- checkpoints (unidist.checkpoint)
-    def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, extra: Mapping[str, Any] | None = None) -> Path:
-        """``Manager.save_checkpoint``."""
-        self.mgr._need_started()
-        return checkpoint.save_checkpoint(self.mgr, path, model, optimizer, keep=keep, extra=dict(extra or {}))
-
-    def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
-                        ) -> dict[str, Any]:
-        """``Manager.load_checkpoint``: the checkpoint's ``extra``."""
-        self.mgr._need_started()
-        return checkpoint.load_checkpoint(self.mgr, path, model, optimizer)
 
     @staticmethod
     def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
@@ -173,12 +178,20 @@ class Trainer:
                               op: ReduceOp | str = ReduceOp.MEAN, compression: str | None = None,
                               backward_passes_per_step: int = 1, bucket_mb: float | None = None,
                               clip_grad_norm: float | None = None) -> torch.optim.Optimizer:
+        """``Manager.distributed_optimizer``: the arguments checked once (``None`` takes the UNIDIST_* default),
+        then the backend's optimizer (``_distributed_optimizer``)."""
         config = self.mgr.config
-        return DistributedOptimizer(
-            self.mgr, optimizer, named_parameters, op=op,
-            compression=compression if compression is not None else config.compression,
+        sync = SyncOptions.parse(
+            "distributed_optimizer", op=op, compression=compression if compression is not None else config.compression,
             backward_passes_per_step=backward_passes_per_step,
             bucket_mb=bucket_mb if bucket_mb is not None else config.bucket_mb, clip_grad_norm=clip_grad_norm)
+        return self._distributed_optimizer(optimizer, named_parameters, sync)
+
+    def _distributed_optimizer(self, optimizer: torch.optim.Optimizer,
+                               named_parameters: Iterable[tuple[str, torch.Tensor]] | None, sync: SyncOptions
+                               ) -> torch.optim.Optimizer:
+        """unidist's DistributedOptimizer over the world; engines with their own override this."""
+        return DistributedOptimizer(self.mgr, optimizer, named_parameters, sync)
 
     def broadcast_parameters(self, model_or_state: Any, root: int = 0) -> None:
         broadcast_parameters(self.mgr, model_or_state, self.mgr._check_root(root))

@@ -31,16 +31,16 @@ import torch
 from unidist.comm import buffers
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
-from unidist.train.options import check_bucket_mb, check_clip, check_compression, check_passes, check_sync_op
+from unidist.train.gradcore import Compression, Compressor, InOrder, pack
+from unidist.train.options import SyncOptions
 from unidist.train.window import WindowedOptimizer
+from unidist.train.zero_layout import ZeroLayout
 
 if TYPE_CHECKING:
     from unidist.comm.work import Handle
     from unidist.train.protocol import Comm
 
 __all__ = ["ZeroOptimizer"]
-
-_WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class _Unit:
@@ -77,9 +77,12 @@ class _Unit:
             offset += n
 
     def gather(self) -> None:
-        """Full parameters from every rank's shard (stage 3; a no-op while gathered)."""
+        """Full parameters from every rank's shard (stage 3; a no-op while gathered). Every rank's chunk has
+        the same size, so the allgather writes into a buffer of known size (``out=``): no sizes exchanged."""
         if self.full is None:
-            self._bind(self.dp.allgather(self.shard.detach()))
+            full = torch.empty(self.chunk * self.dp.size, dtype=self.dtype, device=self.device)
+            self.dp.allgather(self.shard.detach(), out=full)
+            self._bind(full)
 
     def release(self) -> None:
         """Free the full parameters (stage 3): each becomes an empty tensor until the next gather."""
@@ -95,23 +98,30 @@ class _Unit:
 
     def refresh(self) -> None:
         """Stages 1-2 after a step: every rank's updated shard into the full parameters."""
-        if self.full is not None:
+        if self.full is not None:  # the shard is a view of ``full``: send a copy (MPI forbids aliased buffers)
             with torch.no_grad():
-                self.full.copy_(self.dp.allgather(self.shard.detach()))
+                self.dp.allgather(self.shard.detach().clone(), out=self.full)
+
+    # ------------------------------------------------------------------ who owns what (the shard arithmetic)
+    def offset(self, i: int) -> int:
+        """Where parameter i starts in the unit's flat buffer."""
+        return sum(self.numels[:i])
+
+    def owned(self, i: int) -> tuple[int, int, int] | None:
+        """This rank's part of parameter i: (start, end) within the parameter and the start's position in the
+        shard, or None if this rank's chunk holds none of it."""
+        off = self.offset(i)
+        s, e = max(off, self.lo), min(off + self.numels[i], self.lo + self.chunk)
+        return (s - off, e - off, s - self.lo) if s < e else None
 
     # ------------------------------------------------------------------ gradients
-    def launch(self, scale: float, wire: torch.dtype | None, free_grads: bool) -> None:
+    def launch(self, scale: float, compressor: Compressor, free_grads: bool) -> None:
         """Start the reduce-scatter of this unit's (local) gradients; missing gradients count as zeros."""
-        flat = buffers.zeros(self.chunk * self.dp.size, wire or self.dtype, self.device)
-        offset = 0
-        with torch.no_grad():
-            for p, n in zip(self.params, self.numels, strict=True):
-                if p.grad is not None:  # pre-scaled so a narrow wire dtype cannot overflow in the sum
-                    flat[offset:offset + n].copy_(p.grad.reshape(-1).mul(scale) if scale != 1.0 else
-                                                  p.grad.reshape(-1))
-                    if free_grads:
-                        p.grad = None
-                offset += n
+        flat = buffers.zeros(self.chunk * self.dp.size, compressor.wire_dtype(self.dtype), self.device)
+        compressor.write(flat, [p.grad for p in self.params], self.numels, scale, zero_missing=False)
+        if free_grads:
+            for p in self.params:
+                p.grad = None
         self.handle = self.dp.reduce_scatter_async(flat, ReduceOp.SUM)
 
     def finish(self) -> None:
@@ -126,34 +136,35 @@ class _Unit:
 class ZeroOptimizer(WindowedOptimizer):
     """The user's optimizer stepping this rank's shards; see the module docstring."""
 
-    def __init__(self, dp: Comm, model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, *,
-                 op: ReduceOp | str = ReduceOp.MEAN, compression: str = "none", backward_passes_per_step: int = 1,
-                 bucket_mb: float = 25.0, clip_grad_norm: float | None = None) -> None:
-        where = "ZeroOptimizer"
+    def __init__(self, dp: Comm, model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int,
+                 options: SyncOptions | None = None) -> None:
+        options = options if options is not None else SyncOptions()
         if stage not in (1, 2, 3):
-            raise InvalidArgumentError(f"{where}(stage={stage!r}); use 1, 2 or 3 (0 is the DistributedOptimizer)")
-        self.op = check_sync_op(op, where)
-        self.compression = check_compression(compression, where)
-        self.backward_passes_per_step = check_passes(backward_passes_per_step, where)
-        bucket_bytes = check_bucket_mb(bucket_mb, where) * 2**20
-        self.clip_grad_norm = check_clip(clip_grad_norm, where)
+            raise InvalidArgumentError(f"ZeroOptimizer(stage={stage!r}); use 1, 2 or 3 (0 is the "
+                                       "DistributedOptimizer)")
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise InvalidArgumentError(f"{where} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise InvalidArgumentError(f"ZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.options = options
+        self.op, self.compression = options.op, options.compression
+        self.backward_passes_per_step, self.clip_grad_norm = options.backward_passes_per_step, options.clip_grad_norm
+        # nothing travels on one rank: keep full precision there
+        self._compressor = Compression.of(options.compression) if dp.size > 1 else Compression.none
         super().__init__(optimizer)
         self.dp, self.stage, self.model = dp, stage, model
         # the optimizer as one process would hold it: kept to consolidate (full_optimizer_state_dict)
         self.full_groups = [list(g["params"]) for g in optimizer.param_groups]
         full_state = _full_state(optimizer)
         trainable = {id(p) for g in self.full_groups for p in g if p.requires_grad}
-        self.units = self._make_units(model, bucket_bytes, trainable)
-        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        self._order: InOrder[_Unit] = InOrder(self._launch)
+        for unit in self._make_units(model, options.bucket_bytes, trainable):
+            self._order.add(unit)
+        self.units = self._order.slots
         for gi, group in enumerate(optimizer.param_groups):
             group["params"] = [u.shard for u in self.units if u.group == gi] + \
                 [p for p in group["params"] if id(p) not in trainable]
         optimizer.state.clear()
         if full_state:
             self.load_full_state(full_state)
-        self._next = 0  # units launch in this order on every rank
         self._calls = 0
         self._synced = False
         self._hooks: list[Any] = [p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
@@ -179,25 +190,15 @@ class ZeroOptimizer(WindowedOptimizer):
                                            "model; pass the model the optimizer was built for")
         else:  # gradient buckets: reverse registration order, as backward produces them
             order = [p for g in self.full_groups for p in g if id(p) in trainable]
-            current: list[torch.nn.Parameter] = []
-            size = 0.0
-            for p in reversed(order):
-                key = (group_of[id(p)], p.dtype, p.device)
-                if current and (size + p.numel() * p.element_size() > limit or
-                                (group_of[id(current[0])], current[0].dtype, current[0].device) != key):
-                    chunks.append((group_of[id(current[0])], current))
-                    current, size = [], 0.0
-                current.append(p)
-                size += p.numel() * p.element_size()
-            if current:
-                chunks.append((group_of[id(current[0])], current))
+            chunks = [(group_of[id(ps[0])], ps) for ps in pack(order, limit, lambda p: (group_of[id(p)], p.dtype,
+                                                                                        p.device))]
         return [_Unit(self.dp, ps, gi, keep_full=self.stage < 3) for gi, ps in chunks]
 
     def _module_hooks(self, model: torch.nn.Module) -> list[Any]:
         hooks: list[Any] = []
         for module in model.modules():
             units = list({id(u): u for p in module.parameters(recurse=False)
-                          if (u := self._unit_of.get(id(p))) is not None}.values())
+                          if (u := self._order.slot_of(p)) is not None}.values())
             if not units:
                 continue
 
@@ -217,8 +218,7 @@ class ZeroOptimizer(WindowedOptimizer):
 
     # ------------------------------------------------------------------ gradients
     def _on_grad(self, p: torch.Tensor) -> None:
-        unit = self._unit_of[id(p)]
-        unit.ready.add(id(p))
+        unit = self._order.ready(p)
         if len(unit.ready) < len(unit.params):
             return
         if not (self._sync_pass and self.stage >= 2):  # stage 1 reduces in synchronize()
@@ -226,14 +226,11 @@ class ZeroOptimizer(WindowedOptimizer):
                 unit.release()
             unit.ready.clear()
             return
-        while self._next < len(self.units) and len(self.units[self._next].ready) == len(self.units[self._next].params):
-            self._launch(self.units[self._next])
-            self._next += 1
+        self._order.launch_ready()
 
     def _launch(self, unit: _Unit) -> None:
         scale = 1.0 / self.dp.size if self.op is ReduceOp.MEAN else 1.0
-        wire = _WIRE[self.compression] if self.dp.size > 1 else None  # nothing travels: keep full precision
-        unit.launch(scale, wire, free_grads=self.stage >= 2)
+        unit.launch(scale, self._compressor, free_grads=self.stage >= 2)
         unit.ready.clear()
         if self.stage == 3:
             unit.release()
@@ -241,12 +238,7 @@ class ZeroOptimizer(WindowedOptimizer):
     def synchronize(self) -> None:
         """Reduce-scatter whatever has not started yet and wait for all: shard gradients are then final."""
         self._synced = True
-        while self._next < len(self.units):
-            self._launch(self.units[self._next])
-            self._next += 1
-        for unit in self.units:
-            unit.finish()
-        self._next = 0
+        self._order.drain()
 
     # ------------------------------------------------------------------ optimizer protocol (window.py)
     def _after_step(self) -> None:
@@ -272,6 +264,17 @@ class ZeroOptimizer(WindowedOptimizer):
     def _added_param_group(self, group: dict[str, Any]) -> None:
         raise InvalidArgumentError("add_param_group after prepare(zero_stage>0) is not supported: the parameters "
                                    "are already sharded; add the group before prepare()")
+
+    def checkpoint_layout(self, model: torch.nn.Module | None = None) -> ZeroLayout:
+        """How this optimizer's shards map to a checkpoint's full tensors (unidist.checkpoint)."""
+        if model is not None and model is not self.model:
+            raise InvalidArgumentError("this ZeroOptimizer was prepared for another model; pass the model and "
+                                       "optimizer prepare() returned together")
+        return ZeroLayout(self)
+
+    def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """(parameters, gradients) this optimizer keeps beyond the model's own: the shards."""
+        return [u.shard for u in self.units], [u.shard.grad for u in self.units]
 
     # ------------------------------------------------------------------ whole parameters and state
     @contextlib.contextmanager
@@ -299,7 +302,8 @@ class ZeroOptimizer(WindowedOptimizer):
             for key in sorted(shard_state):
                 value = shard_state[key]
                 if isinstance(value, torch.Tensor) and value.shape == unit.shard.shape:
-                    flat = self.dp.allgather(value.detach().contiguous())
+                    flat = torch.empty(unit.chunk * self.dp.size, dtype=value.dtype, device=value.device)
+                    self.dp.allgather(value.detach().contiguous(), out=flat)
                     offset = 0
                     for p, shape, n in zip(unit.params, unit.shapes, unit.numels, strict=True):
                         state.setdefault(index[id(p)], {})[key] = flat[offset:offset + n].view(shape).clone()

@@ -1,0 +1,173 @@
+"""The gradient core both of unidist's optimizers are written on (DistributedOptimizer, ZeroOptimizer).
+
+Reducing gradients data-parallel is the same four steps whatever happens to the result (an allreduce into
+``p.grad`` for plain data parallelism, a reduce-scatter into a shard for ZeRO):
+
+- **packing**: parameters are grouped into fusion slots (buckets, ZeRO units) in reverse registration order, as
+  DDP does, since backward produces the last layers' gradients first (``pack``);
+- **the wire copy**: a slot's gradients are copied into one flat buffer, pre-scaled by 1/N for a mean so the
+  sum cannot overflow a narrow wire dtype, in the dtype a ``Compressor`` chooses (as Horovod's ``Compression``
+  classes: ``Compression.none``, ``.fp16``, ``.bf16``);
+- **in-order launch**: a slot starts its collective from the gradient hooks once all its gradients are ready,
+  and slots start strictly in order on every rank, so a parameter without a gradient on one rank cannot
+  reorder the collectives (``InOrder``);
+- **the drain**: ``synchronize`` launches what never became ready (missing gradients count as zeros) and
+  waits for every slot in order.
+
+What differs (views into the bucket, shard gradients, stage-3 releases) stays with each optimizer, in its
+slot's ``launch`` and ``finish``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Generic, Protocol, TypeVar
+
+import torch
+
+from unidist.errors import InvalidArgumentError
+
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "InOrder", "NoneCompressor", "Slot",
+           "pack"]
+
+
+class Compressor:
+    """How gradients travel: the wire dtype and the (pre-scaled) copy into the wire buffer."""
+
+    name = "none"
+    wire: torch.dtype | None = None  # None: the gradients' own dtype
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a gradient of ``dtype`` is reduced in."""
+        return self.wire if self.wire is not None else dtype
+
+    def copies(self, dtype: torch.dtype) -> bool:
+        """Whether gradients of ``dtype`` need a separate wire buffer (else they can be reduced in place)."""
+        return self.wire_dtype(dtype) != dtype
+
+    @staticmethod
+    def write(flat: torch.Tensor, grads: Sequence[torch.Tensor | None], numels: Sequence[int], scale: float,
+              zero_missing: bool = True) -> None:
+        """The wire copy: each gradient, times ``scale``, into its place in ``flat`` (in flat's dtype).
+
+        Scaling happens before the narrowing cast, so a mean's sum of N pre-divided values cannot overflow
+        fp16 where the undivided sum would. A missing gradient is zeros (``zero_missing=False`` when ``flat``
+        is freshly zeroed)."""
+        offset = 0
+        with torch.no_grad():
+            for g, n in zip(grads, numels, strict=True):
+                piece = flat[offset:offset + n]
+                if g is None:
+                    if zero_missing:
+                        piece.zero_()
+                else:
+                    piece.copy_(g.reshape(-1).mul(scale) if scale != 1.0 else g.reshape(-1))
+                offset += n
+
+
+class NoneCompressor(Compressor):
+    """Gradients travel in their own dtype."""
+
+
+class FP16Compressor(Compressor):
+    """Gradients travel as float16 (half the bytes; pre-scaled so the sum stays in range)."""
+
+    name, wire = "fp16", torch.float16
+
+
+class BF16Compressor(Compressor):
+    """Gradients travel as bfloat16 (float32's range, 8 bits of mantissa)."""
+
+    name, wire = "bf16", torch.bfloat16
+
+
+class Compression:
+    """The compressors by name, as ``horovod.torch.Compression``: ``Compression.fp16`` and so on."""
+
+    none: Compressor = NoneCompressor()
+    fp16: Compressor = FP16Compressor()
+    bf16: Compressor = BF16Compressor()
+
+    @classmethod
+    def of(cls, name: str) -> Compressor:
+        """The compressor called ``name`` ('none', 'fp16', 'bf16')."""
+        found = {"none": cls.none, "fp16": cls.fp16, "bf16": cls.bf16}.get(name)
+        if found is None:
+            raise InvalidArgumentError(f"compression={name!r}; use one of none, fp16, bf16")
+        return found
+
+
+P = TypeVar("P", bound=torch.Tensor)
+
+
+def pack(params: Sequence[P], limit_bytes: float, key: Callable[[P], Hashable]) -> list[list[P]]:
+    """Fusion slots: ``params`` in reverse order, a new slot when the next would pass ``limit_bytes`` or has
+    another ``key`` (dtype, device, param group: what one flat buffer cannot mix)."""
+    slots: list[list[P]] = []
+    current: list[P] = []
+    size = 0.0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > limit_bytes or key(current[0]) != key(p)):
+            slots.append(current)
+            current, size = [], 0.0
+        current.append(p)
+        size += nbytes
+    if current:
+        slots.append(current)
+    return slots
+
+
+class Slot(Protocol):
+    """One fusion slot: its parameters, which of them have their gradient, and its collective."""
+
+    params: list[torch.nn.Parameter]
+    ready: set[int]
+
+    def finish(self) -> None:
+        """Wait for the slot's collective (if it was launched) and deliver its result."""
+
+
+S = TypeVar("S", bound=Slot)
+
+
+class InOrder(Generic[S]):
+    """Slots launched strictly in order on every rank, from the gradient hooks, and drained in order.
+
+    ``launch`` is the optimizer's: it starts one slot's collective (its wire copy and async call)."""
+
+    def __init__(self, launch: Callable[[S], None]) -> None:
+        self.slots: list[S] = []
+        self._of: dict[int, S] = {}
+        self._launch = launch
+        self._next = 0  # the next slot to launch
+
+    def add(self, slot: S) -> None:
+        self.slots.append(slot)
+        self._of.update({id(p): slot for p in slot.params})
+
+    def slot_of(self, p: torch.Tensor) -> S | None:
+        return self._of.get(id(p))
+
+    def ready(self, p: torch.Tensor) -> S:
+        """Mark ``p``'s gradient ready; returns its slot."""
+        slot = self._of[id(p)]
+        slot.ready.add(id(p))
+        return slot
+
+    def launch_ready(self) -> None:
+        """Launch, in order, every slot from the next one on whose gradients are all ready."""
+        while self._next < len(self.slots) and len(self.slots[self._next].ready) == \
+                len(self.slots[self._next].params):
+            self._launch(self.slots[self._next])
+            self._next += 1
+
+    def drain(self) -> None:
+        """Launch the slots not launched yet (missing gradients count as zeros), then finish all in order."""
+        while self._next < len(self.slots):
+            self._launch(self.slots[self._next])
+            self._next += 1
+        for slot in self.slots:
+            slot.finish()
+            slot.ready.clear()
+        self._next = 0

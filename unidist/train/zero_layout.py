@@ -1,0 +1,120 @@
+"""The checkpoint layout of unidist's ZeRO: each rank writes exactly the shards it owns, and reads them back.
+
+The checkpoint format knows only full tensors by name (unidist/checkpoint/layout.py); this maps them to the
+units of a ZeroOptimizer. Which part of which parameter a rank owns is the unit's own arithmetic
+(``_Unit.owned``, in zero.py), so a checkpoint saved at any stage and world size loads at any other.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unidist.checkpoint.layout import Layout, Pieces, Read, even_slice, fresh_scalars, param_names, per_element
+from unidist.train.protocol import world_ranks
+
+if TYPE_CHECKING:
+    from unidist.train.zero import ZeroOptimizer, _Unit
+
+__all__ = ["ZeroLayout"]
+
+
+class ZeroLayout(Layout):
+    """unidist's ZeRO: each rank writes exactly its shards (and an even slice of anything unsharded)."""
+
+    def __init__(self, zero: ZeroOptimizer) -> None:
+        dp = zero.dp
+        self.rank, self.size, self.ranks, self.zero_stage = dp.rank, dp.size, world_ranks(dp), zero.stage
+        self.zero, self.optimizer = zero, zero.optimizer
+        self.module: torch.nn.Module = zero.model
+        self.where = {id(p): (u, i) for u in zero.units for i, p in enumerate(u.params)}
+        names = param_names(self.module)
+        self.shapes = {}
+        for k, v in self.module.state_dict(keep_vars=True).items():
+            hit = self.where.get(id(v))
+            shape = tuple(hit[0].shapes[hit[1]]) if hit else tuple(v.shape)  # stage 3 empties the parameter
+            self.shapes[k] = (shape, str(v.dtype))
+        self.params = [p for g in zero.full_groups for p in g]
+        self.opt_names = [names[id(p)] for p in self.params]
+        self.opt_groups = [gi for gi, g in enumerate(zero.full_groups) for _ in g]
+
+    def _owned(self, p: torch.Tensor) -> tuple[_Unit, int, int, int] | None:
+        """(unit, start and end within the parameter, where the start is in the shard) of this rank's part."""
+        unit, i = self.where[id(p)]
+        own = unit.owned(i)
+        return None if own is None else (unit, *own)
+
+    def pieces(self) -> Pieces:
+        model: dict[str, Any] = {}
+        optim: dict[str, dict[str, Any]] = {}
+        for k, v in self.module.state_dict(keep_vars=True).items():
+            if id(v) not in self.where:
+                model[k] = even_slice(v, self.rank, self.size)
+                continue
+            own = self._owned(v)
+            if own is None:
+                model[k] = (0, torch.empty(0, dtype=v.dtype))
+                continue
+            unit, s, e, at = own
+            model[k] = (s, unit.shard.detach()[at:at + e - s].clone())
+        for p, name in zip(self.params, self.opt_names, strict=True) if self.optimizer is not None else ():
+            unit, _ = self.where[id(p)]
+            st = self.optimizer.state.get(unit.shard, {})
+            own = self._owned(p)
+            optim[name] = {}
+            for key, value in st.items():
+                if per_element(value, unit.shard.shape):
+                    if own is None:
+                        optim[name][key] = (0, value.new_empty(0))
+                    else:
+                        _, s, e, at = own
+                        optim[name][key] = (s, value.detach()[at:at + e - s].clone())
+        return {"model": model, "optim": optim}
+
+    def meta(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {"param_groups": [], "scalars": {}}
+        scalars = {}
+        for p, name in zip(self.params, self.opt_names, strict=True):
+            shard = self.where[id(p)][0].shard
+            scalars[name] = {k: v for k, v in self.optimizer.state.get(shard, {}).items()
+                             if not per_element(v, shard.shape)}
+        return {"param_groups": self.settings(), "scalars": scalars}
+
+    def load(self, read: Read, meta: dict[str, Any], state_keys: dict[str, list[str]]) -> None:
+        name_of = dict(zip((id(p) for p in self.params), self.opt_names, strict=True))
+        with torch.no_grad():
+            for k, v in self.module.state_dict(keep_vars=True).items():
+                shape, _ = self.shapes[k]
+                if id(v) not in self.where:
+                    v.copy_(read("model", k, "", 0, int(torch.Size(shape).numel())).view(shape))
+                    continue
+                own = self._owned(v)
+                if own is not None:
+                    unit, s, e, at = own
+                    unit.shard[at:at + e - s] = read("model", k, "", s, e)
+            for unit in self.zero.units:
+                if self.optimizer is not None:
+                    self._load_state(unit, name_of, read, meta, state_keys)
+                unit.refresh()  # stages 1-2: every rank's loaded shard into the full parameters
+        if self.optimizer is not None:
+            self.set_settings(meta["param_groups"])
+
+    def _load_state(self, unit: _Unit, name_of: dict[int, str], read: Read, meta: dict[str, Any],
+                    state_keys: dict[str, list[str]]) -> None:
+        """The unit's shard optimizer state from the per-parameter full state."""
+        first = name_of[id(unit.params[0])]
+        target: dict[str, Any] = {}
+        for key in state_keys.get(first, []):
+            flat = torch.zeros(unit.chunk, dtype=unit.dtype, device=unit.device)
+            for p in unit.params:
+                own = self._owned(p)
+                if own is not None:
+                    _, s, e, at = own
+                    flat[at:at + e - s] = read("optim", name_of[id(p)], key, s, e)
+            target[key] = flat
+        target.update(fresh_scalars(meta["scalars"].get(first, {})))
+        self.optimizer.state.pop(unit.shard, None)
+        if target:
+            self.optimizer.state[unit.shard] = target
