@@ -230,47 +230,6 @@ class Collectives:
         """Start an in-place allreduce; ``handle.wait()`` returns x."""
         return self._allreduce_impl(x, op, True, True)  # type: ignore[no-any-return]
 
-    def grouped_allreduce(self, xs: Sequence[Array], op: ReduceOp | str = ReduceOp.SUM) -> list[Array]:
-        """Allreduce many tensors in one exchange per dtype (fused into a flat buffer)."""
-        return self._grouped(xs, op, inplace=False)
-
-    def grouped_allreduce_(self, xs: Sequence[Array], op: ReduceOp | str = ReduceOp.SUM) -> list[Array]:
-        """In-place grouped allreduce; returns the inputs."""
-        return self._grouped(xs, op, inplace=True)
-
-    def _grouped(self, xs: Sequence[Array], op: ReduceOp | str, inplace: bool) -> list[Any]:
-        rop = resolve_op(op)
-        if not self._checked and xs:  # the engine's own fused call, where it has one for these tensors
-            native = self._engine.grouped_allreduce(xs, rop, inplace)
-            if native is not None:
-                return native
-        items = [self._input(x) for x in xs]
-        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-        for i, (t, _) in enumerate(items):
-            groups.setdefault((t.dtype, t.device), []).append(i)
-        results: list[Any] = [None] * len(items)
-        for idx in groups.values():
-            flat = torch.cat([items[i][0].reshape(-1) for i in idx])
-            self._signature("allreduce", flat, rop)
-            work, post = self._reduce_with(self._allreduce, flat, flat, rop)
-            work.wait()
-            if post is not None:
-                post()
-            offset = 0
-            for i in idx:
-                t, as_np = items[i]
-                piece = flat[offset:offset + t.numel()].view(t.shape)
-                offset += t.numel()
-                if inplace:
-                    dst, writeback = self._inplace(xs[i])
-                    dst.copy_(piece)
-                    if writeback is not None:
-                        writeback()
-                    results[i] = xs[i]
-                else:
-                    results[i] = self._output(piece, as_np)
-        return results
-
     def broadcast(self, x: Array, root: int = 0) -> Array:
         """Root's value, returned as a new tensor/array on every rank (x's shape and dtype must match root's)."""
         root = self._check_root(root)

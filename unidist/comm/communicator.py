@@ -1,13 +1,14 @@
 """Communicator: the whole collective API over one engine, for the world (the Manager) and for groups.
 
-The tensor collectives are ``Collectives``'; here are the rest, written on the same bound primitives:
-blocking ``send``/``recv`` with the desync check's dtype-and-size handshake (both sides raise before any data
-moves) and a refusal of exchanges with oneself, and collectives of picklable Python objects, moved as bytes.
-Peers are trusted: what they send is unpickled (README, "Security").
+The tensor collectives are ``Collectives``'; here are the rest, written on the same bound primitives: fused
+(grouped) allreduces, blocking ``send``/``recv`` with the desync check's dtype-and-size handshake (both sides
+raise before any data moves) and a refusal of exchanges with oneself, and collectives of picklable Python
+objects, moved as bytes. Peers are trusted: what they send is unpickled (README, "Security").
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from unidist.comm.dtypes import Tensorish, from_bytes, to_bytes
 from unidist.comm.engine import Engine
 from unidist.comm.work import Array
 from unidist.errors import InvalidArgumentError
-from unidist.ops import ReduceOp
+from unidist.ops import ReduceOp, resolve_op
 
 __all__ = ["Communicator"]
 
@@ -51,6 +52,48 @@ class Communicator(Collectives):
         t = value.detach().reshape(1).to(torch.float64) if isinstance(value, torch.Tensor) else \
             torch.tensor([float(value)], dtype=torch.float64)
         return float(self.allreduce_(t.cpu(), ReduceOp.MEAN).item())
+
+    # ----------------------------------------------------------------- fused reductions
+    def grouped_allreduce(self, xs: Sequence[Array], op: ReduceOp | str = ReduceOp.SUM) -> list[Array]:
+        """Allreduce many tensors in one exchange per dtype (fused into a flat buffer)."""
+        return self._grouped(xs, op, inplace=False)
+
+    def grouped_allreduce_(self, xs: Sequence[Array], op: ReduceOp | str = ReduceOp.SUM) -> list[Array]:
+        """In-place grouped allreduce; returns the inputs."""
+        return self._grouped(xs, op, inplace=True)
+
+    def _grouped(self, xs: Sequence[Array], op: ReduceOp | str, inplace: bool) -> list[Any]:
+        rop = resolve_op(op)
+        if not self._checked and xs:  # the engine's own fused call, where it has one for these tensors
+            native = self._engine.grouped_allreduce(xs, rop, inplace)
+            if native is not None:
+                return native
+        items = [self._input(x) for x in xs]
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, (t, _) in enumerate(items):
+            groups.setdefault((t.dtype, t.device), []).append(i)
+        results: list[Any] = [None] * len(items)
+        for idx in groups.values():
+            flat = torch.cat([items[i][0].reshape(-1) for i in idx])
+            self._signature("allreduce", flat, rop)
+            work, post = self._reduce_with(self._allreduce, flat, flat, rop)
+            work.wait()
+            if post is not None:
+                post()
+            offset = 0
+            for i in idx:
+                t, as_np = items[i]
+                piece = flat[offset:offset + t.numel()].view(t.shape)
+                offset += t.numel()
+                if inplace:
+                    dst, writeback = self._inplace(xs[i])
+                    dst.copy_(piece)
+                    if writeback is not None:
+                        writeback()
+                    results[i] = xs[i]
+                else:
+                    results[i] = self._output(piece, as_np)
+        return results
 
     # ----------------------------------------------------------------- point to point
     def _not_self(self, peer: int, call: str, what: str) -> None:
