@@ -44,7 +44,7 @@ _SUM = ReduceOp.SUM
 _INT64 = torch.int64
 
 
-class Collectives:
+class Collectives(abc.ABC):
     """The tensor collectives over one engine (``_bind``); ``comm.Communicator`` adds the rest of the API."""
 
     config: Config
