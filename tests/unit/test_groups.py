@@ -11,7 +11,7 @@ import torch
 
 import unidist
 from unidist import InvalidArgumentError, NotInitializedError
-from unidist.comm.group import SoloGroup, SortedOrder
+from unidist.comm.engine import SoloEngine, SortedOrder
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def mgr() -> unidist.Manager:
 @pytest.mark.parametrize("ranks", [[0], (0,), range(1), np.array([0]), torch.tensor([0]), [np.int64(0)]])
 def test_new_group_accepts_rank_lists(mgr: unidist.Manager, ranks: object) -> None:
     g = mgr.new_group(ranks)  # type: ignore[arg-type]
-    assert isinstance(g, SoloGroup)
+    assert isinstance(g.engine, SoloEngine)
     assert (g.rank, g.size, g.ranks) == (0, 1, (0,))
 
 

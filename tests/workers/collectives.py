@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 import unidist
+from unidist.comm.engine import Engine
 
 try:  # run as a script (tests/workers on sys.path) or imported as workers.collectives by the tests
     import sockets
@@ -207,7 +208,9 @@ def plan(size: int) -> list[Case]:
             prim = PRIMITIVE[call]
             original = getattr(mgr, prim)
             # a backend without an engine-level async call completes inside the call: nothing is in flight
-            in_flight = getattr(type(mgr), prim) is not getattr(unidist.Manager, prim)
+            engine = mgr.engine
+            engine = getattr(engine, "_inner", engine)  # the watchdog's wrapper holds the backend's engine
+            in_flight = getattr(type(engine), prim[1:]) is not getattr(Engine, prim[1:])
 
             def spy(*args: Any) -> Any:
                 probes.append([weakref.ref(a) for a in args if isinstance(a, torch.Tensor)])
@@ -227,7 +230,7 @@ def plan(size: int) -> list[Case]:
                     handle = getattr(mgr, call)(x, "sum")
                     want = np.stack(want_rows).sum(0)
             finally:
-                del mgr.__dict__[prim]
+                setattr(mgr, prim, original)  # the communicator's bound engine primitive
             del base
             gc.collect()
             scratch = [torch.full((64, 3), 99.0, dtype=torch.float32) for _ in range(8)]  # reuse freed memory

@@ -1,13 +1,11 @@
-"""Every public collective, written once on a handful of engine primitives, for the world and for groups.
+"""Every public tensor collective, written once on an engine's primitives, for the world and for groups.
 
-A communicator (the Manager for the whole world, a Group for a subset) implements primitives on contiguous
-torch tensors: ``_allreduce``, ``_broadcast``, ``_allgather``, ``_alltoall``, ``_send``/``_recv``,
-``_barrier`` (plus optional native ``_gather``, ``_scatter``, ``_reduce_scatter`` and async variants).
-Everything a user calls — numpy/torch conversion, in-place variants, ``mean``, bool and half-precision
-handling, uneven sizes, grouped and object collectives, argument checks, desync detection — lives here, so
-every backend and every group behaves the same. Ranks (``root``, ``dest``, ``source``) are this
-communicator's ranks.
-"""
+A communicator (the Manager for the whole world, a Group for a subset) holds an engine (comm/engine.py: the
+backend's primitives on contiguous torch tensors) and calls nothing else of the backend. Everything a user
+calls — numpy/torch conversion, in-place variants, ``mean``, bool and half-precision handling, uneven sizes,
+fused (grouped) reductions, argument checks, desync detection — lives here and in comm/communicator.py (point
+to point, Python objects), so every backend and every group behaves the same. Ranks (``root``, ``dest``,
+``source``) are this communicator's ranks."""
 
 from __future__ import annotations
 
@@ -32,9 +30,7 @@ from unidist.comm.dtypes import (
     split_sizes,
     to_tensor,
 )
-from unidist.comm.objects import ObjectCollectives
-from unidist.comm.p2p import PointToPoint
-from unidist.comm.primitives import Primitives
+from unidist.comm.engine import Engine
 from unidist.comm.work import DONE, Array, Handle, Work
 from unidist.config import Config
 from unidist.errors import CollectiveMismatchError, InvalidArgumentError
@@ -48,19 +44,36 @@ _SUM = ReduceOp.SUM
 _INT64 = torch.int64
 
 
-class Collectives(PointToPoint, ObjectCollectives, Primitives):
-    """The collective API over one communicator; subclasses provide the engine primitives."""
+class Collectives(abc.ABC):
+    """The tensor collectives over one engine (``_bind``); ``comm.Communicator`` adds the rest of the API."""
 
     config: Config
     _device: torch.device
+    _rank: int
+    _size: int
 
     def _init_collectives(self) -> None:
         self._seq = 0
         self._checked = False  # UNIDIST_CHECK_COLLECTIVES on a communicator of 2+ ranks; set when started
-        self._check_buf = torch.zeros(2, dtype=_INT64)  # the desync fingerprint's words: see check.signature
-        self._check_np = self._check_buf.numpy()
         self._fast_dtypes: frozenset[torch.dtype] = frozenset()  # filled by _enable_fast_path: see allreduce
         self._fast_np_dtypes: frozenset[np.dtype[Any]] = frozenset()
+
+    def _bind(self, engine: Engine) -> None:
+        """Hold ``engine`` and keep its primitives as bound methods, read once here: the hot calls then cost no
+        more than a method of this class would (``self._engine.allreduce`` is one attribute read more per call,
+        a tenth of an 8-byte in-place allreduce's own overhead)."""
+        self._engine = engine
+        self._rank, self._size = engine.rank, engine.size
+        self._upcast_reduce, self._wire_dtypes = engine.upcast_reduce, engine.wire_dtypes
+        self._check_np = engine.check_np  # the desync fingerprint's words: see check.signature
+        self._barrier, self._broadcast, self._allreduce = engine.barrier, engine.broadcast, engine.allreduce
+        self._allgather, self._alltoall = engine.allgather, engine.alltoall
+        self._send, self._recv = engine.send, engine.recv
+        self._gather, self._scatter, self._reduce_scatter = engine.gather, engine.scatter, engine.reduce_scatter
+        self._allreduce_async, self._broadcast_async = engine.allreduce_async, engine.broadcast_async
+        self._allgather_async, self._reduce_scatter_async = engine.allgather_async, engine.reduce_scatter_async
+        self._check_exchange, self._check_exchange_async = engine.check_exchange, engine.check_exchange_async
+        self._check_rows = engine.check_rows
 
     def _enable_fast_path(self) -> None:
         """The lean allreduce path for the common case (native dtype, contiguous)."""
@@ -77,18 +90,6 @@ class Collectives(PointToPoint, ObjectCollectives, Primitives):
     @abc.abstractmethod
     def _need_started(self) -> None:
         """Raise NotInitializedError unless the engine behind this communicator is running."""
-
-    @property
-    def rank(self) -> int:
-        """This process's rank in this communicator."""
-        self._need_started()
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        """Number of ranks in this communicator."""
-        self._need_started()
-        return self._size
 
     def _wired(self, t: torch.Tensor) -> torch.Tensor:
         wire = self._wire_dtypes.get(t.dtype)
@@ -228,43 +229,6 @@ class Collectives(PointToPoint, ObjectCollectives, Primitives):
     def allreduce_async_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Handle[Array]:
         """Start an in-place allreduce; ``handle.wait()`` returns x."""
         return self._allreduce_impl(x, op, True, True)  # type: ignore[no-any-return]
-
-    def grouped_allreduce(self, xs: Sequence[Array], op: ReduceOp | str = ReduceOp.SUM) -> list[Array]:
-        """Allreduce many tensors in one exchange per dtype (fused into a flat buffer)."""
-        return self._grouped(xs, op, inplace=False)
-
-    def grouped_allreduce_(self, xs: Sequence[Array], op: ReduceOp | str = ReduceOp.SUM) -> list[Array]:
-        """In-place grouped allreduce; returns the inputs."""
-        return self._grouped(xs, op, inplace=True)
-
-    def _grouped(self, xs: Sequence[Array], op: ReduceOp | str, inplace: bool) -> list[Any]:
-        rop = resolve_op(op)
-        items = [self._input(x) for x in xs]
-        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-        for i, (t, _) in enumerate(items):
-            groups.setdefault((t.dtype, t.device), []).append(i)
-        results: list[Any] = [None] * len(items)
-        for idx in groups.values():
-            flat = torch.cat([items[i][0].reshape(-1) for i in idx])
-            self._signature("allreduce", flat, rop)
-            work, post = self._reduce_with(self._allreduce, flat, flat, rop)
-            work.wait()
-            if post is not None:
-                post()
-            offset = 0
-            for i in idx:
-                t, as_np = items[i]
-                piece = flat[offset:offset + t.numel()].view(t.shape)
-                offset += t.numel()
-                if inplace:
-                    dst, writeback = self._inplace(xs[i])
-                    dst.copy_(piece)
-                    if writeback is not None:
-                        writeback()
-                    results[i] = xs[i]
-                else:
-                    results[i] = self._output(piece, as_np)
-        return results
 
     def broadcast(self, x: Array, root: int = 0) -> Array:
         """Root's value, returned as a new tensor/array on every rank (x's shape and dtype must match root's)."""
@@ -480,9 +444,3 @@ class Collectives(PointToPoint, ObjectCollectives, Primitives):
         got = rows_like(t, sum(recv_rows))
         self._alltoall(self._wired(t), self._wired(got), [r * row for r in send_rows], [r * row for r in recv_rows])
         return self._output(got, as_np)  # type: ignore[no-any-return]
-
-    def mean(self, value: float | torch.Tensor) -> float:
-        """The mean of a scalar over ranks, for logging metrics."""
-        t = value.detach().reshape(1).to(torch.float64) if isinstance(value, torch.Tensor) else \
-            torch.tensor([float(value)], dtype=torch.float64)
-        return float(self.allreduce_(t.cpu(), ReduceOp.MEAN).item())

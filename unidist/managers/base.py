@@ -1,9 +1,10 @@
 """Manager: one distributed run of one engine — lifecycle, topology, groups, and the training entry points.
 
-The collectives are ``unidist.comm``'s, written once; an engine's Manager adds start-up, shutdown and the
-primitives (managers/<engine>.py). Training lives in ``unidist.train``, built on the collectives: the entry
-points here (``prepare``, ``backward``, ...) only hand over to it, importing it on first use, so the
-collective layers below never depend on it at import time.
+The Manager is the world's Communicator (``unidist.comm``: every collective, written once) over the Engine its
+backend makes when it starts; managers/<engine>.py has each backend's engine and start-up/shutdown. Training
+lives in ``unidist.train``, built on the collectives: the entry points here (``prepare``, ``backward``, ...)
+only hand over to it, importing it on first use, so the collective layers below never depend on it at import
+time.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from unidist.comm import watchdog
-from unidist.comm.collectives import Collectives
-from unidist.comm.group import Group, SoloGroup
+from unidist.comm.communicator import Communicator
+from unidist.comm.engine import Engine
+from unidist.comm.group import Group
 from unidist.comm.work import DONE, EngineWork, Handle, Work
 from unidist.config import Config
 from unidist.errors import CollectiveMismatchError, ConfigError, InvalidArgumentError, NotInitializedError, UnidistError
@@ -45,8 +47,9 @@ def get_manager() -> Manager:
     return _active
 
 
-class Manager(Collectives):
-    """One distributed run. ``with Manager() as mgr:`` starts the engine and always shuts it down."""
+class Manager(Communicator):
+    """One distributed run. ``with Manager() as mgr:`` starts the engine and always shuts it down; in between
+    the Manager is the world's communicator over that engine."""
 
     name: ClassVar[str] = "base"
 
@@ -85,19 +88,21 @@ class Manager(Collectives):
             if 1 < self.launch.size == self.launch.local_size:  # one node: the engines listen on loopback only
                 for name, value in local_only_env().items():
                     self._setenv(name, value, only_if_unset=True)
-            self._start()
+            engine = self._start()
             self._device = self._pick_device()
         except BaseException:
             self._restore_env()
             raise
+        # every wait on peers bounded by UNIDIST_TIMEOUT (comm/watchdog.py): the engine is wrapped once, here
+        self._bind(watchdog.watch(engine) if engine.size > 1 else engine)
         self._started = True
         _active = self
         self._enable_fast_path()
-        if self._size > 1:  # every wait on peers bounded by UNIDIST_TIMEOUT: see comm/watchdog.py
-            watchdog.watch_primitives(self)
+        if self._size > 1:
             token = torch.frombuffer(bytearray(os.urandom(12)), dtype=torch.uint8)  # not the user's RNG
             self._broadcast(token, 0)  # the job's name for its heartbeat directory
-            watchdog.start(self.config.timeout, self._rank, self._size, bytes(token.tolist()).hex())
+            watchdog.start(self.config.timeout, self._rank, self._size, bytes(token.tolist()).hex(),
+                           self._engine.abort)
         _log.info("%s started: rank %d of %d on %s", type(self).__name__, self._rank, self._size, self._device)
         return self
 
@@ -139,7 +144,11 @@ class Manager(Collectives):
         return False
 
     def _abort_job(self, exc: BaseException) -> None:
-        """One rank failed while the others may wait in a collective; backends that can, end the job."""
+        """One rank failed while the others may wait in a collective; engines that can, end the job (the
+        others' launchers stop the job when this process exits)."""
+        if self._engine.aborts_job:
+            self._report_failure(exc)
+            self._engine.abort(1)
 
     def _report_failure(self, exc: BaseException) -> None:
         print(f"unidist: rank {self._rank} of {self._size} failed; ending the job so the other ranks do not "
@@ -226,8 +235,8 @@ class Manager(Collectives):
 
     # ----------------------------------------------------------------- lifecycle primitives
     @abc.abstractmethod
-    def _start(self) -> None:
-        """Initialise the engine and set _rank, _size, _local_rank, _local_size, _node_rank."""
+    def _start(self) -> Engine:
+        """Initialise the library, set _local_rank, _local_size, _node_rank and return the world's engine."""
 
     @abc.abstractmethod
     def _shutdown(self) -> None: ...
@@ -263,22 +272,12 @@ class Manager(Collectives):
         return None if mine[0] is None else made[colors.index(mine[0])]
 
     def _groups(self, lists: Sequence[Sequence[int]]) -> list[Group | None]:
-        """One Group per list (this rank's or None), created on every rank in the same order. One-rank groups
-        need no engine; the rest are the engine's (``_engine_groups``)."""
-        engine_lists = [list(m) for m in lists if len(m) > 1]
-        engine = iter(self._engine_groups(engine_lists) if engine_lists else [])
-        out: list[Group | None] = []
-        for members in lists:
-            if len(members) > 1:
-                out.append(next(engine))
-            else:
-                out.append(SoloGroup(self, members) if self._rank in members else None)
+        """One Group per list (this rank's or None), created on every rank in the same order, each over its
+        sub-engine (``Engine.sub``)."""
+        engines = self._engine.sub(lists)
+        out = [None if e is None else Group(self, members, e) for members, e in zip(lists, engines, strict=True)]
         self._made_groups.update(g for g in out if g is not None)
         return out
-
-    def _engine_groups(self, lists: list[list[int]]) -> list[Group | None]:
-        """Sub-communicators for ``lists`` (each of 2+ world ranks); every rank calls this with the same lists."""
-        raise UnidistError(f"the {self.name} backend has no sub-groups")
 
     # ----------------------------------------------------------------- training entry points
     # Thin calls into the training layer: the strategy this Manager was handed when made, never imported here.

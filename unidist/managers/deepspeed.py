@@ -1,4 +1,4 @@
-"""DeepSpeedManager: collectives through ``deepspeed.comm`` (TorchManager's primitives; only start-up differs).
+"""DeepSpeedManager: collectives through ``deepspeed.comm`` (a TorchEngine over it; only start-up differs).
 
 Training through ``deepspeed.initialize`` lives in unidist/train/deepspeed.py.
 """

@@ -14,22 +14,21 @@ from typing import Any, ClassVar
 import torch
 
 from unidist.comm import watchdog
-from unidist.comm.group import Group, SortedOrder
-from unidist.comm.primitives import Primitives
+from unidist.comm.engine import Engine, SortedOrder
 from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError
 from unidist.managers import stores
 from unidist.managers.base import Manager
 from unidist.net import listener, rendezvous_address
-from unidist.ops import ReduceOp, resolve_op
+from unidist.ops import ReduceOp
 
-__all__ = ["HorovodManager"]
+__all__ = ["HorovodEngine", "HorovodManager"]
 
 INSTALL_HINT = ("Horovod 0.28.1 needs a patched build against torch >= 2.1: run "
                 "`bash launch_scripts/install_horovod.sh` in this environment (see README, Horovod)")
 
 
-class HorovodComm(SortedOrder, Primitives):
+class HorovodEngine(SortedOrder, Engine):
     """horovod.torch primitives over one process set (``global_process_set`` for the world).
 
     Horovod keeps a process set's ranks sorted (``SortedOrder`` permutes chunks for groups ordered otherwise)
@@ -38,17 +37,55 @@ class HorovodComm(SortedOrder, Primitives):
     """
 
     # horovod.torch reduces neither bfloat16 nor 8/16-bit integers
-    _upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {
+    upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {
         torch.bfloat16: torch.float32, torch.int8: torch.int32, torch.int16: torch.int32, torch.uint8: torch.int32}
     # ... nor moves bfloat16 or bool tensors: their bits travel as float16 and uint8
-    _wire_dtypes: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.bfloat16: torch.float16, torch.bool: torch.uint8}
-    _hvd: Any
-    _ops: dict[ReduceOp, Any]
-    _p2p: Any
-    _ps: Any
-    _members: tuple[int, ...] | None = None  # world ranks in group order; None: the world
+    wire_dtypes: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.bfloat16: torch.float16, torch.bool: torch.uint8}
 
-    _calls = 0
+    def __init__(self, hvd: Any, p2p: Any, process_set: Any, sets: dict[tuple[int, ...], Any],
+                 members: Sequence[int] | None = None) -> None:
+        world = hvd.rank()
+        super().__init__(world if members is None else list(members).index(world),
+                         hvd.size() if members is None else len(members))
+        self._hvd, self._p2p, self._ps, self._sets = hvd, p2p, process_set, sets
+        self._members = None if members is None else tuple(members)  # world ranks in group order; None: the world
+        if members is not None:
+            self._set_order(members)
+        self._ops = {ReduceOp.SUM: hvd.Sum, ReduceOp.MIN: hvd.Min, ReduceOp.MAX: hvd.Max,
+                     ReduceOp.PRODUCT: hvd.Product}
+        self._calls = 0
+
+    def _split(self, lists: list[list[int]]) -> list[Engine | None]:
+        """A process set per list (every rank registers every set, in the same order; Horovod refuses a set
+        registered twice, so ``_sets`` keeps them, and the Manager removes them at shutdown)."""
+        out: list[Engine | None] = []
+        for ranks in lists:
+            key = tuple(sorted(ranks))
+            ps = self._sets.get(key)
+            if ps is None:
+                ps = self._hvd.global_process_set if len(key) == self._hvd.size() else self._hvd.add_process_set(key)
+                self._sets[key] = ps
+            member = self._hvd.rank() in ranks
+            out.append(HorovodEngine(self._hvd, self._p2p, ps, self._sets, ranks) if member else None)
+        return out
+
+    def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp, inplace: bool) -> list[Any] | None:
+        """``hvd.grouped_allreduce(_)`` for torch tensors Horovod can reduce (in place: contiguous ones); None
+        for anything else (numpy, bf16, bool, int8/16), which the communicator fuses itself."""
+        native = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
+        if not all(type(x) is torch.Tensor and x.dtype in native and (x.is_contiguous() or not inplace) for x in xs):
+            return None
+        if op is ReduceOp.MEAN:
+            if not all(x.dtype.is_floating_point for x in xs):
+                return None
+            hvd_op = self._hvd.Average
+        else:
+            hvd_op = self._ops[op]
+        name, tensors = self._name("gar"), [x.detach() for x in xs]
+        if inplace:
+            self._hvd.grouped_allreduce_(tensors, op=hvd_op, name=name, process_set=self._ps)
+            return list(xs)
+        return list(self._hvd.grouped_allreduce(tensors, op=hvd_op, name=name, process_set=self._ps))
 
     def _world(self, rank: int) -> int:
         return rank if self._members is None else self._members[rank]
@@ -64,32 +101,32 @@ class HorovodComm(SortedOrder, Primitives):
         hvd = self._hvd
         return EngineWork(lambda: hvd.synchronize(handle), lambda: hvd.poll(handle), *keep)
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
         self._hvd.barrier(process_set=self._ps)
 
-    def _broadcast(self, t: torch.Tensor, root: int) -> None:
+    def broadcast(self, t: torch.Tensor, root: int) -> None:
         self._hvd.broadcast_(t, self._world(root), name=self._name("bc"), process_set=self._ps)
 
-    def _broadcast_async(self, t: torch.Tensor, root: int) -> Work:
+    def broadcast_async(self, t: torch.Tensor, root: int) -> Work:
         return self._work(self._hvd.broadcast_async_(t, self._world(root), name=self._name("bc"), process_set=self._ps),
                           t)
 
-    def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
+    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
         if send is not recv:
             recv.copy_(send)
         self._hvd.allreduce_(recv, op=self._ops[op], name=self._name("ar"), process_set=self._ps)
 
-    def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
+    def allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
         if send is not recv:
             recv.copy_(send)
         return self._work(self._hvd.allreduce_async_(recv, op=self._ops[op], name=self._name("ar"),
                                                       process_set=self._ps), send, recv)
 
-    def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
         out = self._hvd.allgather(send.reshape(-1), name=self._name("ag"), process_set=self._ps)  # uneven: fine
         recv.view(-1).copy_(self._from_engine_order(out, counts))
 
-    def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
+    def alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
                   recv_counts: Sequence[int]) -> None:
         flat = self._to_engine_order(send.reshape(-1), send_counts)
         splits = torch.tensor(self._permuted(send_counts), dtype=torch.int32)
@@ -98,66 +135,52 @@ class HorovodComm(SortedOrder, Primitives):
             out = out[0]
         recv.view(-1).copy_(self._from_engine_order(out, recv_counts))
 
-    def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+    def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         self._p2p.send([t], self._world(dest), tag).wait()
 
-    def _recv(self, t: torch.Tensor, source: int, tag: int) -> None:
+    def recv(self, t: torch.Tensor, source: int, tag: int) -> None:
         self._p2p.recv([t], self._world(source), tag).wait()
 
 
-
-
-class HorovodGroup(HorovodComm, Group):
-    """A Horovod process set (registered once per set of ranks; Horovod refuses duplicates)."""
-
-    def __init__(self, owner: HorovodManager, ranks: list[int], process_set: Any) -> None:
-        self._hvd, self._ops, self._p2p, self._ps = owner._hvd, owner._ops, owner._p2p, process_set
-        self._members = tuple(ranks)
-        self._set_order(ranks)
-        Group.__init__(self, owner, ranks)
-
-
-class HorovodManager(HorovodComm, Manager):
+class HorovodManager(Manager):
     """Horovod collectives; topology from Horovod (cross_rank is the node)."""
 
     name = "horovod"
 
-    def _start(self) -> None:
+    def _start(self) -> Engine:
         try:
             import horovod.torch as hvd
         except ImportError as err:
             raise BackendUnavailableError(f"the 'horovod' backend needs horovod.torch ({err}); {INSTALL_HINT}") \
                 from err
         hvd.init(process_sets="dynamic")  # groups are registered at run time (split, new_group)
-        self._hvd = hvd
-        self._ps = hvd.global_process_set
+        self._hvd = hvd  # train/horovod.py uses Horovod's own training calls
         self._process_sets: dict[tuple[int, ...], Any] = {}
-        self._rank, self._size = hvd.rank(), hvd.size()
         self._local_rank, self._local_size, self._node_rank = hvd.local_rank(), hvd.local_size(), hvd.cross_rank()
-        self._ops = {ReduceOp.SUM: hvd.Sum, ReduceOp.MIN: hvd.Min, ReduceOp.MAX: hvd.Max,
-                     ReduceOp.PRODUCT: hvd.Product}
         self._p2p: Any = None
         self._p2p_store: Any = None  # rank 0 hosts it: closed after the others left (managers/stores.py)
-        if self._size > 1:
+        if hvd.size() > 1:
             self._p2p = self._p2p_group()
+        return HorovodEngine(hvd, self._p2p, hvd.global_process_set, self._process_sets)
 
     def _p2p_group(self) -> Any:
         import torch.distributed
 
         dist: Any = torch.distributed  # TCPStore, PrefixStore, ProcessGroupGloo: not in its typed exports
         timeout = watchdog.engine_timeout(self.config.timeout)
-        single_node = self._local_size == self._size
-        if self._rank == 0:  # one address only, port held from the start (see managers/stores.py)
+        rank, size = self._hvd.rank(), self._hvd.size()
+        single_node = self._local_size == size
+        if rank == 0:  # one address only, port held from the start (see managers/stores.py)
             sock = listener(rendezvous_address(single_node))
             address = sock.getsockname()[:2]
-            store = stores.serve(sock, self._size, timeout)
+            store = stores.serve(sock, size, timeout)
         else:
             address = None
         host, port = self._hvd.broadcast_object(address, root_rank=0, name="unidist.p2p.address")
-        if self._rank != 0:
-            store = stores.connect(host, port, self._size, timeout)
+        if rank != 0:
+            store = stores.connect(host, port, size, timeout)
         self._p2p_store = store
-        return dist.ProcessGroupGloo(dist.PrefixStore("unidist_p2p", store), self._rank, self._size, timeout)
+        return dist.ProcessGroupGloo(dist.PrefixStore("unidist_p2p", store), rank, size, timeout)
 
     def _shutdown(self) -> None:
         for ps in self._process_sets.values():
@@ -171,42 +194,3 @@ class HorovodManager(HorovodComm, Manager):
 
     def _drop_p2p(self) -> None:
         self._p2p = self._p2p_store = None
-
-    def _engine_groups(self, lists: list[list[int]]) -> list[Group | None]:
-        """A process set per list (every rank registers every set, in the same order)."""
-        out: list[Group | None] = []
-        for ranks in lists:
-            key = tuple(sorted(ranks))
-            ps = self._process_sets.get(key)
-            if ps is None:
-                ps = self._hvd.global_process_set if len(key) == self._size else self._hvd.add_process_set(key)
-                self._process_sets[key] = ps
-            out.append(HorovodGroup(self, ranks, ps) if self._rank in ranks else None)
-        return out
-
-    # ------------------------------------------------------------ grouped ops: Horovod's own call
-    def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM) -> list[Any]:
-        """``hvd.grouped_allreduce`` for torch tensors Horovod can reduce; anything else (numpy, bf16, bool,
-        int8/16, checked runs) takes the base class's fused path."""
-        hvd_op = self._grouped_op(xs, op)
-        if hvd_op is None:
-            return super().grouped_allreduce(xs, op)
-        return list(self._hvd.grouped_allreduce([x.detach() for x in xs], op=hvd_op, name=self._name("gar")))
-
-    def grouped_allreduce_(self, xs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM) -> list[Any]:
-        """``hvd.grouped_allreduce_`` in place, under the same conditions as ``grouped_allreduce``."""
-        hvd_op = self._grouped_op(xs, op)
-        if hvd_op is None or not all(x.is_contiguous() for x in xs):
-            return super().grouped_allreduce_(xs, op)
-        self._hvd.grouped_allreduce_([x.detach() for x in xs], op=hvd_op, name=self._name("gar"))
-        return list(xs)
-
-    def _grouped_op(self, xs: Sequence[Any], op: ReduceOp | str) -> Any:
-        rop = resolve_op(op)
-        native = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
-        if not xs or self.config.check_collectives or not all(
-                type(x) is torch.Tensor and x.dtype in native for x in xs):
-            return None
-        if rop is ReduceOp.MEAN:
-            return self._hvd.Average if all(x.dtype.is_floating_point for x in xs) else None
-        return self._ops[rop]

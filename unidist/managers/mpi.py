@@ -15,8 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from unidist.comm.group import Group
-from unidist.comm.primitives import Primitives
+from unidist.comm.engine import Engine
 from unidist.comm.work import DONE, EngineWork, Work
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.launch import family
@@ -24,10 +23,9 @@ from unidist.managers.base import Manager
 from unidist.ops import ReduceOp
 from unidist.registry import for_launcher, get
 
-__all__ = ["MPIManager"]
+__all__ = ["MPIEngine", "MPIManager"]
 
 _SUM = ReduceOp.SUM
-
 
 
 def import_mpi() -> Any:
@@ -94,25 +92,75 @@ def _displs(counts: Sequence[int]) -> list[int]:
     return [0, *accumulate(counts)][:-1]
 
 
-class MPIComm(Primitives):
-    """MPI primitives over one communicator ``_comm`` (the world's duplicate, or a group's Split of it)."""
+class _Shared:
+    """What every MPI engine of one run shares: mpi4py's datatype and op tables, and what is freed at close (the
+    persistent requests first, then the communicators, newest first)."""
+
+    def __init__(self, MPI: Any) -> None:
+        self.MPI = MPI
+        self.ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
+        self.types = {
+            torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
+            torch.float16: MPI.INT16_T, torch.bfloat16: MPI.INT16_T,  # moved as bits, never reduced here
+            torch.int8: MPI.INT8_T, torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T,
+            torch.int64: MPI.INT64_T, torch.uint8: MPI.UINT8_T, torch.bool: MPI.UINT8_T,
+        }
+        self.cuda_aware = _query_cuda_support(MPI)
+        self.persistent: list[Any] = []
+        self.comms: list[Any] = []
+
+    def close(self) -> None:
+        for req in self.persistent:
+            req.Free()
+        self.persistent.clear()
+        for comm in reversed(self.comms):
+            comm.Free()
+        self.comms.clear()
+
+
+class MPIEngine(Engine):
+    """MPI primitives over one communicator ``_comm`` (the world's duplicate, or a group's Split of it) and the
+    desync check's duplicate of it, ``_check_comm``. The hot calls read their tables from this instance's own
+    attributes (each read through ``_shared`` is ~0.1 us against a 2 us shared-memory allreduce)."""
 
     # MPI has no 16-bit float reductions: reduce them in float32 (moving them needs no arithmetic)
-    _upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {
+    upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {
         torch.float16: torch.float32, torch.bfloat16: torch.float32}
-    _comm: Any
-    _check_comm: Any
-    _check_np: Any
-    _check_req: Any = None
-    _persistent: list[Any]  # persistent requests of the manager and its groups, freed before the communicators
-    _specs: dict[tuple[Any, ...], list[Any]]
-    _types: dict[torch.dtype, Any]
-    _ops: dict[ReduceOp, Any]
-    _mpi_sum: Any
-    _in_place: Any
-    _frombuffer: Any
-    _empty: Any
-    _cuda_aware: bool
+    aborts_job = True
+
+    def __init__(self, comm: Any, check_comm: Any, shared: _Shared) -> None:
+        super().__init__(comm.Get_rank(), comm.Get_size())
+        MPI = shared.MPI
+        self._comm, self._check_comm, self._shared = comm, check_comm, shared
+        shared.comms += [comm, check_comm]
+        self._specs: dict[tuple[Any, ...], list[Any]] = {}
+        self._types, self._ops, self._cuda_aware = shared.types, shared.ops, shared.cuda_aware
+        self._mpi_sum = MPI.SUM  # the common op without an Enum hash (~0.1 us)
+        self._in_place, self._frombuffer = MPI.IN_PLACE, MPI.buffer.fromaddress
+        self._empty = np.empty(0, dtype=np.uint8)
+        self._check_np = self.check_np
+        self._check_req: Any = None
+        self._persistent = shared.persistent  # persistent requests, freed before the communicators
+
+    def _split(self, lists: list[list[int]]) -> list[Engine | None]:
+        """One ``Comm.Split`` for all the (disjoint) lists: color = the list, key = the position in it."""
+        mine = next((i for i, ranks in enumerate(lists) if self.rank in ranks), None)
+        color = self._shared.MPI.UNDEFINED if mine is None else mine
+        key = 0 if mine is None else lists[mine].index(self.rank)
+        sub = self._comm.Split(color, key)
+        out: list[Engine | None] = [None] * len(lists)
+        if mine is not None:
+            out[mine] = MPIEngine(sub, sub.Dup(), self._shared)
+        return out
+
+    def abort(self, code: int) -> None:
+        """MPI_Abort: mpiexec ends every rank of the job."""
+        self._shared.MPI.COMM_WORLD.Abort(code)
+
+    def close(self) -> None:
+        """Free every communicator and persistent request of this run (called on the world's engine)."""
+        self._specs.clear()
+        self._shared.close()
 
     # ------------------------------------------------------------ buffers
     def _spec(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> list[Any]:
@@ -165,17 +213,17 @@ class MPIComm(Primitives):
         return (self._cuda_aware or ((a is None or not a.is_cuda) and (b is None or not b.is_cuda)))
 
     # ------------------------------------------------------------ primitives
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
         self._comm.Barrier()
 
     # The desync check on its own communicator: a check never matches a desynchronised peer's data call, and it
     # may run beside the call it checks. One persistent collective for every check, blocking or not (MPI matches
     # a persistent collective only with persistent ones): its schedule is built once, 1.6 us beside an 8-byte
     # call vs 2.7 us for an Iallreduce each time (measured on 2 ranks).
-    def _check_exchange(self) -> None:
-        self._check_exchange_async()()
+    def check_exchange(self) -> None:
+        self.check_exchange_async()()
 
-    def _check_exchange_async(self) -> Callable[[], object]:
+    def check_exchange_async(self) -> Callable[[], object]:
         req = self._check_req
         if req is None:
             req = self._check_req = self._check_comm.Allreduce_init(self._in_place, self._check_np,
@@ -184,26 +232,26 @@ class MPIComm(Primitives):
         req.Start()
         return req.Wait  # type: ignore[no-any-return]
 
-    def _check_rows(self, mine: torch.Tensor, table: torch.Tensor) -> Work:
-        counts = [mine.numel()] * self._size
+    def check_rows(self, mine: torch.Tensor, table: torch.Tensor) -> Work:
+        counts = [mine.numel()] * self.size
         return _request(self._check_comm.Iallgatherv(self._spec(mine), self._spec(table, counts)), mine, table)
 
-    def _broadcast(self, t: torch.Tensor, root: int) -> None:
+    def broadcast(self, t: torch.Tensor, root: int) -> None:
         if not self._device_ok(t):
-            return self._staged(lambda s, r: self._broadcast(r, root), t, t)
+            return self._staged(lambda s, r: self.broadcast(r, root), t, t)
         self._comm.Bcast(self._spec(t), root)
 
-    def _broadcast_async(self, t: torch.Tensor, root: int) -> Work:
+    def broadcast_async(self, t: torch.Tensor, root: int) -> Work:
         if not self._device_ok(t):
-            self._broadcast(t, root)
+            self.broadcast(t, root)
             return DONE
         spec = self._spec(t)
         return _request(self._comm.Ibcast(spec, root), t, spec)
 
-    def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
+    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
         # the hottest call: every attribute read here is ~0.1 us against a 2 us shared-memory allreduce
         if recv.is_cuda and not self._cuda_aware:
-            return self._staged(self._allreduce, send, recv, op)
+            return self._staged(self.allreduce, send, recv, op)
         nbytes = recv.nbytes
         mpi_op = self._mpi_sum if op is _SUM else self._ops[op]
         if nbytes > CHUNKED_ABOVE:
@@ -213,9 +261,9 @@ class MPIComm(Primitives):
         rspec = self._specs.get((recv.data_ptr(), nbytes, recv.dtype, None)) or self._spec(recv)
         self._comm.Allreduce(self._in_place if send is recv else self._spec(send), rspec, mpi_op)
 
-    def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
+    def allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
         if not self._device_ok(recv):
-            self._allreduce(send, recv, op)
+            self.allreduce(send, recv, op)
             return DONE
         if recv.nbytes > CHUNKED_ABOVE:
             pieces = list(_chunks(send, recv))
@@ -230,17 +278,17 @@ class MPIComm(Primitives):
         rspec = self._spec(recv)
         return _request(self._comm.Iallreduce(sspec, rspec, self._ops[op]), send, recv, sspec, rspec)
 
-    def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
         if not self._device_ok(send, recv):
-            return self._staged(self._allgather, send, recv, counts)
+            return self._staged(self.allgather, send, recv, counts)
         if _even(counts):  # MPICH's Allgatherv runs at half Allgather's rate (2 MiB: 284 vs 142 us on 2 ranks)
             self._comm.Allgather(self._block(send), self._block(recv))
             return
         self._comm.Allgatherv(self._spec(send), self._spec(recv, counts))
 
-    def _allgather_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Work:
+    def allgather_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Work:
         if not self._device_ok(send, recv):
-            self._allgather(send, recv, counts)
+            self.allgather(send, recv, counts)
             return DONE
         if _even(counts):
             sspec, rspec = self._block(send), self._block(recv)
@@ -248,68 +296,55 @@ class MPIComm(Primitives):
         sspec, rspec = self._spec(send), self._spec(recv, counts)
         return _request(self._comm.Iallgatherv(sspec, rspec), send, recv, sspec, rspec)
 
-    def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
+    def alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
                   recv_counts: Sequence[int]) -> None:
         if not self._device_ok(send, recv):
-            return self._staged(self._alltoall, send, recv, send_counts, recv_counts)
+            return self._staged(self.alltoall, send, recv, send_counts, recv_counts)
         if _even(send_counts) and _even(recv_counts):  # as for Allgather: the v-variant is slower
             self._comm.Alltoall(self._block(send), self._block(recv))
             return
         self._comm.Alltoallv(self._spec(send, send_counts), self._spec(recv, recv_counts))
 
-    def _gather(self, send: torch.Tensor, recv: torch.Tensor | None, counts: Sequence[int], root: int) -> None:
+    def gather(self, send: torch.Tensor, recv: torch.Tensor | None, counts: Sequence[int], root: int) -> None:
         if not self._device_ok(send, recv):
-            return self._staged(self._gather, send, recv, counts, root)
+            return self._staged(self.gather, send, recv, counts, root)
         self._comm.Gatherv(self._spec(send), self._spec(recv, counts) if recv is not None else None, root)
 
-    def _scatter(self, send: torch.Tensor | None, recv: torch.Tensor, counts: Sequence[int], root: int) -> None:
+    def scatter(self, send: torch.Tensor | None, recv: torch.Tensor, counts: Sequence[int], root: int) -> None:
         if not self._device_ok(send, recv):
-            return self._staged(self._scatter, send, recv, counts, root)
+            return self._staged(self.scatter, send, recv, counts, root)
         self._comm.Scatterv(self._spec(send, counts) if send is not None else None, self._spec(recv), root)
 
-    def _reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
                         op: ReduceOp) -> None:
         if not self._device_ok(send, recv):
-            return self._staged(self._reduce_scatter, send, recv, counts, op)
+            return self._staged(self.reduce_scatter, send, recv, counts, op)
         if _even(counts):
             self._comm.Reduce_scatter_block(self._block(send), self._block(recv), self._ops[op])
             return
         self._comm.Reduce_scatter(self._spec(send), self._spec(recv), list(counts), self._ops[op])
 
-    def _reduce_scatter_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
+    def reduce_scatter_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
                               op: ReduceOp) -> Work:
         if not self._device_ok(send, recv):
-            self._reduce_scatter(send, recv, counts, op)
+            self.reduce_scatter(send, recv, counts, op)
             return DONE
         sspec, rspec = self._spec(send), self._spec(recv)
         return _request(self._comm.Ireduce_scatter(sspec, rspec, list(counts), self._ops[op]), send, recv, sspec,
                         rspec)
 
-    def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+    def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         if not self._device_ok(t):
             t = t.cpu()
         self._comm.Send(self._spec(t), dest, tag)
 
-    def _recv(self, t: torch.Tensor, source: int, tag: int) -> None:
+    def recv(self, t: torch.Tensor, source: int, tag: int) -> None:
         if not self._device_ok(t):
-            return self._staged(lambda s, r: self._recv(r, source, tag), None, t)
+            return self._staged(lambda s, r: self.recv(r, source, tag), None, t)
         self._comm.Recv(self._spec(t), source, tag)
 
 
-
-
-class MPIGroup(MPIComm, Group):
-    """A sub-communicator made by ``Comm.Split``; shares the world's datatype and op tables."""
-
-    def __init__(self, owner: MPIManager, ranks: list[int], comm: Any, check_comm: Any) -> None:
-        for name in ("_types", "_ops", "_mpi_sum", "_in_place", "_frombuffer", "_empty", "_cuda_aware",
-                     "_persistent"):
-            setattr(self, name, getattr(owner, name))
-        self._comm, self._check_comm, self._specs = comm, check_comm, {}
-        Group.__init__(self, owner, ranks)
-
-
-class MPIManager(MPIComm, Manager):
+class MPIManager(Manager):
     """MPI through mpi4py; topology from the engine (shared-memory split gives local rank and node)."""
 
     name = "mpi"
@@ -321,14 +356,14 @@ class MPIManager(MPIComm, Manager):
         self._need_started()
         return self._comm
 
-    def _start(self) -> None:
+    def _start(self) -> Engine:
         MPI = import_mpi()
-        self._comm = MPI.COMM_WORLD.Dup()  # our own context: user MPI traffic cannot match ours
-        self._check_comm = self._comm.Dup()  # the desync check's own context (see _check_exchange)
-        self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
-        if self.launch.launched and self.launch.size != self._size:
-            self._check_comm.Free()
-            self._comm.Free()
+        comm = MPI.COMM_WORLD.Dup()  # our own context: user MPI traffic cannot match ours
+        check_comm = comm.Dup()  # the desync check's own context (see MPIEngine.check_exchange)
+        rank, size = comm.Get_rank(), comm.Get_size()
+        if self.launch.launched and self.launch.size != size:
+            check_comm.Free()
+            comm.Free()
             fam = family(self.launch.launcher)
             if fam is not None and not fam.mpi_like:  # torchrun, deepspeed, horovodrun --gloo: no MPI world
                 raise LaunchEnvironmentError(
@@ -338,63 +373,24 @@ class MPIManager(MPIComm, Manager):
                     "start the job with mpiexec for the mpi backend.")
             raise LaunchEnvironmentError(
                 f"the {self.launch.launcher} launcher announced {self.launch.size} processes but MPI sees "
-                f"{self._size}: mpi4py is linked to a different MPI than the launcher that started this job. "
+                f"{size}: mpi4py is linked to a different MPI than the launcher that started this job. "
                 "Launch with the mpiexec of the MPI mpi4py uses (`unidist launch` picks it) or rebuild mpi4py."
             )
-        self._node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._rank)
+        self._node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         self._local_rank, self._local_size = self._node.Get_rank(), self._node.Get_size()
-        leaders = self._comm.Split(0 if self._local_rank == 0 else MPI.UNDEFINED, self._rank)
+        leaders = comm.Split(0 if self._local_rank == 0 else MPI.UNDEFINED, rank)
         node_rank = np.array([leaders.Get_rank() if leaders != MPI.COMM_NULL else 0], dtype=np.int64)
         if leaders != MPI.COMM_NULL:
             leaders.Free()
         self._node.Bcast([node_rank, 1, MPI.INT64_T], root=0)
         self._node_rank = int(node_rank[0])
-        self._in_place = MPI.IN_PLACE
-        self._frombuffer = MPI.buffer.fromaddress
-        self._empty = np.empty(0, dtype=np.uint8)
-        self._specs: dict[tuple[Any, ...], list[Any]] = {}
-        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
-                     ReduceOp.PRODUCT: MPI.PROD}
-        self._mpi_sum = MPI.SUM  # the common op without an Enum hash (~0.1 us)
-        self._types = {
-            torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
-            torch.float16: MPI.INT16_T, torch.bfloat16: MPI.INT16_T,  # moved as bits, never reduced here
-            torch.int8: MPI.INT8_T, torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T,
-            torch.int64: MPI.INT64_T, torch.uint8: MPI.UINT8_T, torch.bool: MPI.UINT8_T,
-        }
-        self._cuda_aware = _query_cuda_support(MPI)
-        self._undefined = MPI.UNDEFINED
-        self._subcomms: list[Any] = []
-        self._persistent = []
+        self._comm = comm  # the world's MPI communicator (the benchmarks' raw-engine calls use it)
+        self._mpi = MPIEngine(comm, check_comm, _Shared(MPI))
+        return self._mpi
 
     def _shutdown(self) -> None:
-        self._specs.clear()
-        for req in self._persistent:
-            req.Free()
-        self._persistent.clear()
-        for sub in self._subcomms:
-            sub.Free()  # a group's communicator and its check communicator
-        self._subcomms.clear()
         self._node.Free()
-        self._check_comm.Free()
-        self._comm.Free()
-
-    def _engine_groups(self, lists: list[list[int]]) -> list[Group | None]:
-        """One ``Comm.Split`` for all the (disjoint) lists: color = the list, key = the position in it."""
-        mine = next((i for i, ranks in enumerate(lists) if self._rank in ranks), None)
-        color = self._undefined if mine is None else mine
-        key = 0 if mine is None else lists[mine].index(self._rank)
-        sub = self._comm.Split(color, key)
-        out: list[Group | None] = [None] * len(lists)
-        if mine is not None:
-            check_comm = sub.Dup()
-            self._subcomms += [sub, check_comm]
-            out[mine] = MPIGroup(self, lists[mine], sub, check_comm)
-        return out
-
-    def _abort_job(self, exc: BaseException) -> None:
-        self._report_failure(exc)
-        self._comm.Abort(1)
+        self._mpi.close()
 
 
 def _query_cuda_support(MPI: Any) -> bool:

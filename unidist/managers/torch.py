@@ -17,8 +17,7 @@ from typing import Any, ClassVar, NoReturn
 import torch
 
 from unidist.comm import watchdog
-from unidist.comm.group import Group, SortedOrder
-from unidist.comm.primitives import Primitives
+from unidist.comm.engine import Engine, SortedOrder
 from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.launch import family
@@ -27,15 +26,14 @@ from unidist.managers.base import Manager
 from unidist.net import listener, rendezvous_address
 from unidist.ops import ReduceOp
 
-__all__ = ["TorchManager"]
-
+__all__ = ["TorchEngine", "TorchManager"]
 
 
 def _work(work: Any, *keep: object) -> Work:
     return EngineWork(work.wait, work.is_completed, *keep)
 
 
-class TorchComm(SortedOrder, Primitives):
+class TorchEngine(SortedOrder, Engine):
     """torch.distributed (or deepspeed.comm) primitives over one process group: ``_pg`` None is the world.
 
     Both APIs name peers and roots by world rank, also inside a group (``_world`` translates), and order a
@@ -43,41 +41,61 @@ class TorchComm(SortedOrder, Primitives):
     """
 
     # gloo and nccl have no int16 arithmetic or transport: reduce in int32, move the raw bits as float16
-    _upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.int16: torch.int32}
-    _wire_dtypes: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.int16: torch.float16}
-    _dist: Any = None
-    _pg: Any = None
-    _members: tuple[int, ...] | None = None  # world ranks of the group's members; None: the world
-    _ops: dict[ReduceOp, Any]
-    _gather_into: Any
-    _reduce_scatter_into: Any
+    upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.int16: torch.int32}
+    wire_dtypes: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.int16: torch.float16}
+
+    def __init__(self, dist: Any, rank: int, size: int, pg: Any = None, members: Sequence[int] | None = None) -> None:
+        super().__init__(rank, size)
+        self._dist, self._pg = dist, pg
+        self._members = None if members is None else tuple(members)  # world ranks in group order; None: the world
+        if members is not None:
+            self._set_order(members)  # torch numbers a group's members by world rank, whatever order they came in
+        # torch >= 2.10 renamed the *_tensor calls *_single and warns on the old names, which deepspeed.comm
+        # still calls: take them from torch.distributed itself (the same default group under DeepSpeed).
+        import torch.distributed as tdist
+
+        self._gather_into = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+        self._reduce_scatter_into = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+        ops = tdist.ReduceOp  # deepspeed.comm takes torch's ops too
+        self._ops = {ReduceOp.SUM: ops.SUM, ReduceOp.MIN: ops.MIN, ReduceOp.MAX: ops.MAX,
+                     ReduceOp.PRODUCT: ops.PRODUCT}
+
+    def _split(self, lists: list[list[int]]) -> list[Engine | None]:
+        """``new_group`` for each list, on every rank in the same order (the engine requires both)."""
+        out: list[Engine | None] = []
+        for ranks in lists:
+            pg = self._dist.new_group(ranks)
+            me = self._world(self.rank)
+            out.append(TorchEngine(self._dist, ranks.index(me), len(ranks), pg, [self._world(r) for r in ranks])
+                       if me in ranks else None)
+        return out
 
     def _world(self, rank: int) -> int:
         return rank if self._members is None else self._members[rank]
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
         self._dist.barrier(group=self._pg)
 
-    def _broadcast(self, t: torch.Tensor, root: int) -> None:
+    def broadcast(self, t: torch.Tensor, root: int) -> None:
         self._dist.broadcast(t, self._world(root), group=self._pg)
 
-    def _broadcast_async(self, t: torch.Tensor, root: int) -> Work:
+    def broadcast_async(self, t: torch.Tensor, root: int) -> Work:
         return _work(self._dist.broadcast(t, self._world(root), group=self._pg, async_op=True), t)
 
-    def _allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
+    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
         if send is not recv:
             recv.copy_(send)
         self._dist.all_reduce(recv, self._ops[op], group=self._pg)
 
-    def _allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
+    def allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
         if send is not recv:
             recv.copy_(send)
         return _work(self._dist.all_reduce(recv, self._ops[op], group=self._pg, async_op=True), send, recv)
 
-    def _allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
-        self._allgather_async(send, recv, counts).wait()
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
+        self.allgather_async(send, recv, counts).wait()
 
-    def _allgather_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Work:
+    def allgather_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Work:
         width = max(counts) if counts else 0
         flat_send, flat_recv = send.reshape(-1), recv.view(-1)
         if all(c == width for c in counts) and self._perm is None:
@@ -86,16 +104,16 @@ class TorchComm(SortedOrder, Primitives):
         # parts in group order: the engine's is by world rank)
         padded = flat_send.new_zeros(width)
         padded[: flat_send.numel()] = flat_send
-        staging = flat_send.new_empty(width * self._size)
+        staging = flat_send.new_empty(width * self.size)
         self._gather_into(staging, padded, group=self._pg)
-        staging = self._from_engine_order(staging, [width] * self._size)
+        staging = self._from_engine_order(staging, [width] * self.size)
         offset = 0
         for rank, count in enumerate(counts):
             flat_recv[offset:offset + count] = staging[rank * width:rank * width + count]
             offset += count
         return EngineWork(lambda: None, lambda: True, send, recv)  # done; kept like an engine's handle
 
-    def _alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
+    def alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
                   recv_counts: Sequence[int]) -> None:
         if self._perm is None:
             self._dist.all_to_all_single(recv.view(-1), send.reshape(-1), list(recv_counts), list(send_counts),
@@ -106,43 +124,30 @@ class TorchComm(SortedOrder, Primitives):
                                      self._permuted(recv_counts), self._permuted(send_counts), group=self._pg)
         recv.view(-1).copy_(self._from_engine_order(staging, recv_counts))
 
-    def _reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
                         op: ReduceOp) -> None:
         if all(c == counts[0] for c in counts):
             flat = self._to_engine_order(send.reshape(-1), counts)
             self._reduce_scatter_into(recv.view(-1), flat, self._ops[op], group=self._pg)
         else:
-            super()._reduce_scatter(send, recv, counts, op)
+            super().reduce_scatter(send, recv, counts, op)
 
-    def _reduce_scatter_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
+    def reduce_scatter_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
                               op: ReduceOp) -> Work:
         if not all(c == counts[0] for c in counts):
-            return super()._reduce_scatter_async(send, recv, counts, op)
+            return super().reduce_scatter_async(send, recv, counts, op)
         flat = self._to_engine_order(send.reshape(-1), counts)
         return _work(self._reduce_scatter_into(recv.view(-1), flat, self._ops[op], group=self._pg, async_op=True),
                      send, flat, recv)
 
-    def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+    def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         self._dist.send(t, self._world(dest), group=self._pg, tag=tag)
 
-    def _recv(self, t: torch.Tensor, source: int, tag: int) -> None:
+    def recv(self, t: torch.Tensor, source: int, tag: int) -> None:
         self._dist.recv(t, self._world(source), group=self._pg, tag=tag)
 
 
-
-
-class TorchGroup(TorchComm, Group):
-    """A torch (or DeepSpeed) process group made by ``new_group``."""
-
-    def __init__(self, owner: TorchManager, ranks: list[int], pg: Any) -> None:
-        self._dist, self._ops = owner._dist, owner._ops
-        self._gather_into, self._reduce_scatter_into = owner._gather_into, owner._reduce_scatter_into
-        self._pg, self._members = pg, tuple(ranks)
-        self._set_order(ranks)  # torch numbers a group's members by world rank, whatever order they came in
-        Group.__init__(self, owner, ranks)
-
-
-class TorchManager(TorchComm, Manager):
+class TorchManager(Manager):
     """torch.distributed process group over env:// rendezvous."""
 
     name = "torch"
@@ -226,7 +231,7 @@ class TorchManager(TorchComm, Manager):
                                 world_size=launch.size, timeout=timeout)
         self._store = store
 
-    def _start(self) -> None:
+    def _start(self) -> Engine:
         self._dist = self._import_dist()
         launch = self.launch
         self._local_rank, self._local_size, self._node_rank = launch.local_rank, launch.local_size, launch.node_rank
@@ -242,21 +247,13 @@ class TorchManager(TorchComm, Manager):
                 if self._over_mpi:  # the peers wait for this rank's store: end the MPI job instead of a hang
                     _abort_mpi_job()
                 raise
-        self._rank, self._size = self._dist.get_rank(), self._dist.get_world_size()
-        if launch.launched and (self._rank, self._size) != (launch.rank, launch.size):
+        rank, size = self._dist.get_rank(), self._dist.get_world_size()
+        if launch.launched and (rank, size) != (launch.rank, launch.size):
             raise LaunchEnvironmentError(
-                f"the process group says rank {self._rank} of {self._size} but the {launch.launcher} launcher "
+                f"the process group says rank {rank} of {size} but the {launch.launcher} launcher "
                 f"announced rank {launch.rank} of {launch.size}"
             )
-        # torch >= 2.10 renamed the *_tensor calls *_single and warns on the old names, which deepspeed.comm
-        # still calls: take them from torch.distributed itself (the same default group under DeepSpeed).
-        import torch.distributed as tdist
-
-        self._gather_into = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
-        self._reduce_scatter_into = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
-        ops = tdist.ReduceOp  # deepspeed.comm takes torch's ops too
-        self._ops = {ReduceOp.SUM: ops.SUM, ReduceOp.MIN: ops.MIN, ReduceOp.MAX: ops.MAX,
-                     ReduceOp.PRODUCT: ops.PRODUCT}
+        return TorchEngine(self._dist, rank, size)
 
     def _shutdown(self) -> None:
         # Manager.shutdown has made the ranks meet first: a rank destroying its gloo group while a peer was still
@@ -268,14 +265,6 @@ class TorchManager(TorchComm, Manager):
             self._dist.destroy_process_group()
             return
         stores.leave_in_order(store, self._rank, self._size, self.config.timeout, self._dist.destroy_process_group)
-
-    def _engine_groups(self, lists: list[list[int]]) -> list[Group | None]:
-        """``new_group`` for each list, on every rank in the same order (the engine requires both)."""
-        out: list[Group | None] = []
-        for ranks in lists:
-            pg = self._dist.new_group(ranks)
-            out.append(TorchGroup(self, ranks, pg) if self._rank in ranks else None)
-        return out
 
 
 def _share_address_over_mpi(rank: int, single_node: bool) -> tuple[str, int, socket.socket | None] | None:

@@ -1,0 +1,66 @@
+"""The composition: one Communicator over an Engine, groups over sub-engines, the watchdog wrapping an engine
+once and ending the job through the engine's own abort."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+import unidist
+from unidist.comm import watchdog
+from unidist.comm.communicator import Communicator
+from unidist.comm.engine import Engine, SoloEngine
+from unidist.comm.group import Group
+from unidist.ops import ReduceOp
+
+
+class _Pair(SoloEngine):
+    """A stand-in engine of two ranks (its primitives are a solo engine's), to see what wraps it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.size = 2
+        self.aborted: list[int] = []
+
+    def _split(self, lists: list[list[int]]) -> list[Engine | None]:
+        return [_Pair() for _ in lists]
+
+    def abort(self, code: int) -> None:
+        self.aborted.append(code)
+
+
+def test_manager_and_groups_are_one_communicator_class() -> None:
+    with unidist.init(environ={}) as mgr:
+        assert isinstance(mgr, Communicator) and isinstance(mgr.engine, SoloEngine)
+        g = mgr.new_group([0])
+        assert type(g) is Group and isinstance(g.engine, SoloEngine) and g.engine is not mgr.engine
+    from unidist.managers import horovod, mpi
+    from unidist.managers import torch as torch_manager
+
+    for module in (mpi, torch_manager, horovod):
+        made = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]
+        assert not [c for c in made if issubclass(c, Group)], f"{module.__name__} subclasses Group"
+        assert [c for c in made if issubclass(c, Engine)], f"{module.__name__} has no Engine"
+
+
+def test_watch_wraps_the_engine_once_and_its_sub_engines() -> None:
+    inner = _Pair()
+    engine = watchdog.watch(inner)
+    t = torch.ones(2)
+    calls = watchdog._state.calls
+    engine.allreduce(t, t, ReduceOp.SUM)
+    assert watchdog._state.calls == calls + 1
+    assert engine.rank == 0 and engine.size == 2 and engine.upcast_reduce is inner.upcast_reduce
+    subs: Sequence[Engine | None] = engine.sub([[0, 1], [0]])
+    assert type(subs[0]).__name__ == "_WatchedEngine" and isinstance(subs[1], SoloEngine)
+
+
+def test_a_timeout_ends_the_job_through_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    inner = _Pair()
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    watchdog.end_job(inner.abort, watchdog.TIMEOUT_EXIT_CODE)
+    assert inner.aborted == exits == [watchdog.TIMEOUT_EXIT_CODE]
