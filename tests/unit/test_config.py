@@ -39,7 +39,7 @@ def test_every_variable_parsed() -> None:
     ("UNIDIST_CHECK_COLLECTIVES", "maybe", "true/false"),
     ("UNIDIST_LOG_LEVEL", "loud", "DEBUG, INFO"),
     ("UNIDIST_DEVICE", "tpu", "auto, cpu, cuda"),
-    ("UNIDIST_BACKEND", "my backend", "backend name"),
+    ("UNIDIST_BACKEND", "my backend", "registered backend"),
 ])
 def test_bad_value_names_variable_value_and_allowed(var: str, value: str, allowed: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -7,23 +7,60 @@ units of a ZeroOptimizer. Which part of which parameter a rank owns is the unit'
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
 from unidist.checkpoint.layout import Layout, Pieces, Read, even_slice, fresh_scalars, param_names, per_element
 from unidist.train.protocol import world_ranks
 
-if TYPE_CHECKING:
-    from unidist.train.zero import ZeroOptimizer, _Unit
+__all__ = ["ShardUnit", "Sharded", "ZeroLayout"]
 
-__all__ = ["ZeroLayout"]
+
+class ShardUnit(Protocol):
+    """What the layout reads of one ZeRO unit (zero.py's ``_Unit``): its parameters, their full shapes, which
+    part of each this rank owns, and its shard of the flat buffer."""
+
+    @property
+    def params(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def shapes(self) -> Sequence[torch.Size]: ...
+    @property
+    def shard(self) -> torch.Tensor: ...
+    @property
+    def chunk(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+
+    def owned(self, i: int) -> tuple[int, int, int] | None: ...
+
+    def refresh(self) -> None: ...
+
+
+class Sharded(Protocol):
+    """What the layout reads of a ZeroOptimizer (typed here, so this file does not import zero.py)."""
+
+    @property
+    def dp(self) -> Any: ...
+    @property
+    def stage(self) -> int: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def model(self) -> torch.nn.Module: ...
+    @property
+    def units(self) -> Sequence[ShardUnit]: ...
+    @property
+    def full_groups(self) -> Sequence[Sequence[torch.Tensor]]: ...
 
 
 class ZeroLayout(Layout):
     """unidist's ZeRO: each rank writes exactly its shards (and an even slice of anything unsharded)."""
 
-    def __init__(self, zero: ZeroOptimizer) -> None:
+    def __init__(self, zero: Sharded) -> None:
         dp = zero.dp
         self.rank, self.size, self.ranks, self.zero_stage = dp.rank, dp.size, world_ranks(dp), zero.stage
         self.zero, self.optimizer = zero, zero.optimizer
@@ -39,7 +76,7 @@ class ZeroLayout(Layout):
         self.opt_names = [names[id(p)] for p in self.params]
         self.opt_groups = [gi for gi, g in enumerate(zero.full_groups) for _ in g]
 
-    def _owned(self, p: torch.Tensor) -> tuple[_Unit, int, int, int] | None:
+    def _owned(self, p: torch.Tensor) -> tuple[ShardUnit, int, int, int] | None:
         """(unit, start and end within the parameter, where the start is in the shard) of this rank's part."""
         unit, i = self.where[id(p)]
         own = unit.owned(i)
@@ -101,7 +138,7 @@ class ZeroLayout(Layout):
         if self.optimizer is not None:
             self.set_settings(meta["param_groups"])
 
-    def _load_state(self, unit: _Unit, name_of: dict[int, str], read: Read, meta: dict[str, Any],
+    def _load_state(self, unit: ShardUnit, name_of: dict[int, str], read: Read, meta: dict[str, Any],
                     state_keys: dict[str, list[str]]) -> None:
         """The unit's shard optimizer state from the per-parameter full state."""
         first = name_of[id(unit.params[0])]
