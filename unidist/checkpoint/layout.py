@@ -73,9 +73,22 @@ class Layout:
         """This rank's slices: ``{"model": {name: (start, flat)}, "optim": {pname: {key: (start, flat)}}}``."""
         raise NotImplementedError
 
+    params: list[torch.Tensor]  # the optimizer's parameters, in the order of ``opt_names``
+
+    def state_holder(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor the optimizer keeps ``p``'s state under (``p`` itself, or the shard holding it)."""
+        return p
+
     def meta(self) -> dict[str, Any]:
         """Non-element optimizer data: param-group settings and per-parameter scalars (rank-identical)."""
-        raise NotImplementedError
+        if self.optimizer is None:
+            return {"param_groups": [], "scalars": {}}
+        scalars = {}
+        for p, name in zip(self.params, self.opt_names, strict=True):
+            holder = self.state_holder(p)
+            scalars[name] = {k: v for k, v in self.optimizer.state.get(holder, {}).items()
+                             if not per_element(v, holder.shape)}
+        return {"param_groups": self.settings(), "scalars": scalars}
 
     def load(self, read: Read, meta: dict[str, Any], state_keys: dict[str, list[str]]) -> None:
         """Read this rank's part of every full tensor (``read``) into the model and optimizer."""
@@ -126,15 +139,6 @@ class FullLayout(Layout):
             st = self.optimizer.state.get(p, {})
             optim[name] = {k: even_slice(v, self.rank, self.size) for k, v in st.items() if per_element(v, p.shape)}
         return {"model": model, "optim": optim}
-
-    def meta(self) -> dict[str, Any]:
-        if self.optimizer is None:
-            return {"param_groups": [], "scalars": {}}
-        scalars = {}
-        for p, name in zip(self.params, self.opt_names, strict=True):
-            st = self.optimizer.state.get(p, {})
-            scalars[name] = {k: v for k, v in st.items() if not per_element(v, p.shape)}
-        return {"param_groups": self.settings(), "scalars": scalars}
 
     def load(self, read: Read, meta: dict[str, Any], state_keys: dict[str, list[str]]) -> None:
         full = {}

@@ -109,15 +109,9 @@ class ZeroLayout(Layout):
                         optim[name][key] = (s, value.detach()[at:at + e - s].clone())
         return {"model": model, "optim": optim}
 
-    def meta(self) -> dict[str, Any]:
-        if self.optimizer is None:
-            return {"param_groups": [], "scalars": {}}
-        scalars = {}
-        for p, name in zip(self.params, self.opt_names, strict=True):
-            shard = self.where[id(p)][0].shard
-            scalars[name] = {k: v for k, v in self.optimizer.state.get(shard, {}).items()
-                             if not per_element(v, shard.shape)}
-        return {"param_groups": self.settings(), "scalars": scalars}
+    def state_holder(self, p: torch.Tensor) -> torch.Tensor:
+        """The unit's shard: the optimizer steps shards, so their state is held under them."""
+        return self.where[id(p)][0].shard
 
     def load(self, read: Read, meta: dict[str, Any], state_keys: dict[str, list[str]]) -> None:
         name_of = dict(zip((id(p) for p in self.params), self.opt_names, strict=True))
