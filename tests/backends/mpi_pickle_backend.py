@@ -16,9 +16,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from unidist.comm.engine import Engine
 
 from unidist.backends import unidist_training
+from unidist.comm.engine import Engine
 from unidist.errors import CollectiveMismatchError
 from unidist.managers.base import Manager
 from unidist.ops import ReduceOp
