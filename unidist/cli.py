@@ -24,7 +24,7 @@ from unidist.bench import OFFLINE as BENCH_OFFLINE
 from unidist.bench import SUBCOMMANDS as BENCHMARKS
 from unidist.config import ENV_VARS, Config
 from unidist.errors import UnidistError
-from unidist.launch import LAUNCHERS, detect, family
+from unidist.launch import LAUNCHERS, detect, family, script_args
 from unidist.net import free_port
 
 __all__ = ["launch_command", "main"]
@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--backend", help="as for launch")
     p_bench.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p_bench.epilog = "Options for the benchmark go after --: unidist bench collectives -n 2 -- --compare --sizes 8,2M"
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = script_args() if argv is None else list(argv)  # without a launcher's --local_rank=N
     bench_args: list[str] = []
     if argv[:1] == ["bench"] and "--" in argv:  # the benchmark's own options (a REMAINDER would take -n too)
         cut = argv.index("--")

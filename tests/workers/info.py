@@ -2,7 +2,8 @@
 
 import sys
 
+import unidist
 from unidist.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["info", *sys.argv[1:]]))
+    sys.exit(main(["info", *unidist.script_args()]))  # deepspeed appends --local_rank=N
