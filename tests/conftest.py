@@ -29,3 +29,13 @@ def _register_test_backends() -> None:
 
 
 _register_test_backends()
+
+
+def pytest_configure(config: object) -> None:
+    """Each test backend's tests carry a mark of its name (tests/helpers.py MARKS): declare it."""
+    from unidist import registry
+
+    known = {"local", "mpi", "torch", "deepspeed", "horovod"}
+    for name in registry.names():
+        if name not in known:
+            config.addinivalue_line("markers", f"{name}: runs real processes on the {name} backend (tests/backends/)")  # type: ignore[attr-defined]
