@@ -158,8 +158,7 @@ def _launch(record: Any, way: Any, n: int) -> Launch:
 
     fam = family(way.launcher)
     engines = tuple(record.requires) + (("mpi4py",) if fam is not None and fam.mpi_like else ())
-    env = {**way.env, **({} if _has_cuda() else way.cpu_env)}
-    return Launch(n, way.launcher, record.name, tuple(dict.fromkeys(engines)), env,
+    return Launch(n, way.launcher, record.name, tuple(dict.fromkeys(engines)), way.environment(_has_cuda()),
                   record.strategy is unidist_training)
 
 

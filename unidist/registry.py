@@ -56,6 +56,10 @@ class Launch:
     cpu_env: Mapping[str, str] = field(default_factory=dict)
     bench: str | None = None
 
+    def environment(self, gpu: bool) -> dict[str, str]:
+        """The variables this launch needs on a machine with (or without) a GPU."""
+        return {**self.env, **({} if gpu else self.cpu_env)}
+
 
 @dataclass(frozen=True)
 class Backend:

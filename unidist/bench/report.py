@@ -55,8 +55,8 @@ def runs() -> tuple[Run, ...]:
     """Every registered launch with a benchmark run name (``Launch.bench``), in the records' order."""
     import torch
 
-    return tuple(Run(lch.bench, lch.launcher, rec.name,
-                     {**lch.env, **({} if torch.cuda.is_available() else lch.cpu_env)})
+    gpu = torch.cuda.is_available()
+    return tuple(Run(lch.bench, lch.launcher, rec.name, lch.environment(gpu))
                  for rec in registry.records() for lch in rec.launches if lch.bench)
 
 

@@ -263,11 +263,11 @@ class _WatchedWork:
 def _watched_async(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
     # the start is watched too: an engine without a native async call runs the blocking primitive right here
     # (Engine's derived defaults), so a peer that never arrives must be caught in the start as in the wait
-    start = _watched(fn, what.replace(" wait", ""))
+    start, waiting = _watched(fn, what), what + " wait"
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
-        return _WatchedWork(start(*args), what, args)
+        return _WatchedWork(start(*args), waiting, args)
     return call
 
 
@@ -280,7 +280,7 @@ class _WatchedEngine:
         for name in PRIMITIVES:  # instance attributes: a call costs what the engine's own method does, plus ~0.1 us
             setattr(self, name, _watched(getattr(engine, name), where + name))
         for name in ASYNC_PRIMITIVES:
-            setattr(self, name, _watched_async(getattr(engine, name), where + name.replace("_async", "") + " wait"))
+            setattr(self, name, _watched_async(getattr(engine, name), where + name.removesuffix("_async")))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
