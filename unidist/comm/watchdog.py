@@ -203,10 +203,22 @@ def stop() -> None:
         _dog = None
 
 
+# What a rank printed just before it ends the job sits in a pipe to its launcher; MPICH's hydra drops what it
+# has not yet forwarded when MPI_Abort arrives, so under load the line naming the culprit was lost (CI, stop
+# 28: 2 of 8 runs on a loaded 2-core machine). A pause this long before the abort let every run keep it.
+ABORT_GRACE = 1.0
+
+
 def end_job(abort: Callable[[int], None], code: int) -> None:
     """End every rank: the engine's abort where it has one (MPI_Abort), else exit and let the launcher stop
-    the rest."""
+    the rest. Flushes this rank's output and waits ``ABORT_GRACE`` first, so the launcher forwards it."""
     try:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        time.sleep(ABORT_GRACE)
         abort(code)
     finally:
         os._exit(code)

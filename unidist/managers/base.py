@@ -148,7 +148,7 @@ class Manager(Communicator):
         others' launchers stop the job when this process exits)."""
         if self._engine.aborts_job:
             self._report_failure(exc)
-            self._engine.abort(1)
+            watchdog.end_job(self._engine.abort, 1)
 
     def _report_failure(self, exc: BaseException) -> None:
         print(f"unidist: rank {self._rank} of {self._size} failed; ending the job so the other ranks do not "
