@@ -62,5 +62,6 @@ def test_a_timeout_ends_the_job_through_the_engine(monkeypatch: pytest.MonkeyPat
     inner = _Pair()
     exits: list[int] = []
     monkeypatch.setattr(os, "_exit", exits.append)
+    monkeypatch.setattr(watchdog, "ABORT_GRACE", 0.0)
     watchdog.end_job(inner.abort, watchdog.TIMEOUT_EXIT_CODE)
     assert inner.aborted == exits == [watchdog.TIMEOUT_EXIT_CODE]
