@@ -16,9 +16,11 @@ from typing import Any
 
 from unidist.errors import ConfigError
 
-__all__ = ["COMPRESSIONS", "ENV_VARS", "Config"]
+__all__ = ["COMPRESSIONS", "ENV_VARS", "PRECISIONS", "Config"]
 
 COMPRESSIONS = ("none", "fp16", "bf16")
+# prepare(precision=) names (Lightning's); what each means is unidist/train/precision.py
+PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -48,7 +50,10 @@ class Config:
     log_level: str = "WARNING"
     device: str = "auto"
     deepspeed_config: str | None = None
+    precision: str = "32"
     unknown: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    # the fields the environment set (not defaults): an explicit prepare() argument that disagrees is an error
+    from_environment: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, allowed: str) -> ConfigError:
@@ -69,12 +74,14 @@ class Config:
             raise bad("log_level", self.log_level, ", ".join(LOG_LEVELS))
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise bad("device", self.device, "auto, cpu, cuda or cuda:N")
+        if self.precision not in PRECISIONS:
+            raise bad("precision", self.precision, ", ".join(PRECISIONS))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
         """Parse ``UNIDIST_*`` from ``environ`` (default ``os.environ``); unset variables keep defaults."""
         env = os.environ if environ is None else environ
-        known = {_env_name(f.name): f.name for f in fields(cls) if f.name != "unknown"}
+        known = {_env_name(f.name): f.name for f in fields(cls) if f.name in _PARSERS}
         values: dict[str, object] = {}
         for var, name in known.items():
             raw = env.get(var)
@@ -85,7 +92,7 @@ class Config:
         for var in unknown:
             hint = difflib.get_close_matches(var, known, n=1)
             _log.warning("ignoring unknown variable %s%s", var, f" (did you mean {hint[0]}?)" if hint else "")
-        return cls(unknown=unknown, **values)  # type: ignore[arg-type]
+        return cls(unknown=unknown, from_environment=frozenset(values), **values)  # type: ignore[arg-type]
 
 
 def _number(kind: type[int] | type[float], allowed: str,
@@ -143,6 +150,7 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "log_level": _choice(LOG_LEVELS, lower=False),
     "device": _device,
     "deepspeed_config": _path,
+    "precision": _choice(PRECISIONS),
 }
 
 ENV_VARS: tuple[str, ...] = tuple(_env_name(n) for n in _PARSERS)

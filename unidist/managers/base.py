@@ -290,9 +290,11 @@ class Manager(Communicator):
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                 zero_stage: int | None = None, clip_grad_norm: float | None = None, op: ReduceOp | str = "mean",
-                compression: str | None = None, backward_passes_per_step: int = 1, bucket_mb: float | None = None,
-                group: Group | None = None, deepspeed_config: Mapping[str, Any] | str | None = None,
-                **unknown: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+                compression: str | None = None, backward_passes_per_step: int | None = None,
+                bucket_mb: float | None = None, group: Group | None = None,
+                deepspeed_config: Mapping[str, Any] | str | None = None, precision: str | None = None,
+                loss_scaling: Mapping[str, Any] | None = None, **unknown: Any
+                ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Make ``model`` and ``optimizer`` data parallel; then ``mgr.backward(loss); opt.step();
         opt.zero_grad()`` is the whole loop, the same on every backend.
 
@@ -312,18 +314,26 @@ class Manager(Communicator):
             op: ``"mean"`` (default) or ``"sum"`` of the ranks' gradients (DeepSpeed only averages).
             compression: ``"none"``, ``"fp16"`` or ``"bf16"`` wire dtype for gradients (default
                 ``UNIDIST_COMPRESSION``).
-            backward_passes_per_step: k: ``step()``/``zero_grad()`` act on every k-th call and ``backward``
-                divides the loss by k, so k passes make one k-times larger batch.
+            backward_passes_per_step: k (default 1, or the DeepSpeed config's gradient_accumulation_steps):
+                ``step()``/``zero_grad()`` act on every k-th call and ``backward`` divides the loss by k, so k
+                passes make one k-times larger batch.
             bucket_mb: gradient fusion bucket size in MiB (default ``UNIDIST_BUCKET_MB``).
             group: data parallel over this Group only (parameters from its rank 0, gradients averaged within
                 it); None is the whole world.
             deepspeed_config: a DeepSpeed config (dict or JSON path) merged over the generated one; the
-                deepspeed backend only (default ``UNIDIST_DEEPSPEED_CONFIG``).
+                deepspeed backend only (default ``UNIDIST_DEEPSPEED_CONFIG``). A setting it shares with an
+                argument above (ZeRO stage, clipping, precision, accumulation) must agree with it.
+            precision: ``"32"`` (default ``UNIDIST_PRECISION``), ``"bf16-mixed"`` or ``"fp16-mixed"`` (autocast
+                forward, float32 parameters and optimizer state; fp16 adds dynamic loss scaling: a step with
+                inf/nan gradients is skipped on every rank, see ``opt.last_step_skipped`` and ``opt.loss_scale``)
+                or ``"bf16-true"`` (a bfloat16 model). Outputs come back as float32.
+            loss_scaling: fp16's dynamic loss scaling, with ``torch.amp.GradScaler``'s parameters and defaults:
+                ``{"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}``.
         """
         return self._training().prepare(  # type: ignore[no-any-return]
             model, optimizer, zero_stage=zero_stage, clip_grad_norm=clip_grad_norm, op=op, compression=compression,
             backward_passes_per_step=backward_passes_per_step, bucket_mb=bucket_mb, group=group,
-            deepspeed_config=deepspeed_config, unknown=unknown)
+            deepspeed_config=deepspeed_config, precision=precision, loss_scaling=loss_scaling, unknown=unknown)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` for the prepared model (divided by ``backward_passes_per_step``; on DeepSpeed

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unidist.config import COMPRESSIONS
-from unidist.errors import InvalidArgumentError
+from unidist.errors import ConfigError, InvalidArgumentError
 from unidist.ops import ReduceOp, resolve_op
+from unidist.train.precision import Precision, ScalerOptions
 
 if TYPE_CHECKING:
     from unidist.config import Config
@@ -84,6 +85,21 @@ class SyncOptions:
         return self.bucket_mb * 2**20
 
 
+def _setting(name: str, given: Any, config: Config, where: str = "prepare") -> tuple[Any, str | None]:
+    """An option's value and where it was set: the explicit argument, else the environment's ``UNIDIST_*``, else
+    the default (source None). An argument and a variable that disagree are a ConfigError naming both: one of
+    them would otherwise be ignored without a word."""
+    env_value = getattr(config, name)
+    var = f"UNIDIST_{name.upper()}"
+    in_env = name in config.from_environment
+    if given is None:
+        return env_value, (f"{var}={env_value}" if in_env else None)
+    if in_env and given != env_value:
+        raise ConfigError(f"{where}({name}={given!r}) and the environment's {var}={env_value!r} disagree; set one "
+                          f"of them (unset {var}, or drop the argument)")
+    return given, f"{where}({name}={given!r})"
+
+
 @dataclass(frozen=True)
 class TrainOptions:
     """What ``prepare`` was asked for, checked; backends read it, never the raw keywords."""
@@ -96,11 +112,17 @@ class TrainOptions:
     bucket_mb: float = 25.0
     group: Any = None  # a Group of this Manager, or None for the whole world
     deepspeed_config: Mapping[str, Any] | str | Path | None = None
+    precision: str = "32"
+    loss_scaling: ScalerOptions = field(default_factory=ScalerOptions)
+    # where each explicitly set option came from ("prepare(zero_stage=3)", "UNIDIST_ZERO_STAGE=3"); an engine
+    # config that disagrees names it (train/ds_config.py)
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @classmethod
     def parse(cls, config: Config, *, zero_stage: int | None, clip_grad_norm: float | None,
-              op: ReduceOp | str, compression: str | None, backward_passes_per_step: int,
+              op: ReduceOp | str, compression: str | None, backward_passes_per_step: int | None,
               bucket_mb: float | None, group: Any, deepspeed_config: Mapping[str, Any] | str | Path | None,
+              precision: str | None = None, loss_scaling: Mapping[str, Any] | None = None,
               unknown: Mapping[str, Any]) -> TrainOptions:
         """``None`` takes the UNIDIST_* default; ``unknown`` are the keywords prepare did not recognise."""
         if unknown:
@@ -109,7 +131,23 @@ class TrainOptions:
             said = ", ".join(f"{k!r}" + (f" (did you mean {hints[k]}=?)" if k in hints else "") for k in unknown)
             raise InvalidArgumentError(f"prepare() got unknown keyword(s) {said}; it accepts "
                                        f"{', '.join(PREPARE_ARGS)}")
-        stage = config.zero_stage if zero_stage is None else zero_stage
+        if zero_stage is not None and (zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool)):
+            raise InvalidArgumentError(f"prepare(zero_stage={zero_stage!r}); use 0, 1, 2 or 3")
+        sources: dict[str, str] = {}
+        stage, where = _setting("zero_stage", zero_stage, config)
+        if where:
+            sources["zero_stage"] = where
+        mode, where = _setting("precision", Precision.of(precision).name if precision is not None else None, config)
+        if where:
+            sources["precision"] = where
+        if clip_grad_norm is not None:
+            sources["clip_grad_norm"] = f"prepare(clip_grad_norm={clip_grad_norm!r})"
+        if backward_passes_per_step is not None:
+            sources["backward_passes_per_step"] = f"prepare(backward_passes_per_step={backward_passes_per_step!r})"
+        scaling = ScalerOptions.parse(loss_scaling)
+        if loss_scaling is not None and mode != "fp16-mixed":
+            raise InvalidArgumentError(f"prepare(loss_scaling=...) configures fp16's loss scaling, and this prepare "
+                                       f"runs precision={mode!r}; pass it with precision='fp16-mixed'")
         if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
             raise InvalidArgumentError(f"prepare(zero_stage={stage!r}); use 0, 1, 2 or 3")
         if deepspeed_config is not None and not isinstance(deepspeed_config, (Mapping, str, Path)):
@@ -117,11 +155,11 @@ class TrainOptions:
                                        f"{type(deepspeed_config).__name__}")
         sync = SyncOptions.parse(
             "prepare", op=op, compression=config.compression if compression is None else compression,
-            backward_passes_per_step=backward_passes_per_step,
+            backward_passes_per_step=1 if backward_passes_per_step is None else backward_passes_per_step,
             bucket_mb=config.bucket_mb if bucket_mb is None else bucket_mb, clip_grad_norm=clip_grad_norm)
         return cls(zero_stage=stage, clip_grad_norm=sync.clip_grad_norm, op=sync.op, compression=sync.compression,
                    backward_passes_per_step=sync.backward_passes_per_step, bucket_mb=sync.bucket_mb, group=group,
-                   deepspeed_config=deepspeed_config)
+                   deepspeed_config=deepspeed_config, precision=mode, loss_scaling=scaling, sources=sources)
 
     @property
     def sync(self) -> SyncOptions:
@@ -131,4 +169,4 @@ class TrainOptions:
                            clip_grad_norm=self.clip_grad_norm)
 
 
-PREPARE_ARGS: tuple[str, ...] = tuple(f.name for f in fields(TrainOptions))
+PREPARE_ARGS: tuple[str, ...] = tuple(f.name for f in fields(TrainOptions) if f.name != "sources")

@@ -25,11 +25,14 @@ from unidist.ops import ReduceOp
 from unidist.train.ddp import DistributedOptimizer
 from unidist.train.memory import MemoryStats, optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import SyncOptions, TrainOptions
+from unidist.train.precision import LossScaler, Precision
 from unidist.train.sampler import ShardSampler
 from unidist.train.state import broadcast_optimizer_state, broadcast_parameters
 from unidist.train.zero import ZeroOptimizer
 
-__all__ = ["ENGINE_OPTIONS", "Trainer"]
+__all__ = ["ENGINE_OPTIONS", "SCALER_KEY", "Trainer"]
+
+SCALER_KEY = "unidist.loss_scaler"  # an fp16 loss scale inside a checkpoint's extra
 
 # Options only one engine understands, by name -> the backend that does (refused elsewhere).
 ENGINE_OPTIONS: Mapping[str, str] = {"deepspeed_config": "deepspeed"}
@@ -84,6 +87,7 @@ class Trainer:
                                        f"{type(optimizer).__name__}")
         comm = opts.group if opts.group is not None else self.mgr
         model = model.to(self.mgr.device)
+        hooks = self._apply_precision(model, opts)
         broadcast_parameters(comm, model)
         broadcast_optimizer_state(comm, optimizer)
         wrapped: DistributedOptimizer | ZeroOptimizer
@@ -91,14 +95,30 @@ class Trainer:
             wrapped = ZeroOptimizer(comm, model, optimizer, opts.zero_stage, opts.sync)
         else:
             wrapped = DistributedOptimizer(comm, optimizer, model.named_parameters(), opts.sync)
+        wrapped.scaler = self._scaler(opts)
+        wrapped._hooks += hooks  # remove_hooks() detaches them too
         self.prepared = wrapped
         self.prepared_for[model] = wrapped
         return model, wrapped
 
+    def _apply_precision(self, model: torch.nn.Module, opts: TrainOptions) -> list[Any]:
+        """The forward of ``model`` follows ``opts.precision`` (autocast, or a bfloat16 model; see
+        train/precision.py); returns the hooks that do it."""
+        return Precision.of(opts.precision).apply(model, self.mgr.device)
+
+    def _scaler(self, opts: TrainOptions) -> LossScaler | None:
+        """fp16's dynamic loss scale for an optimizer prepare builds, or None."""
+        if not Precision.of(opts.precision).scaled:
+            return None
+        return LossScaler(opts.loss_scaling, self.mgr.device)
+
     # ----------------------------------------------------------------- the loop
     def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, divided by the accumulation passes and times the loss scale (fp16)."""
         k = getattr(self.prepared, "backward_passes_per_step", 1)
-        (loss / k if k > 1 else loss).backward()  # type: ignore[no-untyped-call]
+        loss = loss / k if k > 1 else loss
+        scaler: LossScaler | None = getattr(self.prepared, "scaler", None)
+        (scaler.scale_loss(loss) if scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
@@ -141,13 +161,22 @@ class Trainer:
     # ----------------------------------------------------------------- checkpoints (unidist.checkpoint)
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
                         keep: int | None = None, extra: dict[str, Any] | None = None) -> Path:
-        """``Manager.save_checkpoint``: the prepared optimizer's layout, written by unidist.checkpoint."""
+        """``Manager.save_checkpoint``: the prepared optimizer's layout, written by unidist.checkpoint. An fp16 loss
+        scale is saved with the optimizer (in ``extra``, under ``SCALER_KEY``) and resumed by ``load_checkpoint``."""
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None:
+            extra = {**(extra or {}), SCALER_KEY: scaler.state_dict()}
         return checkpoint.save(self.mgr, path, self.checkpoint_layout(model, optimizer), keep=keep, extra=extra)
 
     def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
                         ) -> dict[str, Any]:
-        """``Manager.load_checkpoint``: returns the checkpoint's ``extra``."""
-        return checkpoint.load(self.mgr, path, self.checkpoint_layout(model, optimizer))
+        """``Manager.load_checkpoint``: returns the checkpoint's ``extra`` (the loss scale restored, not returned)."""
+        extra = checkpoint.load(self.mgr, path, self.checkpoint_layout(model, optimizer))
+        saved = extra.pop(SCALER_KEY, None)
+        scaler = getattr(optimizer, "scaler", None)
+        if saved is not None and scaler is not None:
+            scaler.load_state_dict(saved)
+        return extra
 
     def checkpoint_layout(self, model: torch.nn.Module, optimizer: Any = None) -> Layout:
         """What this rank holds of ``model`` (and ``optimizer``), from the optimizer that holds it: the one given,

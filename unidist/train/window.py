@@ -4,6 +4,10 @@ The uniform loop calls ``step()`` and ``zero_grad()`` after every backward, as w
 ``backward_passes_per_step=k`` they act on every k-th call (the end of the accumulation window) and gradients
 accumulate locally in between. ``synchronize()`` may be called before ``step()`` (to read or clip the reduced
 gradients); ``step()`` then does not reduce again.
+
+Under fp16 loss scaling (``scaler``) the window's last step unscales the reduced gradients first; if any is
+inf or nan — decided the same on every rank (``_agree_found_inf``) — nothing is clipped or stepped, and the
+scale backs off. ``last_step_skipped``, ``skipped_steps`` and ``loss_scale`` report it.
 """
 
 from __future__ import annotations
@@ -11,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from unidist.errors import InvalidArgumentError
+from unidist.train.precision import LossScaler
 from unidist.train.view import OptimizerView
 
 __all__ = ["WindowedOptimizer"]
@@ -27,6 +34,18 @@ class WindowedOptimizer(OptimizerView):
     _synced = False  # synchronize() already ran for this step
     _no_sync = False  # inside no_sync(): nothing reduces, steps or clears
     _hooks: list[Any]
+    scaler: LossScaler | None = None  # fp16 dynamic loss scaling (prepare(precision="fp16-mixed"))
+    last_step_skipped = False  # the last window's step found inf/nan gradients and was not applied
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss scaling)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for inf/nan gradients so far (the same count on every rank)."""
+        return self.scaler.skipped_steps if self.scaler is not None else 0
 
     @property
     def _sync_pass(self) -> bool:
@@ -38,6 +57,15 @@ class WindowedOptimizer(OptimizerView):
 
     def _clip(self, max_norm: float) -> None:
         raise NotImplementedError
+
+    def _scaled_grads(self) -> list[torch.Tensor]:
+        """The gradients the step uses, still multiplied by the loss scale (unscaled in place)."""
+        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def _agree_found_inf(self, found: torch.Tensor) -> torch.Tensor:
+        """The skip decision every rank makes. The default: every rank holds the same reduced gradients, so each
+        finds the same; ZeRO, whose ranks check only their shard, agrees with one collective."""
+        return found
 
     def _after_step(self) -> None:
         """After the wrapped optimizer's step (ZeRO shares the updated shards here)."""
@@ -59,10 +87,17 @@ class WindowedOptimizer(OptimizerView):
         if not self._synced:
             self.synchronize()
         self._synced = False
-        if self.clip_grad_norm is not None:
-            self._clip(self.clip_grad_norm)
-        self.optimizer.step()
-        self._after_step()
+        found = None
+        if self.scaler is not None:
+            found = self._agree_found_inf(self.scaler.unscale(self._scaled_grads()))
+            self.last_step_skipped = bool(found)
+        if not self.last_step_skipped:
+            if self.clip_grad_norm is not None:
+                self._clip(self.clip_grad_norm)
+            self.optimizer.step()
+            self._after_step()
+        if self.scaler is not None and found is not None:
+            self.scaler.update(found)
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

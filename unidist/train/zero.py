@@ -255,6 +255,13 @@ class ZeroOptimizer(WindowedOptimizer):
             for g in grads:
                 g.mul_(coef)
 
+    def _scaled_grads(self) -> list[torch.Tensor]:
+        return [u.shard.grad for u in self.units if u.shard.grad is not None]
+
+    def _agree_found_inf(self, found: torch.Tensor) -> torch.Tensor:
+        """Each rank checked only its shards: inf anywhere skips the step everywhere."""
+        return self.dp.allreduce(found, "max")  # type: ignore[no-any-return]
+
     def _clear_grads(self, set_to_none: bool) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for unit in self.units:

@@ -1,0 +1,211 @@
+"""Mixed precision with one meaning on every backend: ``prepare(..., precision=)``.
+
+The modes are Lightning's names, because users arrive knowing them:
+
+- ``"32"``: float32 everywhere (the default).
+- ``"bf16-mixed"`` / ``"fp16-mixed"``: the model's forward runs under ``torch.autocast`` in bfloat16 / float16;
+  parameters, gradients and optimizer state stay float32 (the parameters *are* the master weights), and the
+  forward's floating outputs are returned as float32 so the loss is computed in float32.
+- ``"bf16-true"``: the model itself is bfloat16 (parameters, gradients, optimizer state); floating inputs
+  are cast to bfloat16 and outputs returned as float32. No master weights: the memory halves and so does the
+  precision of the update.
+
+fp16's range is narrow, so ``"fp16-mixed"`` adds dynamic loss scaling with torch ``GradScaler``'s parameters
+and arithmetic (``LossScaler``): the loss is multiplied by the scale before backward, the reduced gradients
+are unscaled (and checked for inf/nan) before clipping and the step, a step whose gradients are not finite
+is skipped and the scale backs off, and after ``growth_interval`` good steps it grows. The skip decision
+must be the same on every rank, or the replicas part ways (pytorch/pytorch#76282); the optimizers make it
+from gradients every rank holds identically, or agree on it with one collective where each rank holds a
+shard (ZeRO).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from unidist.config import PRECISIONS
+from unidist.errors import InvalidArgumentError
+
+__all__ = ["PRECISIONS", "LossScaler", "Precision", "ScalerOptions"]
+
+# what each of config.PRECISIONS (the names) means: (autocast dtype, parameter dtype, loss scaling)
+_MODES: Mapping[str, tuple[torch.dtype | None, torch.dtype | None, bool]] = dict(zip(PRECISIONS, [
+    (None, None, False),  # 32
+    (torch.bfloat16, None, False),  # bf16-mixed
+    (torch.float16, None, True),  # fp16-mixed
+    (None, torch.bfloat16, False),  # bf16-true
+], strict=True))
+
+
+@dataclass(frozen=True)
+class ScalerOptions:
+    """Dynamic loss scaling, with ``torch.amp.GradScaler``'s parameters and defaults."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    @classmethod
+    def parse(cls, given: Mapping[str, Any] | None, where: str = "prepare") -> ScalerOptions:
+        """``prepare(loss_scaling={...})``: GradScaler's keyword names; anything else is an error."""
+        if given is None:
+            return cls()
+        if not isinstance(given, Mapping):
+            raise InvalidArgumentError(f"{where}(loss_scaling=...) takes a dict of GradScaler's parameters "
+                                       f"({', '.join(f.name for f in fields(cls))}), got {type(given).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise InvalidArgumentError(f"{where}(loss_scaling=...) got unknown key(s) {unknown}; it accepts "
+                                       f"{', '.join(sorted(names))} (torch.amp.GradScaler's parameters)")
+        opts = cls(**given)
+        checks = {"init_scale": opts.init_scale > 0, "growth_factor": opts.growth_factor > 1,
+                  "backoff_factor": 0 < opts.backoff_factor < 1,
+                  "growth_interval": isinstance(opts.growth_interval, int) and opts.growth_interval >= 1}
+        for name, ok in checks.items():
+            value = getattr(opts, name)
+            if isinstance(value, bool) or not ok or (isinstance(value, float) and not math.isfinite(value)):
+                raise InvalidArgumentError(f"{where}(loss_scaling={{{name!r}: {value!r}}}): need init_scale > 0, "
+                                           "growth_factor > 1, 0 < backoff_factor < 1 and an int growth_interval "
+                                           ">= 1")
+        return opts
+
+
+class LossScaler:
+    """GradScaler's dynamic loss scale, driven by the optimizer that knows when all ranks agree.
+
+    The scale is a float32 tensor updated with torch's own ``_amp_update_scale_`` and gradients are unscaled with
+    ``_amp_foreach_non_finite_check_and_unscale_``, so the scale sequence and the unscaled gradients are GradScaler's
+    bit for bit. Its ``state_dict`` has GradScaler's keys, so either can load the other's.
+    """
+
+    def __init__(self, options: ScalerOptions, device: torch.device) -> None:
+        self.options = options
+        self._scale = torch.full((), options.init_scale, dtype=torch.float32, device=device)
+        self._tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self.skipped_steps = 0
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale."""
+        return float(self._scale)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the scale (as ``GradScaler.scale``)."""
+        return loss * self._scale.to(device=loss.device, non_blocking=True)
+
+    def unscale(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Divide ``grads`` by the scale in place; returns a float32 flag tensor: 1.0 if any was inf or nan."""
+        found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
+        inv = self._scale.double().reciprocal().float().reshape(1)  # GradScaler computes it this way
+        by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), group in by_device.items():
+            here = torch.zeros(1, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, here, inv.to(device))
+            found += here.to(found.device)
+        return found.clamp_(max=1.0)
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """After a step (applied or skipped): back off on inf, grow after ``growth_interval`` good steps."""
+        o = self.options
+        if float(found_inf):
+            self.skipped_steps += 1
+        torch._amp_update_scale_(self._scale, self._tracker, found_inf.to(self._scale.device).reshape(()),
+                                 o.growth_factor, o.backoff_factor, o.growth_interval)
+
+    def state_dict(self) -> dict[str, Any]:
+        """GradScaler's keys (and the skipped-step count)."""
+        return {"scale": self.scale, "growth_factor": self.options.growth_factor,
+                "backoff_factor": self.options.backoff_factor, "growth_interval": self.options.growth_interval,
+                "_growth_tracker": int(self._tracker), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume a scale (the factors and interval stay those this run was prepared with)."""
+        self._scale.fill_(float(state["scale"]))
+        self._tracker.fill_(int(state.get("_growth_tracker", 0)))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One precision mode: what the forward, the parameters and the loss get."""
+
+    name: str = "32"
+
+    @classmethod
+    def of(cls, name: object, where: str = "prepare") -> Precision:
+        if not isinstance(name, str) or name not in _MODES:
+            raise InvalidArgumentError(f"{where}(precision={name!r}); use one of {', '.join(map(repr, PRECISIONS))} "
+                                       "(or set UNIDIST_PRECISION)")
+        return cls(name)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return _MODES[self.name][0]
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype the model's parameters are converted to (``"bf16-true"``), or None to keep them."""
+        return _MODES[self.name][1]
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the loss is scaled (fp16)."""
+        return _MODES[self.name][2]
+
+    @property
+    def mixed(self) -> bool:
+        return self.autocast_dtype is not None
+
+    def apply(self, module: torch.nn.Module, device: torch.device) -> list[Any]:
+        """Make ``module``'s forward follow this mode; returns the hook handles (none for ``"32"``).
+
+        Hooks on the module rather than a replaced ``forward``: ``copy.deepcopy`` of the model (an EMA copy)
+        then carries its own, and an exception inside the forward still leaves autocast (``always_call``)."""
+        if self.name == "32":
+            return []
+        if self.param_dtype is not None:
+            module.to(self.param_dtype)
+        device_type = device.type
+        autocast_dtype = self.autocast_dtype
+        param_dtype = self.param_dtype
+        active: list[Any] = []
+
+        def pre(mod: torch.nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+            if autocast_dtype is not None:
+                ctx = torch.autocast(device_type, dtype=autocast_dtype)
+                ctx.__enter__()  # type: ignore[no-untyped-call]
+                active.append(ctx)
+            if param_dtype is not None:
+                args, kwargs = _cast_floats(args, param_dtype), _cast_floats(kwargs, param_dtype)
+            return args, kwargs
+
+        def post(mod: torch.nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
+            if active:
+                active.pop().__exit__(None, None, None)
+            return _cast_floats(out, torch.float32)
+
+        return [module.register_forward_pre_hook(pre, with_kwargs=True),
+                module.register_forward_hook(post, with_kwargs=True, always_call=True)]
+
+
+def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
+    """Every floating tensor in ``data`` (nested tuples, lists, dicts) as ``dtype``; the rest unchanged."""
+    cast: Callable[[Any], Any] = lambda d: _cast_floats(d, dtype)  # noqa: E731
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if data.is_floating_point() and data.dtype != dtype else data
+    if isinstance(data, tuple):
+        return type(data)(*map(cast, data)) if hasattr(data, "_fields") else tuple(map(cast, data))
+    if isinstance(data, list):
+        return [cast(d) for d in data]
+    if isinstance(data, dict):
+        return {k: cast(v) for k, v in data.items()}
+    return data
