@@ -19,6 +19,7 @@ from unidist.comm import watchdog
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.options import SyncOptions, TrainOptions
+from unidist.train.precision import LossScaler
 from unidist.train.trainer import Trainer
 from unidist.train.view import OptimizerView
 
@@ -36,21 +37,25 @@ class HorovodTrainer(Trainer):
             state: Any = model_or_state.state_dict()
         else:
             state = model_or_state if isinstance(model_or_state, Mapping) else dict(model_or_state)
+        # Horovod 0.28 cannot move bfloat16: broadcast its bits (an int16 view, written in place)
+        state = {k: v.view(torch.int16) if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
+                 for k, v in state.items()}
         with watchdog.watching("hvd.broadcast_parameters"):
             self.mgr._hvd.broadcast_parameters(state, root_rank=root)
 
     def _distributed_optimizer(self, optimizer: torch.optim.Optimizer,
-                               named_parameters: Iterable[tuple[str, torch.Tensor]] | None, sync: SyncOptions
-                               ) -> Any:
+                               named_parameters: Iterable[tuple[str, torch.Tensor]] | None, sync: SyncOptions,
+                               bf16_params: bool = False) -> Any:
         """``hvd.DistributedOptimizer`` with the contract's arguments, behind the uniform loop (``step`` and
         ``zero_grad`` after every backward act on every k-th). Horovod fuses by its own
         HOROVOD_FUSION_THRESHOLD (read at init), so ``bucket_mb`` is checked and otherwise unused.
 
         Horovod's defaults that would change the math are pinned: gradients averaged after the sum
         (``gradient_predivide_factor=1``), no sparse-as-dense or Adasum, and the optimizer's existing state
-        (e.g. a resumed Adam) carried over, which ``hvd.DistributedOptimizer`` alone would drop."""
+        (e.g. a resumed Adam) carried over, which ``hvd.DistributedOptimizer`` alone would drop. Horovod 0.28
+        cannot reduce bfloat16, so a bfloat16 model's gradients travel as float32 (``bf16_params``)."""
         hvd = self.mgr._hvd
-        compressor = self._compressor(sync.compression)
+        compressor = self._compressor(sync.compression, bf16_params)
         hvd_opt = hvd.DistributedOptimizer(
             optimizer, named_parameters=list(named_parameters) if named_parameters is not None else None,
             compression=compressor, backward_passes_per_step=sync.backward_passes_per_step,
@@ -59,10 +64,10 @@ class HorovodTrainer(Trainer):
         hvd_opt.load_state_dict(optimizer.state_dict())  # Horovod builds a fresh optimizer from param_groups
         return HorovodOptimizer(hvd_opt, sync.backward_passes_per_step, sync.clip_grad_norm, self.mgr)
 
-    def _compressor(self, name: str) -> Any:
+    def _compressor(self, name: str, bf16_params: bool = False) -> Any:
         comp = self.mgr._hvd.Compression
         if name == "none":
-            return comp.none
+            return _upcast_bf16(comp) if bf16_params else comp.none
         if name == "fp16":
             return comp.fp16
         if name == "bf16":
@@ -79,9 +84,13 @@ class HorovodTrainer(Trainer):
                                        f"{type(optimizer).__name__}")
         self._compressor(opts.compression)  # refuse bf16 before anything changes
         model = model.to(self.mgr._device)
+        hooks = self._apply_precision(model, opts)
         self.broadcast_parameters(model)
         self.broadcast_optimizer_state(optimizer)
-        self.prepared = self._distributed_optimizer(optimizer, model.named_parameters(), opts.sync)
+        bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
+        self.prepared = self._distributed_optimizer(optimizer, model.named_parameters(), opts.sync, bf16_params=bf16)
+        self.prepared.scaler = self._scaler(opts)
+        self.prepared.hooks = hooks
         self.prepared_for[model] = self.prepared  # a second prepare of this model is refused
         return model, self.prepared
 
@@ -92,8 +101,14 @@ class HorovodOptimizer(OptimizerView):
     Horovod expects ``step()`` once per k backward passes; the uniform loop calls it after every pass (as
     with a DeepSpeed engine), so only every k-th call goes through. Clipping needs the averaged gradient:
     ``synchronize()``, clip, then Horovod's step inside ``skip_synchronize()`` so nothing is reduced twice;
-    an explicit ``synchronize()`` by the user is honoured the same way.
+    an explicit ``synchronize()`` by the user is honoured the same way. fp16 loss scaling is the recipe Horovod
+    documents for GradScaler (horovod/horovod#1089): ``synchronize()``, unscale (every rank holds the same
+    averaged gradients, so every rank finds the same inf), then step inside ``skip_synchronize()`` or skip.
     """
+
+    scaler: LossScaler | None = None
+    hooks: list[Any]
+    last_step_skipped = False
 
     def __init__(self, hvd_optimizer: Any, k: int, clip_grad_norm: float | None, world: Any) -> None:
         super().__init__(hvd_optimizer)
@@ -101,6 +116,7 @@ class HorovodOptimizer(OptimizerView):
         self.backward_passes_per_step, self.clip_grad_norm = k, clip_grad_norm
         self._calls = 0
         self._synced = False
+        self.hooks = []
 
     def checkpoint_layout(self, model: torch.nn.Module) -> FullLayout:
         """Every rank holds the whole state: each writes an even slice of it."""
@@ -119,10 +135,19 @@ class HorovodOptimizer(OptimizerView):
         self._calls += 1
         if self._calls % self.backward_passes_per_step:
             return None
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if self.scaler is not None:
+            if not self._synced:
+                self.synchronize()
+            found = self.scaler.unscale([p.grad for p in params])
+            self.last_step_skipped = bool(found)
+            self.scaler.update(found)
+            if self.last_step_skipped:
+                self._synced = False
+                return None
         if self.clip_grad_norm is not None:
             if not self._synced:
                 self.synchronize()
-            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
             self._synced = True
         try:
@@ -134,6 +159,40 @@ class HorovodOptimizer(OptimizerView):
         finally:
             self._synced = False
 
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss scaling)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for inf/nan gradients so far (the same on every rank)."""
+        return self.scaler.skipped_steps if self.scaler is not None else 0
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._calls % self.backward_passes_per_step == 0:
             self.optimizer.zero_grad()  # Horovod's zero_grad takes no set_to_none
+
+    def remove_hooks(self) -> None:
+        """Detach the precision hooks prepare put on the model (Horovod's own gradient hooks stay)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+
+
+def _upcast_bf16(compression: Any) -> Any:
+    """A Horovod compressor that sends bfloat16 gradients as float32 (Horovod 0.28 has no bfloat16 reduction)
+    and hands them back as bfloat16: the same sum, rounded once, as the other backends compute."""
+
+    class BF16AsFloat32(compression.none):  # type: ignore[name-defined,misc]
+        @staticmethod
+        def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            if tensor.dtype == torch.bfloat16:
+                return tensor.float(), torch.bfloat16
+            return tensor, None
+
+        @staticmethod
+        def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+            return tensor.to(ctx) if ctx is not None else tensor
+
+    return BF16AsFloat32
