@@ -1,0 +1,181 @@
+"""prepare(precision=) on DeepSpeed's own engine, ZeRO stages 0-3, against one process with plain torch.
+
+The MLP of tests/workers/zero.py (realistic magnitudes: first gradient norm > 5; DeepSpeed's clip at 1.0 is
+pinned off by unidist). Cases, every one in this one launch:
+
+- ``{bf16,fp16}-mixed/stage{0..3}``: the reference is one process on the whole batch under ``torch.autocast``
+  (fp16: with ``torch.amp.GradScaler`` of the same parameters). fp16 multiplies rank 1's loss by inf at
+  ``INF_STEPS`` (the reference multiplies its loss there): the same steps must be skipped on both ranks, and
+  the loss-scale sequence must be the reference GradScaler's.
+- ``fp16-partial/stage2``: one parameter's gradient made inf on rank 1 only (a hook), with DeepSpeed's global
+  norm check off (``compute_grad_norm: false``): each rank's GradScaler unscales only its partition, so only
+  the agreed skip keeps the ranks' decisions (and scales) equal.
+- ``fp16-defaults/stage2``: GradScaler's default parameters; the first steps overflow in fp16 and the scale
+  must back off (DeepSpeed alone skips them without ever lowering the scale).
+- ``bf16-true/stage0``: a bfloat16 model against one process's bfloat16 model; ``bf16-true/stage2`` must be
+  refused with an InvalidArgumentError.
+
+Writes ``<out>/rank<R>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import unidist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from workers.zero import BATCH, batch, make_model  # noqa: E402
+
+STEPS = 10
+INF_STEPS = (3, 4, 8)  # rank 1's loss times inf (two in a row: two backoffs)
+SCALING = {"init_scale": 2.0**8, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2}
+DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+mse = torch.nn.functional.mse_loss
+
+
+def make_opt(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+
+def reference(precision: str, scaling: dict[str, Any] | None, inf_steps: tuple[int, ...]) -> dict[str, Any]:
+    """One process, the whole batch, plain torch."""
+    model = make_model()
+    if precision == "bf16-true":
+        model.to(torch.bfloat16)
+    opt = make_opt(model)
+    scaler = torch.amp.GradScaler("cpu", **scaling) if scaling is not None else None
+    scales, skipped, first_norm = [], [], 0.0
+    for step in range(STEPS):
+        x, y = batch(step, 0)
+        if precision == "bf16-true":
+            out = model(x.to(torch.bfloat16)).float()
+        else:
+            with torch.autocast("cpu", dtype=DTYPES[precision]):
+                out = model(x)
+        loss = mse(out.float(), y)
+        if step in inf_steps:
+            loss = loss * math.inf
+        if scaler is None:
+            loss.backward()
+            first_norm = first_norm or float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.get_scale() < before)
+            scales.append(scaler.get_scale())
+            if not first_norm and not skipped[-1]:
+                first_norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        opt.zero_grad()
+    return {"weights": {k: v.float() for k, v in model.state_dict().items()}, "scales": scales,
+            "skipped": skipped, "first_norm": first_norm}
+
+
+def train(mgr: Any, precision: str, stage: int, scaling: dict[str, Any] | None, inf_steps: tuple[int, ...],
+          partial: bool = False) -> dict[str, Any]:
+    model = make_model()
+    opt = make_opt(model)
+    extra: dict[str, Any] = {}
+    if scaling is not None and scaling != {}:
+        extra["loss_scaling"] = scaling
+    if partial:  # DeepSpeed's own (global-norm) overflow check off: only the scaler's decides
+        extra["deepspeed_config"] = {"zero_optimization": {"compute_grad_norm": False}}
+    engine, opt = mgr.prepare(model, opt, zero_stage=stage, precision=precision, **extra)
+    zero = opt.zero_optimizer
+    # gradients travel in float32: no parameter marked for low-precision reduction, only float32 buckets
+    comm = sorted({str(getattr(p, "comm_dtype", p.dtype)) for p in engine.module.parameters()})
+    buckets = sorted(str(k) for k in getattr(zero, "ipg_buckets", {})) if zero is not None else []
+    per = BATCH // mgr.size
+    rows = slice(mgr.rank * per, (mgr.rank + 1) * per)
+    last = list(engine.module.parameters())[-1]
+    scales, skipped, counts, out_dtypes = [], [], [], set()
+    for step in range(STEPS):
+        x, y = batch(step, 0)
+        out = engine(x[rows])
+        out_dtypes.add(str(out.dtype))
+        loss = mse(out, y[rows])
+        hook = None
+        if step in inf_steps and mgr.rank == 1:
+            if partial:
+                hook = last.register_hook(lambda g: g * math.inf)
+            else:
+                loss = loss * math.inf
+        mgr.backward(loss)
+        if hook is not None:
+            hook.remove()
+        opt.step()
+        opt.zero_grad()
+        scales.append(opt.loss_scale)
+        skipped.append(opt.last_step_skipped)
+        counts.append(opt.skipped_steps)
+    full = {k: v.float() for k, v in mgr.full_state_dict(engine).items()}
+    flat = torch.cat([t.reshape(-1) for t in full.values()])
+    spread = float((mgr.allreduce(flat, "max") - mgr.allreduce(flat, "min")).abs().max())
+    opt.remove_hooks()
+    return {"full": full, "spread": spread, "scales": scales, "skipped": skipped, "counts": counts,
+            "out_dtypes": sorted(out_dtypes), "comm_dtypes": comm, "buckets": buckets,
+            "scaler": type(opt.scaler).__name__ if opt.scaler is not None else None}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+
+def cases() -> list[tuple[str, str, int, dict[str, Any] | None, tuple[int, ...], bool]]:
+    """(key, precision, stage, loss_scaling, inf steps, partial)"""
+    out: list[tuple[str, str, int, dict[str, Any] | None, tuple[int, ...], bool]] = []
+    for precision in ("bf16-mixed", "fp16-mixed"):
+        fp16 = precision == "fp16-mixed"
+        for stage in range(4):
+            out.append((f"{precision}/stage{stage}", precision, stage, SCALING if fp16 else None,
+                        INF_STEPS if fp16 else (), False))
+    out.append(("fp16-partial/stage2", "fp16-mixed", 2, SCALING, INF_STEPS, True))
+    out.append(("fp16-defaults/stage2", "fp16-mixed", 2, {}, (), False))
+    out.append(("bf16-true/stage0", "bf16-true", 0, None, (), False))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, type=Path)
+    ns = parser.parse_args(unidist.script_args())
+    with unidist.init() as mgr:
+        results: dict[str, Any] = {}
+        for key, precision, stage, scaling, inf_steps, partial in cases():
+            try:
+                got = train(mgr, precision, stage, scaling, inf_steps, partial)
+                ref_scaling = None if scaling is None else {**SCALING, **scaling} if scaling else {}
+                if ref_scaling == {}:
+                    ref_scaling = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                   "growth_interval": 2000}
+                want = reference(precision, ref_scaling, inf_steps)
+                full = got.pop("full")
+                results[key] = {**got, "diff": max_diff(full, want["weights"]), "ref_scales": want["scales"],
+                                "ref_skipped": want["skipped"], "first_norm": want["first_norm"]}
+            except Exception as err:  # recorded; the other cases still run on every rank
+                traceback.print_exc()
+                results[key] = {"error": f"{type(err).__name__}: {err}"}
+        try:
+            train(mgr, "bf16-true", 2, None, ())
+            results["bf16-true/stage2"] = {"error": None}
+        except Exception as err:
+            results["bf16-true/stage2"] = {"error": f"{type(err).__name__}: {err}"}
+        results["_meta"] = {"backend": mgr.backend, "size": mgr.size}
+        (ns.out / f"rank{mgr.rank}.json").write_text(json.dumps(results, indent=1))
+        mgr.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
