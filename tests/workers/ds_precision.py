@@ -25,6 +25,7 @@ import json
 import math
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,10 @@ import torch
 
 import unidist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from workers.zero import BATCH, batch, make_model  # noqa: E402
+try:  # run as a script (tests/workers on sys.path) or imported as workers.ds_precision by the tests
+    from zero import BATCH, batch, make_model
+except ImportError:
+    from workers.zero import BATCH, batch, make_model
 
 STEPS = 10
 INF_STEPS = (3, 4, 8)  # rank 1's loss times inf (two in a row: two backoffs)
@@ -46,8 +49,9 @@ def make_opt(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
 
-def reference(precision: str, scaling: dict[str, Any] | None, inf_steps: tuple[int, ...]) -> dict[str, Any]:
-    """One process, the whole batch, plain torch."""
+def reference(precision: str, scaling: dict[str, Any] | None, inf_steps: tuple[int, ...], clip: float | None = None,
+              k: int = 1) -> dict[str, Any]:
+    """One process, the whole batch (as k micro-batches when accumulating), plain torch."""
     model = make_model()
     if precision == "bf16-true":
         model.to(torch.bfloat16)
@@ -56,34 +60,37 @@ def reference(precision: str, scaling: dict[str, Any] | None, inf_steps: tuple[i
     scales, skipped, first_norm = [], [], 0.0
     for step in range(STEPS):
         x, y = batch(step, 0)
-        if precision == "bf16-true":
-            out = model(x.to(torch.bfloat16)).float()
-        else:
-            with torch.autocast("cpu", dtype=DTYPES[precision]):
-                out = model(x)
-        loss = mse(out.float(), y)
-        if step in inf_steps:
-            loss = loss * math.inf
+        for part in range(k):
+            rows = slice(part * BATCH // k, (part + 1) * BATCH // k)
+            if precision == "bf16-true":
+                out = model(x[rows].to(torch.bfloat16)).float()
+            else:
+                with torch.autocast("cpu", dtype=DTYPES[precision]):
+                    out = model(x[rows])
+            loss = mse(out.float(), y[rows]) / k
+            if step in inf_steps:
+                loss = loss * math.inf
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        before = scaler.get_scale() if scaler is not None else 1.0
+        if scaler is not None:
+            scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)
         if scaler is None:
-            loss.backward()
-            first_norm = first_norm or float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
             opt.step()
         else:
-            scaler.scale(loss).backward()
-            before = scaler.get_scale()
             scaler.step(opt)
             scaler.update()
             skipped.append(scaler.get_scale() < before)
             scales.append(scaler.get_scale())
-            if not first_norm and not skipped[-1]:
-                first_norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        if not first_norm and math.isfinite(float(norm)):
+            first_norm = float(norm)
         opt.zero_grad()
     return {"weights": {k: v.float() for k, v in model.state_dict().items()}, "scales": scales,
             "skipped": skipped, "first_norm": first_norm}
 
 
 def train(mgr: Any, precision: str, stage: int, scaling: dict[str, Any] | None, inf_steps: tuple[int, ...],
-          partial: bool = False) -> dict[str, Any]:
+          partial: bool = False, clip: float | None = None, k: int = 1) -> dict[str, Any]:
     model = make_model()
     opt = make_opt(model)
     extra: dict[str, Any] = {}
@@ -91,31 +98,34 @@ def train(mgr: Any, precision: str, stage: int, scaling: dict[str, Any] | None, 
         extra["loss_scaling"] = scaling
     if partial:  # DeepSpeed's own (global-norm) overflow check off: only the scaler's decides
         extra["deepspeed_config"] = {"zero_optimization": {"compute_grad_norm": False}}
-    engine, opt = mgr.prepare(model, opt, zero_stage=stage, precision=precision, **extra)
+    engine, opt = mgr.prepare(model, opt, zero_stage=stage, precision=precision, clip_grad_norm=clip,
+                              backward_passes_per_step=k, **extra)
     zero = opt.zero_optimizer
     # gradients travel in float32: no parameter marked for low-precision reduction, only float32 buckets
     comm = sorted({str(getattr(p, "comm_dtype", p.dtype)) for p in engine.module.parameters()})
     buckets = sorted(str(k) for k in getattr(zero, "ipg_buckets", {})) if zero is not None else []
-    per = BATCH // mgr.size
-    rows = slice(mgr.rank * per, (mgr.rank + 1) * per)
     last = list(engine.module.parameters())[-1]
     scales, skipped, counts, out_dtypes = [], [], [], set()
     for step in range(STEPS):
         x, y = batch(step, 0)
-        out = engine(x[rows])
-        out_dtypes.add(str(out.dtype))
-        loss = mse(out, y[rows])
-        hook = None
-        if step in inf_steps and mgr.rank == 1:
-            if partial:
-                hook = last.register_hook(lambda g: g * math.inf)
-            else:
-                loss = loss * math.inf
-        mgr.backward(loss)
-        if hook is not None:
-            hook.remove()
-        opt.step()
-        opt.zero_grad()
+        for part in range(k):  # each pass: this rank's share of micro-batch `part`
+            lo = part * BATCH // k
+            share = BATCH // k // mgr.size
+            rows = slice(lo + mgr.rank * share, lo + (mgr.rank + 1) * share)
+            out = engine(x[rows])
+            out_dtypes.add(str(out.dtype))
+            loss = mse(out, y[rows])
+            hook = None
+            if step in inf_steps and mgr.rank == 1:
+                if partial:
+                    hook = last.register_hook(lambda g: g * math.inf)
+                else:
+                    loss = loss * math.inf
+            mgr.backward(loss)
+            if hook is not None:
+                hook.remove()
+            opt.step()
+            opt.zero_grad()
         scales.append(opt.loss_scale)
         skipped.append(opt.last_step_skipped)
         counts.append(opt.skipped_steps)
@@ -123,8 +133,8 @@ def train(mgr: Any, precision: str, stage: int, scaling: dict[str, Any] | None, 
     flat = torch.cat([t.reshape(-1) for t in full.values()])
     spread = float((mgr.allreduce(flat, "max") - mgr.allreduce(flat, "min")).abs().max())
     opt.remove_hooks()
-    return {"full": full, "spread": spread, "scales": scales, "skipped": skipped, "counts": counts,
-            "out_dtypes": sorted(out_dtypes), "comm_dtypes": comm, "buckets": buckets,
+    return {"full": full, "spread": spread, "k": opt.backward_passes_per_step, "scales": scales, "skipped": skipped,
+            "counts": counts, "out_dtypes": sorted(out_dtypes), "comm_dtypes": comm, "buckets": buckets,
             "scaler": type(opt.scaler).__name__ if opt.scaler is not None else None}
 
 
@@ -132,18 +142,33 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
-def cases() -> list[tuple[str, str, int, dict[str, Any] | None, tuple[int, ...], bool]]:
-    """(key, precision, stage, loss_scaling, inf steps, partial)"""
-    out: list[tuple[str, str, int, dict[str, Any] | None, tuple[int, ...], bool]] = []
-    for precision in ("bf16-mixed", "fp16-mixed"):
-        fp16 = precision == "fp16-mixed"
-        for stage in range(4):
-            out.append((f"{precision}/stage{stage}", precision, stage, SCALING if fp16 else None,
-                        INF_STEPS if fp16 else (), False))
-    out.append(("fp16-partial/stage2", "fp16-mixed", 2, SCALING, INF_STEPS, True))
-    out.append(("fp16-defaults/stage2", "fp16-mixed", 2, {}, (), False))
-    out.append(("bf16-true/stage0", "bf16-true", 0, None, (), False))
+@dataclass(frozen=True)
+class Case:
+    precision: str
+    stage: int
+    scaling: dict[str, Any] | None = None  # {}: GradScaler's defaults
+    inf_steps: tuple[int, ...] = ()
+    partial: bool = False
+    clip: float | None = None
+    k: int = 1
+
+
+def cases() -> dict[str, Case]:
+    out: dict[str, Case] = {}
+    for stage in range(4):
+        out[f"bf16-mixed/stage{stage}"] = Case("bf16-mixed", stage)
+    for stage in range(4):
+        out[f"fp16-mixed/stage{stage}"] = Case("fp16-mixed", stage, SCALING, INF_STEPS)
+    out["fp16-partial/stage2"] = Case("fp16-mixed", 2, SCALING, INF_STEPS, partial=True)
+    out["fp16-defaults/stage2"] = Case("fp16-mixed", 2, {})
+    out["fp16-clip/stage0"] = Case("fp16-mixed", 0, SCALING, INF_STEPS, clip=0.5)
+    out["fp16-k2/stage2"] = Case("fp16-mixed", 2, SCALING, INF_STEPS, k=2)
+    out["bf16-clip-k2/stage3"] = Case("bf16-mixed", 3, clip=0.5, k=2)
+    out["bf16-true/stage0"] = Case("bf16-true", 0)
     return out
+
+
+DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
 
 def main() -> int:
@@ -152,16 +177,17 @@ def main() -> int:
     ns = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         results: dict[str, Any] = {}
-        for key, precision, stage, scaling, inf_steps, partial in cases():
+        stage0: dict[str, dict[str, torch.Tensor]] = {}
+        for key, c in cases().items():
             try:
-                got = train(mgr, precision, stage, scaling, inf_steps, partial)
-                ref_scaling = None if scaling is None else {**SCALING, **scaling} if scaling else {}
-                if ref_scaling == {}:
-                    ref_scaling = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5,
-                                   "growth_interval": 2000}
-                want = reference(precision, ref_scaling, inf_steps)
+                got = train(mgr, c.precision, c.stage, c.scaling, c.inf_steps, c.partial, c.clip, c.k)
+                ref_scaling = None if c.scaling is None else {**DEFAULTS, **c.scaling}
+                want = reference(c.precision, ref_scaling, c.inf_steps, c.clip, c.k)
                 full = got.pop("full")
+                family = key.split("/")[0]
+                stage0.setdefault(family, full)
                 results[key] = {**got, "diff": max_diff(full, want["weights"]), "ref_scales": want["scales"],
+                                "vs_stage0": max_diff(full, stage0[family]),
                                 "ref_skipped": want["skipped"], "first_norm": want["first_norm"]}
             except Exception as err:  # recorded; the other cases still run on every rank
                 traceback.print_exc()
