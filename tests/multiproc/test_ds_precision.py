@@ -7,11 +7,13 @@ Tolerances, measured (max |w - w_reference| after 10 SGD-momentum steps, lr 1e-3
   halves rounded separately and averaged in float32 are not the whole batch rounded once (2^-8 of a gradient
   of ~10, times lr, per step). Bound 1e-4.
 - fp16-mixed: 5.2e-6 (float16's 11 bits: 8x finer than bfloat16). Bound 2e-5.
-- fp16 with clipping at stage 0, and bf16 clipped with accumulation at stage 3: 1.5e-7 / 1.4e-6 (clipped
-  updates are smaller). Bounds 2e-5 / 1e-4 as their precision's.
+- fp16 clipped (stages 0-3), bf16 clipped with accumulation (stage 3): 1.5e-7 / 1.4e-6 (clipped updates
+  are smaller). Bounds 2e-5 / 1e-4 as their precision's. Under ZeRO DeepSpeed unscales and clips in one
+  multiplication by 1/(clip*scale), at stage 0 GradScaler unscales and the engine clips after: 7.5e-9 apart.
 - bf16-true (stage 0): 4.9e-4, one or two bfloat16 ulps of weights of 0.1-0.25: the model, its gradients
   (reduced in bfloat16, the model's dtype) and the SGD update are bfloat16. Bound 2e-3.
-Stages 1-3 equal stage 0 bitwise; ranks agree bitwise; loss-scale sequences and skipped steps are exact.
+Stages 1-3 equal stage 0 bitwise (but fp16 clipped: 1e-7); ranks agree bitwise; loss-scale sequences and
+skipped steps are exact.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def test_equals_one_process_with_plain_torch(reports: Reports, key: str) -> None
             continue  # GradScaler's defaults overflow in fp16 differently per batch size: see test_scale_backs_off
         assert g["first_norm"] > 5, g  # an engine clipping at 1 would show
         assert g["diff"] <= TOL[c.precision], (rank, key, g["diff"])
-        assert g["vs_stage0"] == 0.0, (rank, key)  # ZeRO stages 1-3 bitwise equal stage 0
+        # ZeRO stages 1-3 bitwise equal stage 0 (fp16 clipped: DeepSpeed unscales and clips in one go)
+        assert g["vs_stage0"] <= (1e-7 if key.startswith("fp16-clip") else 0.0), (rank, key, g["vs_stage0"])
         assert g["spread"] == 0.0, (rank, key)  # ranks agree bitwise
         assert g["out_dtypes"] == ["torch.float32"], g  # outputs come back as float32
         assert g["k"] == c.k

@@ -161,7 +161,8 @@ def cases() -> dict[str, Case]:
         out[f"fp16-mixed/stage{stage}"] = Case("fp16-mixed", stage, SCALING, INF_STEPS)
     out["fp16-partial/stage2"] = Case("fp16-mixed", 2, SCALING, INF_STEPS, partial=True)
     out["fp16-defaults/stage2"] = Case("fp16-mixed", 2, {})
-    out["fp16-clip/stage0"] = Case("fp16-mixed", 0, SCALING, INF_STEPS, clip=0.5)
+    for stage in range(4):  # clipped after unscaling: under ZeRO DeepSpeed clips, with the scaler's scale
+        out[f"fp16-clip/stage{stage}"] = Case("fp16-mixed", stage, SCALING, INF_STEPS, clip=0.5)
     out["fp16-k2/stage2"] = Case("fp16-mixed", 2, SCALING, INF_STEPS, k=2)
     out["bf16-clip-k2/stage3"] = Case("bf16-mixed", 3, clip=0.5, k=2)
     out["bf16-true/stage0"] = Case("bf16-true", 0)

@@ -52,6 +52,12 @@ class AgreedGradScaler(torch.amp.GradScaler):
       DeepSpeed skipped the step itself: under ZeRO its global-norm check finds the inf first and returns without
       ever calling the scaler, so the scale would never back off and every later step would overflow again;
       with several parameter groups (or ZeRO-3 sub-groups) it would call ``update()`` once per group.
+
+    Clipping under ZeRO: DeepSpeed clips inside its step, before this scaler unscales, by the global norm of the
+    still-scaled gradients, dividing by its own loss scale (1.0 under torch_autocast), so the clip would be off
+    by the whole scale. With ``engine_unscales`` the ZeRO optimizer's static loss scale is set to this scale
+    before each step (``EngineOptimizer.step``): DeepSpeed unscales and clips together, as GradScaler's
+    ``unscale_`` then ``clip_grad_norm_`` do, and this scaler then only checks for inf/nan (inverse scale 1).
     """
 
     def __init__(self, options: ScalerOptions, device: torch.device, group: Any) -> None:
@@ -62,6 +68,13 @@ class AgreedGradScaler(torch.amp.GradScaler):
         self.last_step_skipped = False
         self._in_step = False  # inside EngineOptimizer.step: update() waits for end_step
         self._found = False  # an agreed inf/nan in this step
+        self.engine_unscales = False  # the ZeRO optimizer unscales (and clips) before the step
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        if self.engine_unscales:  # already unscaled by DeepSpeed: only the inf/nan check
+            inv_scale = torch.ones_like(inv_scale)
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
 
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any,
                         **kwargs: Any) -> Any:
@@ -176,6 +189,8 @@ class EngineOptimizer(OptimizerView):
         scaler = self.scaler if boundary else None
         if scaler is not None:
             scaler.begin_step()
+            if scaler.engine_unscales:  # DeepSpeed divides by its loss scale where it clips: make it this one
+                self.engine.optimizer.loss_scaler.cur_scale = scaler.scale_value
         with watchdog.watching("deepspeed engine.step"):
             self.engine.step()
         if scaler is not None:
@@ -242,7 +257,7 @@ class DeepSpeedTrainer(Trainer):
         opts, config = self._resolve(opts)
         stage = int(config["zero_optimization"].get("stage", 0))
         precision = Precision.of(opts.precision)
-        self._check_precision(precision, stage, config)
+        self._check_precision(precision, stage)
         self.full_optimizer = optimizer
         self.full_groups = [list(g["params"]) for g in optimizer.param_groups] if optimizer is not None else []
         if optimizer is None and "optimizer" not in config:
@@ -269,7 +284,7 @@ class DeepSpeedTrainer(Trainer):
         return engine, self.prepared
 
     @staticmethod
-    def _check_precision(precision: Precision, stage: int, config: Mapping[str, Any]) -> None:
+    def _check_precision(precision: Precision, stage: int) -> None:
         """What DeepSpeed 0.19.8 cannot run with unidist's meaning is refused, saying what to use instead."""
         if precision.param_dtype is not None and stage:
             raise InvalidArgumentError(
@@ -277,12 +292,6 @@ class DeepSpeedTrainer(Trainer):
                 f"{stage}: DeepSpeed's ZeRO optimizer keeps float32 master copies of a bfloat16 model (its "
                 "'bf16' section's meaning, not bf16-true's). Use precision='bf16-mixed', or zero_stage=0, or "
                 "prepare(group=...) (unidist's ZeRO, which runs bf16-true)")
-        if precision.scaled and stage and float(config.get("gradient_clipping", 0.0) or 0.0) > 0:
-            raise InvalidArgumentError(
-                f"prepare(precision='fp16-mixed') with gradient clipping at ZeRO stage {stage} is not available on "
-                "the deepspeed backend: DeepSpeed 0.19.8 clips the gradients while they are still multiplied by "
-                "the loss scale (the clip would be off by that factor). Use zero_stage=0, precision='bf16-mixed', "
-                "or no clip_grad_norm")
 
     def _install_scaler(self, prepared: EngineOptimizer, precision: Precision, opts: TrainOptions) -> None:
         """fp16-mixed: DeepSpeed's default GradScaler replaced by ``AgreedGradScaler`` with ``opts.loss_scaling``;
@@ -293,6 +302,7 @@ class DeepSpeedTrainer(Trainer):
         if precision.scaled:
             group = zero.dp_process_group if zero is not None else getattr(engine, "data_parallel_group", None)
             scaler = AgreedGradScaler(opts.loss_scaling, self.mgr.device, group)
+            scaler.engine_unscales = zero is not None and float(engine.gradient_clipping() or 0.0) > 0
         if zero is not None:
             zero.torch_autocast_gradscaler = scaler
         else:
