@@ -99,3 +99,9 @@ def test_bf16_true_under_zero_is_refused(reports: Reports) -> None:
         err = r["bf16-true/stage2"]["error"]
         assert err is not None and err.startswith("InvalidArgumentError: prepare(precision='bf16-true') is not "
                                                   "available on the deepspeed backend at ZeRO stage 2"), err
+
+
+def test_the_scale_resumes_from_a_checkpoint(reports: Reports) -> None:
+    for g in _case(reports, "fp16-resume/stage2"):
+        assert g["loaded"] == g["saved"] and g["saved"][1] == 1, g  # one skipped step, a scale unlike the initial
+        assert g["saved"][0] != g["fresh_scale"] and g["weights"] == 0.0, g

@@ -163,3 +163,18 @@ def test_engine_optimizer_reports_as_unidists_optimizers() -> None:
     opt = EngineOptimizer(_Engine(inner), inner, [], None)
     assert (opt.loss_scale, opt.last_step_skipped, opt.skipped_steps, opt.backward_passes_per_step) == \
         (1.0, False, 0, 3)
+
+
+def test_the_scaler_state_is_loss_scalers() -> None:
+    """An fp16 checkpoint's scale resumes across backends: AgreedGradScaler and LossScaler read each other's."""
+    from unidist.train.deepspeed import AgreedGradScaler
+    from unidist.train.precision import LossScaler, ScalerOptions
+
+    ours = AgreedGradScaler(ScalerOptions(init_scale=8.0, growth_interval=3), torch.device("cpu"), None)
+    theirs = LossScaler(ScalerOptions(init_scale=32.0), torch.device("cpu"))
+    theirs.skipped_steps = 2
+    ours.load_state_dict(theirs.state_dict())
+    assert (ours.scale_value, ours.skipped_steps, ours.state_dict()["growth_interval"]) == (32.0, 2, 3)
+    back = LossScaler(ScalerOptions(), torch.device("cpu"))
+    back.load_state_dict(ours.state_dict())
+    assert (back.scale, back.skipped_steps) == (32.0, 2)

@@ -138,6 +138,28 @@ def train(mgr: Any, precision: str, stage: int, scaling: dict[str, Any] | None, 
             "scaler": type(opt.scaler).__name__ if opt.scaler is not None else None}
 
 
+def resume(mgr: Any, path: Path) -> dict[str, Any]:
+    """fp16-mixed at stage 2: the loss scale (and skipped-step count) rides in unidist's checkpoint."""
+    model = make_model()
+    engine, opt = mgr.prepare(model, make_opt(model), zero_stage=2, precision="fp16-mixed", loss_scaling=SCALING)
+    for step in range(5):
+        x, y = batch(step, 0)
+        loss = mse(engine(x[mgr.rank::mgr.size]), y[mgr.rank::mgr.size])
+        mgr.backward(loss * math.inf if step == 4 else loss)  # scales 256 512 512 1024 512
+        opt.step()
+        opt.zero_grad()
+    saved = (opt.loss_scale, opt.skipped_steps)
+    mgr.save_checkpoint(path, engine, opt)
+    fresh = make_model()
+    engine2, opt2 = mgr.prepare(fresh, make_opt(fresh), zero_stage=2, precision="fp16-mixed", loss_scaling=SCALING)
+    mgr.load_checkpoint(path, engine2, opt2)
+    before = (opt2.loss_scale, opt2.skipped_steps)
+    diff = max_diff(mgr.full_state_dict(engine2), mgr.full_state_dict(engine))
+    opt.remove_hooks()
+    opt2.remove_hooks()
+    return {"saved": saved, "loaded": before, "weights": diff, "fresh_scale": SCALING["init_scale"]}
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in b)
 
@@ -193,6 +215,11 @@ def main() -> int:
             except Exception as err:  # recorded; the other cases still run on every rank
                 traceback.print_exc()
                 results[key] = {"error": f"{type(err).__name__}: {err}"}
+        try:
+            results["fp16-resume/stage2"] = resume(mgr, ns.out / "ckpt")
+        except Exception as err:
+            traceback.print_exc()
+            results["fp16-resume/stage2"] = {"error": f"{type(err).__name__}: {err}"}
         try:
             train(mgr, "bf16-true", 2, None, ())
             results["bf16-true/stage2"] = {"error": None}

@@ -115,9 +115,22 @@ class AgreedGradScaler(torch.amp.GradScaler):
                                  torch.full((), float(found), dtype=torch.float32, device=self._scale.device),
                                  o.growth_factor, o.backoff_factor, o.growth_interval)
 
+    def state_dict(self) -> dict[str, Any]:
+        """GradScaler's keys and the skipped-step count: LossScaler's (train/precision.py) layout, so an fp16
+        checkpoint resumes on any backend."""
+        return {**super().state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        self.skipped_steps = int(state.pop("skipped_steps", 0))
+        # the factors and interval stay those this run was prepared with (as LossScaler does)
+        o = self.options
+        state.update(growth_factor=o.growth_factor, backoff_factor=o.backoff_factor, growth_interval=o.growth_interval)
+        super().load_state_dict(state)
+
     @property
     def scale_value(self) -> float:
-        return float(self._scale) if self._scale is not None else self.options.init_scale
+        return float(self.get_scale())
 
 
 class EngineOptimizer(OptimizerView):
