@@ -45,17 +45,20 @@ DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 mse = torch.nn.functional.mse_loss
 
 
-def make_opt(model: torch.nn.Module) -> torch.optim.Optimizer:
+def make_opt(model: torch.nn.Module, groups: bool = False) -> torch.optim.Optimizer:
+    if groups:  # two parameter groups: DeepSpeed's ZeRO steps (and calls the GradScaler) once per group
+        params = list(model.parameters())
+        return torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "lr": 2e-3}], lr=1e-3, momentum=0.9)
     return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
 
 def reference(precision: str, scaling: dict[str, Any] | None, inf_steps: tuple[int, ...], clip: float | None = None,
-              k: int = 1) -> dict[str, Any]:
+              k: int = 1, groups: bool = False) -> dict[str, Any]:
     """One process, the whole batch (as k micro-batches when accumulating), plain torch."""
     model = make_model()
     if precision == "bf16-true":
         model.to(torch.bfloat16)
-    opt = make_opt(model)
+    opt = make_opt(model, groups)
     scaler = torch.amp.GradScaler("cpu", **scaling) if scaling is not None else None
     scales, skipped, first_norm = [], [], 0.0
     for step in range(STEPS):
@@ -90,9 +93,9 @@ def reference(precision: str, scaling: dict[str, Any] | None, inf_steps: tuple[i
 
 
 def train(mgr: Any, precision: str, stage: int, scaling: dict[str, Any] | None, inf_steps: tuple[int, ...],
-          partial: bool = False, clip: float | None = None, k: int = 1) -> dict[str, Any]:
+          partial: bool = False, clip: float | None = None, k: int = 1, groups: bool = False) -> dict[str, Any]:
     model = make_model()
-    opt = make_opt(model)
+    opt = make_opt(model, groups)
     extra: dict[str, Any] = {}
     if scaling is not None and scaling != {}:
         extra["loss_scaling"] = scaling
@@ -173,6 +176,7 @@ class Case:
     partial: bool = False
     clip: float | None = None
     k: int = 1
+    groups: bool = False
 
 
 def cases() -> dict[str, Case]:
@@ -186,6 +190,8 @@ def cases() -> dict[str, Case]:
     for stage in range(4):  # clipped after unscaling: under ZeRO DeepSpeed clips, with the scaler's scale
         out[f"fp16-clip/stage{stage}"] = Case("fp16-mixed", stage, SCALING, INF_STEPS, clip=0.5)
     out["fp16-k2/stage2"] = Case("fp16-mixed", 2, SCALING, INF_STEPS, k=2)
+    for stage in (2, 3):
+        out[f"fp16-groups/stage{stage}"] = Case("fp16-mixed", stage, SCALING, INF_STEPS, groups=True)
     out["bf16-clip-k2/stage3"] = Case("bf16-mixed", 3, clip=0.5, k=2)
     out["bf16-true/stage0"] = Case("bf16-true", 0)
     return out
@@ -203,9 +209,9 @@ def main() -> int:
         stage0: dict[str, dict[str, torch.Tensor]] = {}
         for key, c in cases().items():
             try:
-                got = train(mgr, c.precision, c.stage, c.scaling, c.inf_steps, c.partial, c.clip, c.k)
+                got = train(mgr, c.precision, c.stage, c.scaling, c.inf_steps, c.partial, c.clip, c.k, c.groups)
                 ref_scaling = None if c.scaling is None else {**DEFAULTS, **c.scaling}
-                want = reference(c.precision, ref_scaling, c.inf_steps, c.clip, c.k)
+                want = reference(c.precision, ref_scaling, c.inf_steps, c.clip, c.k, c.groups)
                 full = got.pop("full")
                 family = key.split("/")[0]
                 stage0.setdefault(family, full)
