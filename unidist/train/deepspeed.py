@@ -204,8 +204,13 @@ class EngineOptimizer(OptimizerView):
             scaler.begin_step()
             if scaler.engine_unscales:  # DeepSpeed divides by its loss scale where it clips: make it this one
                 self.engine.optimizer.loss_scaler.cur_scale = scaler.scale_value
-        with watchdog.watching("deepspeed engine.step"):
-            self.engine.step()
+        try:
+            with watchdog.watching("deepspeed engine.step"):
+                self.engine.step()
+        except BaseException:
+            if scaler is not None:
+                scaler._in_step = False  # a failed step moves no scale; update() is GradScaler's again
+            raise
         if scaler is not None:
             zero = self.zero_optimizer
             scaler.end_step(bool(getattr(zero, "overflow", False)) if zero is not None else False)
