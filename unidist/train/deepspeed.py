@@ -30,10 +30,107 @@ from unidist.ops import ReduceOp
 from unidist.train import ds_config
 from unidist.train.memory import optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import TrainOptions
+from unidist.train.precision import Precision, ScalerOptions
 from unidist.train.trainer import Trainer
 from unidist.train.view import OptimizerView
 
-__all__ = ["DeepSpeedLayout", "DeepSpeedTrainer", "EngineOptimizer"]
+__all__ = ["AgreedGradScaler", "DeepSpeedLayout", "DeepSpeedTrainer", "EngineOptimizer"]
+
+
+class AgreedGradScaler(torch.amp.GradScaler):
+    """The GradScaler DeepSpeed's ``torch_autocast`` fp16 steps with, made to mean what unidist's fp16 means.
+
+    DeepSpeed 0.19.8 builds its own with GradScaler's default parameters (``engine.torch_autocast_z0_gradscaler``
+    at stage 0, ``optimizer.torch_autocast_gradscaler`` under ZeRO); this one replaces it right after
+    ``deepspeed.initialize`` and differs in three ways:
+
+    - its parameters are ``prepare(loss_scaling=...)``'s;
+    - the skip is agreed: each rank's found-inf is max-allreduced over the data-parallel group before the step
+      (under ZeRO a rank unscales only its partition, so ranks could otherwise skip different steps and their
+      scales drift apart: pytorch/pytorch#76282);
+    - the scale is updated once per optimizer step, by ``EngineOptimizer.step`` (``end_step``), also when
+      DeepSpeed skipped the step itself: under ZeRO its global-norm check finds the inf first and returns without
+      ever calling the scaler, so the scale would never back off and every later step would overflow again;
+      with several parameter groups (or ZeRO-3 sub-groups) it would call ``update()`` once per group.
+
+    Clipping under ZeRO: DeepSpeed clips inside its step, before this scaler unscales, by the global norm of the
+    still-scaled gradients, dividing by its own loss scale (1.0 under torch_autocast), so the clip would be off
+    by the whole scale. With ``engine_unscales`` the ZeRO optimizer's static loss scale is set to this scale
+    before each step (``EngineOptimizer.step``): DeepSpeed unscales and clips together, as GradScaler's
+    ``unscale_`` then ``clip_grad_norm_`` do, and this scaler then only checks for inf/nan (inverse scale 1).
+    """
+
+    def __init__(self, options: ScalerOptions, device: torch.device, group: Any) -> None:
+        super().__init__(device.type, init_scale=options.init_scale, growth_factor=options.growth_factor,
+                         backoff_factor=options.backoff_factor, growth_interval=options.growth_interval)
+        self.options, self.group = options, group
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self._in_step = False  # inside EngineOptimizer.step: update() waits for end_step
+        self._found = False  # an agreed inf/nan in this step
+        self.engine_unscales = False  # the ZeRO optimizer unscales (and clips) before the step
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        if self.engine_unscales:  # already unscaled by DeepSpeed: only the inf/nan check
+            inv_scale = torch.ones_like(inv_scale)
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any,
+                        **kwargs: Any) -> Any:
+        import deepspeed.comm as dist
+
+        found = torch.zeros(1, dtype=torch.float32, device=self._scale.device if self._scale is not None else "cpu")
+        for value in optimizer_state["found_inf_per_device"].values():
+            found += value.to(found.device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
+        agreed = found.clamp_(max=1.0).reshape(())
+        optimizer_state["found_inf_per_device"] = {found.device: agreed}  # what update() then reads
+        if float(agreed):
+            self._found = True
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: Any = None) -> None:
+        if not self._in_step or new_scale is not None:
+            super().update(new_scale)
+            return
+        self._per_optimizer_states.clear()  # the next group may step; the scale moves at end_step
+
+    def begin_step(self) -> None:
+        self._in_step, self._found = True, False
+
+    def end_step(self, engine_skipped: bool) -> None:
+        """After the engine's optimizer step: one update of the scale, with inf if this scaler or the engine
+        found one (every rank alike: both decisions are agreed)."""
+        self._in_step = False
+        self._per_optimizer_states.clear()
+        found = self._found or engine_skipped
+        self.last_step_skipped = found
+        self.skipped_steps += int(found)
+        if self._scale is None or self._growth_tracker is None:  # no scale() yet: nothing was scaled
+            return
+        o = self.options
+        torch._amp_update_scale_(self._scale, self._growth_tracker,
+                                 torch.full((), float(found), dtype=torch.float32, device=self._scale.device),
+                                 o.growth_factor, o.backoff_factor, o.growth_interval)
+
+    def state_dict(self) -> dict[str, Any]:
+        """GradScaler's keys and the skipped-step count: LossScaler's (train/precision.py) layout, so an fp16
+        checkpoint resumes on any backend."""
+        return {**super().state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        self.skipped_steps = int(state.pop("skipped_steps", 0))
+        # the factors and interval stay those this run was prepared with (as LossScaler does)
+        o = self.options
+        state.update(growth_factor=o.growth_factor, backoff_factor=o.backoff_factor, growth_interval=o.growth_interval)
+        super().load_state_dict(state)
+
+    @property
+    def scale_value(self) -> float:
+        return float(self.get_scale())
 
 
 class EngineOptimizer(OptimizerView):
@@ -47,6 +144,43 @@ class EngineOptimizer(OptimizerView):
         self.engine, self.world = engine, world
         self.full_optimizer = full_optimizer  # the user's optimizer, and its groups as one process holds them
         self.full_groups = full_groups
+        self.scaler: AgreedGradScaler | None = None  # fp16-mixed's loss scale (installed by DeepSpeedTrainer)
+        self._hooks: list[Any] = []  # the precision's forward hooks on the user's module
+
+    def remove_hooks(self) -> None:
+        """Detach the precision's forward hooks from the user's module (the engine itself keeps running)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # the reporting of unidist's own optimizers (train/window.py); real properties, so __getattr__ does not
+    # forward them to the engine's optimizer
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without loss scaling)."""
+        if self.scaler is not None:
+            return self.scaler.scale_value
+        scale = getattr(self.engine.optimizer, "loss_scale", None)  # DeepSpeed's own fp16 section
+        return float(scale) if isinstance(scale, (int, float, torch.Tensor)) else 1.0
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """The last optimizer step found inf/nan gradients and was not applied (the same on every rank)."""
+        if self.scaler is not None:
+            return self.scaler.last_step_skipped
+        return not getattr(self.engine, "_step_applied", True)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for inf/nan gradients so far."""
+        if self.scaler is not None:
+            return self.scaler.skipped_steps
+        return int(getattr(self.engine, "skipped_steps", 0))
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """The engine's gradient_accumulation_steps (a user DeepSpeed config may have set it)."""
+        return int(self.engine.gradient_accumulation_steps())
 
     @property
     def zero_optimizer(self) -> Any:
@@ -64,8 +198,22 @@ class EngineOptimizer(OptimizerView):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise InvalidArgumentError("a DeepSpeed engine step takes no closure")
-        with watchdog.watching("deepspeed engine.step"):
-            self.engine.step()
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        scaler = self.scaler if boundary else None
+        if scaler is not None:
+            scaler.begin_step()
+            if scaler.engine_unscales:  # DeepSpeed divides by its loss scale where it clips: make it this one
+                self.engine.optimizer.loss_scaler.cur_scale = scaler.scale_value
+        try:
+            with watchdog.watching("deepspeed engine.step"):
+                self.engine.step()
+        except BaseException:
+            if scaler is not None:
+                scaler._in_step = False  # a failed step moves no scale; update() is GradScaler's again
+            raise
+        if scaler is not None:
+            zero = self.zero_optimizer
+            scaler.end_step(bool(getattr(zero, "overflow", False)) if zero is not None else False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: the engine clears gradients itself after the step at each accumulation boundary, and
@@ -91,52 +239,93 @@ class DeepSpeedTrainer(Trainer):
     def deepspeed_config(self, opts: TrainOptions | None = None) -> dict[str, Any]:
         """The DeepSpeed config ``prepare`` uses for ``opts``: engine defaults that change the math pinned
         (``NEUTRAL_CONFIG``), ``prepare``'s arguments mapped, then the user's config merged on top and checked
-        (an unknown key is named, not ignored)."""
+        (an unknown key is named, not ignored; a setting both set differently is a ConfigError)."""
+        return self._resolve(opts)[1]
+
+    def _resolve(self, opts: TrainOptions | None) -> tuple[TrainOptions, dict[str, Any]]:
+        """(the options the engine runs: ``opts`` with what the user's config set where prepare kept a default,
+        the config)."""
         from unidist.train.options import TrainOptions
 
         opts = opts if opts is not None else TrainOptions(zero_stage=self.mgr.config.zero_stage,
                                                           bucket_mb=self.mgr.config.bucket_mb)
-        source = opts.deepspeed_config if opts.deepspeed_config is not None else self.mgr.config.deepspeed_config
+        from_env = opts.deepspeed_config is None
+        source = opts.deepspeed_config if not from_env else self.mgr.config.deepspeed_config
         user = ds_config.load(source) if source is not None else None
-        if user is not None and opts.clip_grad_norm is not None:
-            clip = user.get("gradient_clipping")
-            if clip is not None and float(clip) != opts.clip_grad_norm:
-                raise InvalidArgumentError(
-                    f"prepare(clip_grad_norm={opts.clip_grad_norm}) and the DeepSpeed config's gradient_clipping="
-                    f"{clip} disagree; set one of them")
+        if user is not None and source is not None:
+            opts = ds_config.check_agreement(opts, user, source, env=from_env)
         cfg = ds_config.build(opts, self.mgr.size, user)
-        if user is not None:
+        if user is not None and source is not None:
             ds_config.validate(cfg, user, source)
-        return cfg
+        return opts, cfg
 
     def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions) -> tuple[Any, EngineOptimizer]:
         """Build the DeepSpeed engine from ``deepspeed_config(opts)``: returns (engine, optimizer).
 
         ``backward_passes_per_step`` is DeepSpeed's gradient_accumulation_steps, ``compression`` its
-        communication_data_type, ``clip_grad_norm`` its gradient_clipping; DeepSpeed only averages, so op
-        must be 'mean'. ``optimizer`` may be None when the config has an 'optimizer' section."""
+        communication_data_type, ``clip_grad_norm`` its gradient_clipping, ``precision`` its torch_autocast
+        (ds_config.precision_section); DeepSpeed only averages, so op must be 'mean'. ``optimizer`` may be None
+        when the config has an 'optimizer' section."""
         if opts.op is not ReduceOp.MEAN:
             raise InvalidArgumentError("prepare(op='sum'): DeepSpeed averages gradients; use op='mean' on the "
                                        "deepspeed backend")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidArgumentError(f"prepare(optimizer=...) takes a torch.optim.Optimizer, got "
                                        f"{type(optimizer).__name__}")
-        config = self.deepspeed_config(opts)
+        opts, config = self._resolve(opts)
+        stage = int(config["zero_optimization"].get("stage", 0))
+        precision = Precision.of(opts.precision)
+        self._check_precision(precision, stage)
         self.full_optimizer = optimizer
         self.full_groups = [list(g["params"]) for g in optimizer.param_groups] if optimizer is not None else []
         if optimizer is None and "optimizer" not in config:
             raise InvalidArgumentError("prepare() needs an optimizer, or an 'optimizer' section in deepspeed_config")
+        model = model.to(self.mgr.device)
+        # bf16-true: the bfloat16 model and its input/output casts; mixed: DeepSpeed's autocast runs the forward,
+        # and the outputs come back as float32 as on every backend
+        hooks = precision.apply(model, self.mgr.device) if precision.param_dtype is not None else []
+        if precision.mixed:
+            hooks.append(model.register_forward_hook(_outputs_float32))
+        _reset_autocast_state()
         # The user's RNG stream stays as it was (dropout masks must not depend on the backend).
         devices = [self.mgr._device] if self.mgr._device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), watchdog.watching("deepspeed.initialize"):
             engine, _, _, _ = self.mgr._deepspeed.initialize(
-                model=model.to(self.mgr.device), optimizer=optimizer, config=config,
+                model=model, optimizer=optimizer, config=config,
                 model_parameters=None if optimizer is not None else model.parameters())
         engine.__class__ = _module_keys(type(engine))
         self.engine = engine
         self.prepared = EngineOptimizer(engine, optimizer, self.full_groups, self.mgr)
+        self.prepared._hooks += hooks
+        self._install_scaler(self.prepared, precision, opts)
         self.prepared_for[model] = self.prepared
         return engine, self.prepared
+
+    @staticmethod
+    def _check_precision(precision: Precision, stage: int) -> None:
+        """What DeepSpeed 0.19.8 cannot run with unidist's meaning is refused, saying what to use instead."""
+        if precision.param_dtype is not None and stage:
+            raise InvalidArgumentError(
+                f"prepare(precision={precision.name!r}) is not available on the deepspeed backend at ZeRO stage "
+                f"{stage}: DeepSpeed's ZeRO optimizer keeps float32 master copies of a bfloat16 model (its "
+                "'bf16' section's meaning, not bf16-true's). Use precision='bf16-mixed', or zero_stage=0, or "
+                "prepare(group=...) (unidist's ZeRO, which runs bf16-true)")
+
+    def _install_scaler(self, prepared: EngineOptimizer, precision: Precision, opts: TrainOptions) -> None:
+        """fp16-mixed: DeepSpeed's default GradScaler replaced by ``AgreedGradScaler`` with ``opts.loss_scaling``;
+        otherwise none (a GradScaler a previous engine's autocast state left behind is removed)."""
+        engine = prepared.engine
+        zero = prepared.zero_optimizer
+        scaler = None
+        if precision.scaled:
+            group = zero.dp_process_group if zero is not None else getattr(engine, "data_parallel_group", None)
+            scaler = AgreedGradScaler(opts.loss_scaling, self.mgr.device, group)
+            scaler.engine_unscales = zero is not None and float(engine.gradient_clipping() or 0.0) > 0
+        if zero is not None:
+            zero.torch_autocast_gradscaler = scaler
+        else:
+            engine.torch_autocast_z0_gradscaler = scaler
+        prepared.scaler = scaler
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module: a DeepSpeed engine's ``module``."""
@@ -218,6 +407,24 @@ class DeepSpeedTrainer(Trainer):
                            "params": list(range(start, start + len(members)))})
             start += len(members)
         return {"state": state, "param_groups": groups}
+
+
+def _outputs_float32(module: torch.nn.Module, args: Any, out: Any) -> Any:
+    """The forward's floating outputs as float32 (the loss is then computed in float32, as on every backend)."""
+    from unidist.train.precision import _cast_floats
+
+    return _cast_floats(out, torch.float32)
+
+
+def _reset_autocast_state() -> None:
+    """DeepSpeed 0.19.8 keeps "torch_autocast initialised" and its dtype in module globals that the first engine
+    with torch_autocast sets and nothing clears: a later engine without it would then build a GradScaler from the
+    earlier engine's dtype. Each engine starts from a clean slate (the engine's init sets them again if its
+    config enables torch_autocast)."""
+    import deepspeed.runtime.torch_autocast as autocast_state
+
+    autocast_state.TORCH_AUTOCAST_INITIALIZED = False
+    autocast_state.TORCH_AUTOCAST_DTYPE = None
 
 
 _KEYED: dict[type, type] = {}

@@ -22,7 +22,7 @@ from typing import Any
 from unidist.errors import ConfigError
 from unidist.train.options import TrainOptions
 
-__all__ = ["NEUTRAL_CONFIG", "build", "load", "validate"]
+__all__ = ["NEUTRAL_CONFIG", "build", "check_agreement", "config_precision", "load", "precision_section", "validate"]
 
 # DeepSpeed 0.19 config defaults that would make training differ from one process on the whole batch, pinned.
 NEUTRAL_CONFIG: Mapping[str, Any] = {
@@ -35,6 +35,104 @@ NEUTRAL_CONFIG: Mapping[str, Any] = {
 }
 
 Source = Mapping[str, Any] | str | Path
+
+# prepare(precision=) -> DeepSpeed's torch_autocast dtype. "bf16-mixed"/"fp16-mixed" are torch.autocast over float32
+# parameters (the master weights) and float32 optimizer state: DeepSpeed's torch_autocast section, never its
+# fp16/bf16 sections (those make a half-precision model with fp32 master copies: a different meaning,
+# Lightning#18016). lower_precision_safe_modules=[]: DeepSpeed would otherwise mark every Linear/Conv parameter
+# to have its gradient reduced in the autocast dtype; unidist reduces float32 gradients on every backend.
+_AUTOCAST_DTYPES: Mapping[str, str] = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}
+
+
+def precision_section(precision: str) -> dict[str, Any]:
+    """DeepSpeed's config for ``prepare(precision=...)`` (the keys ``NEUTRAL_CONFIG`` pins, set)."""
+    dtype = _AUTOCAST_DTYPES.get(precision)
+    if dtype is None:
+        return {}
+    return {"torch_autocast": {"enabled": True, "dtype": dtype, "lower_precision_safe_modules": []}}
+
+
+def config_precision(user: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """What precision ``user``'s fp16/bf16/torch_autocast sections ask for: (unidist's name or None when it has
+    none, a description of the setting for messages or None when the config says nothing about precision).
+    ``torch_autocast`` switched off says "32"; DeepSpeed's fp16/bf16 sections switched off say nothing."""
+    import torch
+
+    def enabled(name: str) -> bool | None:
+        sec = user.get(name)
+        return bool(sec.get("enabled", False)) if isinstance(sec, Mapping) else None
+
+    fp16, bf16, auto = enabled("fp16"), enabled("bf16"), enabled("torch_autocast")
+    if fp16:
+        return None, "fp16.enabled=true (DeepSpeed's float16 model with fp32 master weights, not autocast)"
+    if bf16:
+        return None, "bf16.enabled=true (DeepSpeed's bfloat16 model with fp32 master weights, not autocast)"
+    if auto:
+        raw = user["torch_autocast"].get("dtype")
+        # DeepSpeed's DtypeEnum spellings (no dtype: the device's autocast default, no unidist name)
+        names = {**dict.fromkeys(["torch.float16", "fp16", "float16", "half", torch.float16], "fp16-mixed"),
+                 **dict.fromkeys(["torch.bfloat16", "bf16", "bfloat16", torch.bfloat16], "bf16-mixed")}
+        name = names.get(raw) if raw is not None else None
+        return name, f"torch_autocast={{enabled: true, dtype: {raw!r}}}"
+    if auto is None:  # fp16/bf16 sections switched off say nothing: unidist never uses them
+        return None, None
+    return "32", "torch_autocast.enabled=false"
+
+
+def _name(source: Source, env: bool) -> str:
+    if isinstance(source, Mapping):
+        return "prepare(deepspeed_config={...})"
+    return f"UNIDIST_DEEPSPEED_CONFIG {str(source)!r}" if env else f"prepare(deepspeed_config={str(source)!r})"
+
+
+def check_agreement(opts: TrainOptions, user: Mapping[str, Any], source: Source, *, env: bool = False) -> TrainOptions:
+    """A setting both ``user`` (the DeepSpeed config) and ``prepare`` set explicitly (an argument or a
+    ``UNIDIST_*`` variable: ``opts.sources``) must agree: a ConfigError names both sources and values. A setting
+    prepare left at its default takes the config's value; the returned TrainOptions carries it (so the unidist
+    side, loss scaling and output casts, follows what the engine runs).
+
+    Args:
+        opts: what prepare was given.
+        user: the user's DeepSpeed config as ``load`` returned it.
+        source: where it came from; ``env``: from ``UNIDIST_DEEPSPEED_CONFIG`` (else prepare's argument).
+    """
+    import dataclasses
+
+    where = _name(source, env)
+    follow: dict[str, Any] = {}
+
+    def clash(setting: str, theirs: Any, option: str, ours: Any) -> None:
+        raise ConfigError(f"{where} sets {setting} and {opts.sources[option]} asks for {ours}; set one of them "
+                          f"(drop it from the DeepSpeed config, or the argument/variable)")
+
+    zero = user.get("zero_optimization")
+    if isinstance(zero, Mapping) and "stage" in zero:
+        stage = zero["stage"]
+        if "zero_stage" in opts.sources:
+            if stage != opts.zero_stage:
+                clash(f"zero_optimization.stage={stage}", stage, "zero_stage", opts.zero_stage)
+        elif stage in (0, 1, 2, 3) and not isinstance(stage, bool):
+            follow["zero_stage"] = stage
+    clip = user.get("gradient_clipping")
+    if clip is not None and "clip_grad_norm" in opts.sources and opts.clip_grad_norm is not None:
+        if float(clip) != opts.clip_grad_norm:
+            clash(f"gradient_clipping={clip}", clip, "clip_grad_norm", opts.clip_grad_norm)
+    gas = user.get("gradient_accumulation_steps")
+    if gas is not None:
+        if "backward_passes_per_step" in opts.sources:
+            if gas != opts.backward_passes_per_step:
+                clash(f"gradient_accumulation_steps={gas}", gas, "backward_passes_per_step",
+                      opts.backward_passes_per_step)
+        elif isinstance(gas, int) and not isinstance(gas, bool) and gas >= 1:
+            follow["backward_passes_per_step"] = gas
+    name, said = config_precision(user)
+    if said is not None:
+        if "precision" in opts.sources:
+            if name != opts.precision:
+                clash(said, name, "precision", repr(opts.precision))
+        elif name is not None:
+            follow["precision"] = name
+    return dataclasses.replace(opts, **follow) if follow else opts
 
 
 def build(opts: TrainOptions, world_size: int, user: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -61,6 +159,7 @@ def build(opts: TrainOptions, world_size: int, user: Mapping[str, Any] | None) -
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     })
+    _merge(cfg, precision_section(opts.precision))
     if opts.clip_grad_norm is not None:
         cfg["gradient_clipping"] = opts.clip_grad_norm
     if opts.compression != "none":
