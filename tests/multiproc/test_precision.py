@@ -50,6 +50,11 @@ def test_equals_one_process_with_the_same_precision(precision: Result, mode: str
     cases = [c for c in _cases(precision) if c[1].split("/")[0].split("+")[0] == mode]
     assert cases
     for rank, key, case in cases:
+        if precision[0].backend == "deepspeed" and mode == "bf16-true" and not key.endswith("stage0"):
+            # DeepSpeed's ZeRO always keeps float32 master partitions: a typed refusal, not another meaning
+            assert "InvalidArgumentError: prepare(precision='bf16-true') is not available on the deepspeed " \
+                   "backend at ZeRO stage" in case.get("error", ""), (rank, key, case)
+            continue
         assert "error" not in case, (rank, key, case)
         assert case["spread"] == 0.0, (rank, key, case)  # every rank holds the same weights
         assert case["diff"] <= TOLERANCE[mode], (rank, key, case)
