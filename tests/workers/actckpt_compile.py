@@ -5,11 +5,13 @@ Parts (``--parts``, comma separated):
   True and False, and without), prepared at ZeRO stage 0, 2 and 3 (DeepSpeed: its engine's ZeRO). Per mode and
   stage: max |w - one plain-torch process on the full batch without checkpointing|, max |w - the same stage
   without checkpointing|, the first step's gradient norm, the spread across ranks, and the activation bytes the
-  first forward saved for backward (``saved_tensors_hooks``, parameters not counted, each storage once).
+  first forward saved for backward (``saved_tensors_hooks``, parameters not counted, each storage once), and
+  how many block layers ran again during backward (recomputes) starting from a released (empty) weight.
 - ``pipe``: the same model cut into two Pipeline stages (2 ranks; block i checkpointed inside stage i), gpipe
   and 1f1b, each mode: this rank's stage against the same layers of the dense model trained by plain torch.
 - ``compile``: the model (no checkpointing) under ``torch.compile`` before ``prepare`` and after, at ZeRO
-  stage 0, 2 and 3, against eager at the same stage and against plain torch; dynamo's graph and op counts.
+  stage 0, 2 and 3, against eager at the same stage and against plain torch; dynamo's graph and op counts
+  (``--compile-backend``, default aot_eager). A refusal is recorded with its error type.
 Writes ``<out>/rank<R>.json``.
 """
 
@@ -33,6 +35,7 @@ STEPS, BATCH, IN, WIDTH, OUT = 4, 16, 32, 64, 8
 MODES = ("none", "reentrant", "nonreentrant")
 STAGES = (0, 2, 3)
 COMPILE_BACKEND = "aot_eager"  # AOTAutograd's joint forward/backward graphs, no codegen (see the README)
+COMPILER = {"backend": COMPILE_BACKEND}  # --compile-backend
 
 
 def _block() -> torch.nn.Sequential:
@@ -139,6 +142,20 @@ def spread(mgr: Any, weights: dict[str, torch.Tensor]) -> float:
 
 def train_ckpt(mgr: Any, mode: str, stage: int) -> dict[str, Any]:
     model = Net(mode)
+    # Registered before prepare, so it runs before ZeRO's (or DeepSpeed's) gathering pre-hook: each forward of a
+    # block's Linear during backward is a recompute; at stage 3 its weight must then still be the empty shard
+    # placeholder (released after the forward), so the recompute trains right only if it gathers again.
+    in_backward: list[bool] = [False]
+    recomputes: list[int] = []
+
+    def probe(mod: torch.nn.Module, args: Any) -> None:
+        if in_backward[0]:
+            recomputes.append(mod.weight.numel())
+
+    for block in model.blocks:
+        for layer in block:
+            if isinstance(layer, torch.nn.Linear):
+                layer.register_forward_pre_hook(probe)
     model, opt = mgr.prepare(model, make_opt(model), zero_stage=stage)
     user = mgr.unwrap(model)
     counter = SavedBytes(list(user.parameters()))
@@ -149,13 +166,16 @@ def train_ckpt(mgr: Any, mode: str, stage: int) -> dict[str, Any]:
                 out = model(x[rows(mgr)])
         else:
             out = model(x[rows(mgr)])
+        in_backward[0] = True
         mgr.backward(torch.nn.functional.mse_loss(out, y[rows(mgr)]))
+        in_backward[0] = False
         opt.step()
         opt.zero_grad()
     full = mgr.full_state_dict(model)
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
-    return {"full": full, "saved_bytes": counter.bytes, "peak_bytes": mgr.memory_stats()["peak_bytes"]}
+    return {"full": full, "saved_bytes": counter.bytes, "peak_bytes": mgr.memory_stats()["peak_bytes"],
+            "recomputes": len(recomputes), "recomputed_from_empty": sum(n == 0 for n in recomputes)}
 
 
 def part_ckpt(mgr: Any, results: dict[str, Any]) -> None:
@@ -172,7 +192,8 @@ def part_ckpt(mgr: Any, results: dict[str, Any]) -> None:
                     base = got["full"]
                 results[key] = {"diff": max_diff(got["full"], ref), "vs_none": max_diff(got["full"], base),
                                 "spread": spread(mgr, got["full"]), "first_norm": first,
-                                "saved_bytes": got["saved_bytes"], "peak_bytes": got["peak_bytes"]}
+                                "saved_bytes": got["saved_bytes"], "peak_bytes": got["peak_bytes"],
+                                "recomputes": got["recomputes"], "recomputed_from_empty": got["recomputed_from_empty"]}
             except Exception as err:  # recorded; the other variants still run on every rank
                 traceback.print_exc()
                 results[key] = {"error": f"{type(err).__name__}: {err}"}
@@ -217,9 +238,9 @@ def train_compiled(mgr: Any, how: str, stage: int) -> dict[str, Any]:
     model: torch.nn.Module = Net()
     opt = make_opt(model)
     if how == "before":
-        model = torch.compile(model, backend=COMPILE_BACKEND)  # type: ignore[assignment]
+        model = torch.compile(model, backend=COMPILER["backend"])  # type: ignore[assignment]
     prepared, opt = mgr.prepare(model, opt, zero_stage=stage)
-    model = torch.compile(prepared, backend=COMPILE_BACKEND) if how == "after" else prepared  # type: ignore[assignment]
+    model = torch.compile(prepared, backend=COMPILER["backend"]) if how == "after" else prepared  # type: ignore[assignment]
     start = time.perf_counter()
     for step in range(STEPS):
         x, y = batch(step)
@@ -250,7 +271,7 @@ def part_compile(mgr: Any, results: dict[str, Any]) -> None:
                                 "graphs": got.get("graphs"), "ops": got.get("ops")}
             except Exception as err:
                 traceback.print_exc()
-                results[key] = {"error": f"{type(err).__name__}: {err}"}
+                results[key] = {"error": f"{type(err).__name__}: {err}", "type": type(err).__name__}
             print(f"rank {mgr.rank} {key}: {results[key]}", flush=True)
 
 
@@ -261,7 +282,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--compile-backend", default=COMPILE_BACKEND, help="torch.compile(backend=...)")
     ns = parser.parse_args(unidist.script_args())
+    COMPILER["backend"] = ns.compile_backend
     with unidist.init() as mgr:
         results: dict[str, Any] = {}
         for name in ns.parts.split(","):
