@@ -276,6 +276,13 @@ class DeepSpeedTrainer(Trainer):
         stage = int(config["zero_optimization"].get("stage", 0))
         precision = Precision.of(opts.precision)
         self._check_precision(precision, stage)
+        if stage == 3 and any(
+                isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules()):
+            # DeepSpeed's ZeRO-3 hooks fail inside a compiled module ('dict' object has no attribute '_in_forward')
+            raise InvalidArgumentError(
+                "prepare(zero_stage=3) on the deepspeed backend cannot take a torch.compile()d module: DeepSpeed's "
+                "ZeRO-3 parameter hooks do not run inside it; prepare the eager module and compile what prepare "
+                "returns (torch.compile(engine)), or compile at zero_stage 0-2")
         self.full_optimizer = optimizer
         self.full_groups = [list(g["params"]) for g in optimizer.param_groups] if optimizer is not None else []
         if optimizer is None and "optimizer" not in config:

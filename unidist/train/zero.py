@@ -202,10 +202,14 @@ class ZeroOptimizer(WindowedOptimizer):
             if not units:
                 continue
 
+            # torch.compile: dynamo must not trace the parameter swap (it bakes the empty tensors into its graph),
+            # so the hooks run eagerly between compiled pieces (a graph break at each ZeRO-3 module)
+            @torch.compiler.disable  # type: ignore[untyped-decorator]
             def pre(mod: torch.nn.Module, args: Any, units: list[_Unit] = units) -> None:
                 for u in units:
                     u.gather()
 
+            @torch.compiler.disable  # type: ignore[untyped-decorator]
             def post(mod: torch.nn.Module, args: Any, out: Any, units: list[_Unit] = units) -> None:
                 if torch.is_grad_enabled():
                     for t in _tensors(out):
