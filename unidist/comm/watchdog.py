@@ -209,6 +209,13 @@ def stop() -> None:
 ABORT_GRACE = 1.0
 
 
+def calls() -> int:
+    """Watched engine calls this process has made so far (every collective and point-to-point primitive of
+    unidist's engines, and the engine regions DeepSpeed and Horovod exchange gradients in): a test or a
+    benchmark reads the difference to count communication."""
+    return _state.calls
+
+
 def end_job(abort: Callable[[int], None], code: int) -> None:
     """End every rank: the engine's abort where it has one (MPI_Abort), else exit and let the launcher stop
     the rest. Flushes this rank's output and waits ``ABORT_GRACE`` first, so the launcher forwards it."""

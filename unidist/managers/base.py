@@ -340,6 +340,19 @@ class Manager(Communicator):
         ``engine.backward``)."""
         self._training().backward(loss)
 
+    def accumulate(self, model: torch.nn.Module) -> Any:
+        """A block for one optimizer step's micro-batches: the backward passes inside add their gradients
+        locally and communicate nothing (on ZeRO-3 the parameters stay gathered for the block, so the forwards do
+        not fetch them either); leaving the block reduces everything once; then ``opt.step(); opt.zero_grad()``.
+        Gradients add up as with plain ``loss.backward()``: divide each micro-batch's loss by their number for a
+        mean. The form of DDP's ``no_sync`` and Accelerate's ``accumulate``, on every backend
+        (``backward_passes_per_step`` is the other form; use one of them).
+
+        Args:
+            model: what ``prepare`` returned.
+        """
+        return self._training().accumulate(model)
+
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module behind what ``prepare`` returned (a DeepSpeed engine's ``module``)."""
         return self._training().unwrap(model)  # type: ignore[no-any-return]

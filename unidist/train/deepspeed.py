@@ -9,7 +9,8 @@ fall short, a few of its private methods).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -218,6 +219,32 @@ class EngineOptimizer(OptimizerView):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: the engine clears gradients itself after the step at each accumulation boundary, and
         clearing them between micro-batches would drop the accumulated part."""
+
+    @contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """``Manager.accumulate`` with DeepSpeed's own means: at ZeRO 1-3 ``engine.coalesce_grad_reduction()`` (the
+        backward passes keep their gradients local; leaving it reduces them once), at stage 0 ``engine.no_sync()``
+        and then one ``engine.allreduce_gradients()``. At ZeRO-3 DeepSpeed's forward still fetches parameters."""
+        k = int(self.engine.gradient_accumulation_steps())
+        if k > 1:
+            raise InvalidArgumentError(
+                f"accumulate() with gradient_accumulation_steps={k}: use one of the two ways to accumulate (prepare "
+                "without backward_passes_per_step, and no gradient_accumulation_steps in the DeepSpeed config)")
+        if int(self.engine.zero_optimization_stage()) == 0:
+            with self.engine.no_sync():
+                yield
+            with watchdog.watching("deepspeed engine.allreduce_gradients (gradient exchange)"):
+                self.engine.allreduce_gradients()
+            return
+        block = self.engine.coalesce_grad_reduction()
+        block.__enter__()
+        try:
+            yield
+        except BaseException as err:
+            block.__exit__(type(err), err, err.__traceback__)
+            raise
+        with watchdog.watching("deepspeed coalesce_grad_reduction (gradient exchange)"):
+            block.__exit__(None, None, None)
 
     def synchronize(self) -> None:
         """Nothing to wait for: the engine averages gradients inside ``backward`` at the accumulation boundary."""

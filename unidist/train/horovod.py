@@ -9,7 +9,8 @@ parameter groups, gets the user's existing state loaded.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -168,6 +169,27 @@ class HorovodOptimizer(OptimizerView):
     def skipped_steps(self) -> int:
         """Steps skipped for inf/nan gradients so far (the same on every rank)."""
         return self.scaler.skipped_steps if self.scaler is not None else 0
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """``Manager.accumulate``: Horovod launches a parameter's allreduce when its countdown of backward passes
+        (``_allreduce_delay``, Horovod's own bookkeeping) reaches zero; inside the block the countdowns are set out of
+        reach, so nothing is sent, and leaving it ``synchronize()`` reduces every accumulated gradient once (and
+        resets the countdowns)."""
+        if self.backward_passes_per_step > 1:
+            raise InvalidArgumentError(
+                f"accumulate() with backward_passes_per_step={self.backward_passes_per_step}: use one of the two "
+                "ways to accumulate (prepare without backward_passes_per_step for accumulate() blocks)")
+        delay = self.optimizer._allreduce_delay
+        saved = dict(delay)
+        for p in delay:
+            delay[p] = 2**30
+        try:
+            yield
+        except BaseException:
+            delay.update(saved)
+            raise
+        self.synchronize()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._calls % self.backward_passes_per_step == 0:

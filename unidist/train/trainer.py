@@ -123,6 +123,14 @@ class Trainer:
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
+    def accumulate(self, model: torch.nn.Module) -> Any:
+        """``Manager.accumulate``: the block of the optimizer prepare returned for ``model``."""
+        opt = self.prepared_for.get(self.unwrap(model))
+        if opt is None or not hasattr(opt, "accumulate"):
+            raise InvalidArgumentError("accumulate(model) takes a model prepare() returned (its optimizer holds "
+                                       "the accumulated gradients); call mgr.prepare(model, opt) first")
+        return opt.accumulate()
+
     def gathered_parameters(self, module: torch.nn.Module) -> Any:
         """Full parameters inside the block (ZeRO stage 3 gathers them; otherwise they are whole)."""
         opt = self.prepared_for.get(self.unwrap(module))

@@ -12,7 +12,8 @@ scale backs off. ``last_step_skipped``, ``skipped_steps`` and ``loss_scale`` rep
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -66,6 +67,28 @@ class WindowedOptimizer(OptimizerView):
         """The skip decision every rank makes. The default: every rank holds the same reduced gradients, so each
         finds the same; ZeRO, whose ranks check only their shard, agrees with one collective."""
         return found
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """One optimizer step's micro-batches (``Manager.accumulate``): backward passes inside add their
+        gradients locally and communicate nothing; leaving the block reduces everything once; then ``step()``."""
+        if self.backward_passes_per_step > 1:
+            raise InvalidArgumentError(
+                f"accumulate() with backward_passes_per_step={self.backward_passes_per_step}: use one of the two "
+                "ways to accumulate (prepare without backward_passes_per_step for accumulate() blocks)")
+        if self._no_sync:
+            raise InvalidArgumentError("accumulate() blocks do not nest (nor go inside no_sync())")
+        self._no_sync = True
+        self._hold(True)
+        try:
+            yield
+        finally:
+            self._no_sync = False
+            self._hold(False)
+        self.synchronize()  # not after an exception: that rank is failing, and its peers are told so
+
+    def _hold(self, on: bool) -> None:
+        """Keep (``on``) or stop keeping what the forward would otherwise fetch each time (ZeRO-3's parameters)."""
 
     def _after_step(self) -> None:
         """After the wrapped optimizer's step (ZeRO shares the updated shards here)."""

@@ -215,8 +215,9 @@ class ZeroOptimizer(WindowedOptimizer):
                     for t in _tensors(out):
                         if t.requires_grad:
                             t.register_hook(lambda grad, units=units: _gather_all(units))  # type: ignore[no-untyped-call]
-                for u in units:
-                    u.release()
+                if not self._holding:
+                    for u in units:
+                        u.release()
             hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
         return hooks
 
@@ -226,7 +227,7 @@ class ZeroOptimizer(WindowedOptimizer):
         if len(unit.ready) < len(unit.params):
             return
         if not (self._sync_pass and self.stage >= 2):  # stage 1 reduces in synchronize()
-            if self.stage == 3:
+            if self.stage == 3 and not self._holding:
                 unit.release()
             unit.ready.clear()
             return
@@ -258,6 +259,20 @@ class ZeroOptimizer(WindowedOptimizer):
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
+
+    _holding = False  # inside accumulate(): stage 3 keeps the full parameters, so no forward fetches them
+
+    def _hold(self, on: bool) -> None:
+        """Stage 3 gathers every unit once for an accumulate() block and frees them as it leaves: the
+        micro-steps' forwards and backwards then communicate nothing (stage 2's memory during the block)."""
+        if self.stage < 3:
+            return
+        self._holding = on
+        for unit in self.units:
+            if on:
+                unit.gather()
+            else:
+                unit.release()
 
     def _scaled_grads(self) -> list[torch.Tensor]:
         return [u.shard.grad for u in self.units if u.shard.grad is not None]
