@@ -8,10 +8,12 @@ division by sqrt(v) amplifies it). Measured at 2 ranks: 7.5e-9 (SGD) and 3.7e-8 
 
 from __future__ import annotations
 
+import re
+import sys
 from typing import Any
 
 import pytest
-from helpers import LAUNCHES, MARKS, WORKERS, Launch, Run, main_launches, require, results, run
+from helpers import BIN, LAUNCHES, MARKS, WORKERS, Launch, Run, main_launches, require, results, run
 
 TOLERANCE = {"sgd": 1e-5, "adam": 1e-4}
 Result = tuple[Launch, Run, dict[int, dict[str, Any]]]
@@ -39,3 +41,18 @@ def test_accumulate_block(accumulated: Result, optimizer: str, stage: int) -> No
         assert case["diff"] <= TOLERANCE[optimizer], (rank, case)
         if launch.own_training:  # (DeepSpeed's and Horovod's backward is a watched region even when it sends nothing)
             assert case["calls_in_micro_steps"] == 0, (rank, case)
+
+
+@pytest.mark.mpi
+def test_bench_accumulate_counts_the_reductions_saved() -> None:
+    """`python -m unidist.bench accumulate` (README): tiny sizes, a smoke test of its table, not a timing; the
+    per-micro-batch way makes ``--micro`` times the gradient reductions of the accumulate block."""
+    require("mpi4py")
+    proc = run([str(BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "unidist.bench", "accumulate", "--width", "64",
+                "--layers", "2", "--micro", "3", "--steps", "1", "--rounds", "1"], timeout=300)
+    assert proc.returncode == 0, proc.describe()
+    rows = re.findall(r"^\| ([02]) \| (accumulate|every micro-batch) \| (\d+) \| ([\d.]+) \|", proc.stdout, re.M)
+    assert len(rows) == 4, proc.describe()
+    calls = {(stage, way): int(n) for stage, way, n, _ in rows}
+    assert calls["0", "every micro-batch"] == 3 * calls["0", "accumulate"]  # one allreduce (launch + wait) each
+    assert calls["2", "every micro-batch"] > calls["2", "accumulate"]
