@@ -167,7 +167,7 @@ def test_engine_optimizer_reports_as_unidists_optimizers() -> None:
 
 def test_the_scaler_state_is_loss_scalers() -> None:
     """An fp16 checkpoint's scale resumes across backends: AgreedGradScaler and LossScaler read each other's."""
-    from unidist.train.deepspeed import AgreedGradScaler
+    from unidist.train.ds_scaler import AgreedGradScaler
     from unidist.train.precision import LossScaler, ScalerOptions
 
     ours = AgreedGradScaler(ScalerOptions(init_scale=8.0, growth_interval=3), torch.device("cpu"), None)

@@ -1,10 +1,9 @@
 """DeepSpeed's own training behind ``prepare``: ``deepspeed.initialize`` from a config unidist generates
 (unidist/train/ds_config.py: the engine defaults that change the math pinned, the user's config checked).
 
-Everything else about the engine lives here, so a DeepSpeed upgrade is read in one file: the optimizer adapter,
-memory accounting, consolidated optimizer state, and the engine's checkpoint layout (``DeepSpeedLayout``,
-which reads the ZeRO optimizer's partitions through DeepSpeed's ``safe_get/set_full_*`` calls and, where those
-fall short, a few of its private methods).
+The engine's adapter lives here: the optimizer view, precision, accumulation, memory accounting and consolidated
+optimizer state; beside it, each with one job, ``ds_config.py`` (the config), ``ds_scaler.py`` (fp16's agreed
+GradScaler) and ``ds_layout.py`` (the checkpoint layout). A DeepSpeed upgrade is read in these four files.
 """
 
 from __future__ import annotations
@@ -15,123 +14,20 @@ from typing import Any
 
 import torch
 
-from unidist.checkpoint.layout import (
-    FullLayout,
-    Layout,
-    Pieces,
-    Read,
-    even_slice,
-    fresh_scalars,
-    param_names,
-    per_element,
-)
+from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.comm import watchdog
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train import ds_config
+from unidist.train.ds_layout import DeepSpeedLayout
+from unidist.train.ds_scaler import AgreedGradScaler
 from unidist.train.memory import optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import TrainOptions
-from unidist.train.precision import Precision, ScalerOptions
+from unidist.train.precision import Precision
 from unidist.train.trainer import Trainer
 from unidist.train.view import OptimizerView
 
-__all__ = ["AgreedGradScaler", "DeepSpeedLayout", "DeepSpeedTrainer", "EngineOptimizer"]
-
-
-class AgreedGradScaler(torch.amp.GradScaler):
-    """The GradScaler DeepSpeed's ``torch_autocast`` fp16 steps with, made to mean what unidist's fp16 means.
-
-    DeepSpeed 0.19.8 builds its own with GradScaler's default parameters (``engine.torch_autocast_z0_gradscaler``
-    at stage 0, ``optimizer.torch_autocast_gradscaler`` under ZeRO); this one replaces it right after
-    ``deepspeed.initialize`` and differs in three ways:
-
-    - its parameters are ``prepare(loss_scaling=...)``'s;
-    - the skip is agreed: each rank's found-inf is max-allreduced over the data-parallel group before the step
-      (under ZeRO a rank unscales only its partition, so ranks could otherwise skip different steps and their
-      scales drift apart: pytorch/pytorch#76282);
-    - the scale is updated once per optimizer step, by ``EngineOptimizer.step`` (``end_step``), also when
-      DeepSpeed skipped the step itself: under ZeRO its global-norm check finds the inf first and returns without
-      ever calling the scaler, so the scale would never back off and every later step would overflow again;
-      with several parameter groups (or ZeRO-3 sub-groups) it would call ``update()`` once per group.
-
-    Clipping under ZeRO: DeepSpeed clips inside its step, before this scaler unscales, by the global norm of the
-    still-scaled gradients, dividing by its own loss scale (1.0 under torch_autocast), so the clip would be off
-    by the whole scale. With ``engine_unscales`` the ZeRO optimizer's static loss scale is set to this scale
-    before each step (``EngineOptimizer.step``): DeepSpeed unscales and clips together, as GradScaler's
-    ``unscale_`` then ``clip_grad_norm_`` do, and this scaler then only checks for inf/nan (inverse scale 1).
-    """
-
-    def __init__(self, options: ScalerOptions, device: torch.device, group: Any) -> None:
-        super().__init__(device.type, init_scale=options.init_scale, growth_factor=options.growth_factor,
-                         backoff_factor=options.backoff_factor, growth_interval=options.growth_interval)
-        self.options, self.group = options, group
-        self.skipped_steps = 0
-        self.last_step_skipped = False
-        self._in_step = False  # inside EngineOptimizer.step: update() waits for end_step
-        self._found = False  # an agreed inf/nan in this step
-        self.engine_unscales = False  # the ZeRO optimizer unscales (and clips) before the step
-
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        if self.engine_unscales:  # already unscaled by DeepSpeed: only the inf/nan check
-            inv_scale = torch.ones_like(inv_scale)
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-
-    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any,
-                        **kwargs: Any) -> Any:
-        import deepspeed.comm as dist
-
-        found = torch.zeros(1, dtype=torch.float32, device=self._scale.device if self._scale is not None else "cpu")
-        for value in optimizer_state["found_inf_per_device"].values():
-            found += value.to(found.device)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
-        agreed = found.clamp_(max=1.0).reshape(())
-        optimizer_state["found_inf_per_device"] = {found.device: agreed}  # what update() then reads
-        if float(agreed):
-            self._found = True
-            return None
-        return optimizer.step(*args, **kwargs)
-
-    def update(self, new_scale: Any = None) -> None:
-        if not self._in_step or new_scale is not None:
-            super().update(new_scale)
-            return
-        self._per_optimizer_states.clear()  # the next group may step; the scale moves at end_step
-
-    def begin_step(self) -> None:
-        self._in_step, self._found = True, False
-
-    def end_step(self, engine_skipped: bool) -> None:
-        """After the engine's optimizer step: one update of the scale, with inf if this scaler or the engine
-        found one (every rank alike: both decisions are agreed)."""
-        self._in_step = False
-        self._per_optimizer_states.clear()
-        found = self._found or engine_skipped
-        self.last_step_skipped = found
-        self.skipped_steps += int(found)
-        if self._scale is None or self._growth_tracker is None:  # no scale() yet: nothing was scaled
-            return
-        o = self.options
-        torch._amp_update_scale_(self._scale, self._growth_tracker,
-                                 torch.full((), float(found), dtype=torch.float32, device=self._scale.device),
-                                 o.growth_factor, o.backoff_factor, o.growth_interval)
-
-    def state_dict(self) -> dict[str, Any]:
-        """GradScaler's keys and the skipped-step count: LossScaler's (train/precision.py) layout, so an fp16
-        checkpoint resumes on any backend."""
-        return {**super().state_dict(), "skipped_steps": self.skipped_steps}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
-        self.skipped_steps = int(state.pop("skipped_steps", 0))
-        # the factors and interval stay those this run was prepared with (as LossScaler does)
-        o = self.options
-        state.update(growth_factor=o.growth_factor, backoff_factor=o.backoff_factor, growth_interval=o.growth_interval)
-        super().load_state_dict(state)
-
-    @property
-    def scale_value(self) -> float:
-        return float(self.get_scale())
+__all__ = ["AgreedGradScaler", "DeepSpeedLayout", "DeepSpeedTrainer", "EngineOptimizer"]  # the first two re-exported
 
 
 class EngineOptimizer(OptimizerView):
@@ -479,92 +375,3 @@ def _module_keys(engine_cls: type) -> type:
                                                          "__module__": engine_cls.__module__})
         _KEYED[engine_cls] = cls
     return cls
-
-
-class DeepSpeedLayout(Layout):
-    """A DeepSpeed ZeRO engine: each parameter's full fp32 value and optimizer state assembled with
-    DeepSpeed's safe_get_full_* (a collective, one parameter at a time) and set back with safe_set_full_*."""
-
-    def __init__(self, rank: int, size: int, engine: Any, full_groups: list[list[torch.nn.Parameter]]) -> None:
-        self.rank, self.size, self.engine, self.ranks = rank, size, engine, tuple(range(size))
-        self.zero_stage = int(engine.zero_optimization_stage())
-        self.module: torch.nn.Module = engine.module
-        self.zero = engine.optimizer
-        self.inner = self.zero.optimizer
-        self.optimizer = self.inner
-        names = param_names(self.module)
-        self.shapes = {k: (tuple(getattr(v, "ds_shape", v.shape)), str(v.dtype))
-                       for k, v in self.module.state_dict(keep_vars=True).items()}
-        self.params = [p for g in full_groups for p in g]
-        self.opt_names = [names[id(p)] for p in self.params]
-        self.opt_groups = [gi for gi, g in enumerate(full_groups) for _ in g]
-        found: tuple[Any, dict[str, Any]] = next(((q, st) for q, st in self.inner.state.items() if st), (None, {}))
-        master, self.flat_state = found
-        self.keys = sorted(k for k, v in self.flat_state.items()
-                           if master is not None and per_element(v, master.shape))
-
-    def pieces(self) -> Pieces:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-        model: dict[str, Any] = {}
-        by_id = {id(p): n for n, p in self.module.named_parameters()}
-        for k, v in self.module.state_dict(keep_vars=True).items():
-            full = safe_get_full_fp32_param(v) if id(v) in by_id else None
-            model[k] = even_slice(full if full is not None else v, self.rank, self.size)
-        optim = {name: {key: even_slice(safe_get_full_optimizer_state(p, key), self.rank, self.size)
-                        for key in self.keys} for p, name in zip(self.params, self.opt_names, strict=True)
-                 } if self.optimizer is not None else {}
-        return {"model": model, "optim": optim}
-
-    def meta(self) -> dict[str, Any]:
-        if self.optimizer is None:
-            return {"param_groups": [], "scalars": {}}
-        scalars = {k: v for k, v in self.flat_state.items() if k not in self.keys}
-        return {"param_groups": self.settings(), "scalars": {name: scalars for name in self.opt_names}}
-
-    def load(self, read: Read, meta: dict[str, Any], state_keys: dict[str, list[str]]) -> None:
-        import deepspeed
-        from deepspeed.utils import safe_set_full_optimizer_state
-
-        full = {k: read("model", k, "", 0, int(torch.Size(s).numel())).view(s) for k, (s, _) in self.shapes.items()}
-        entries = self.module.state_dict(keep_vars=True)
-        params = [v for v in entries.values() if isinstance(v, torch.nn.Parameter)]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
-            for k, v in entries.items():
-                v.data.copy_(full[k].to(v.dtype))
-        self.zero.refresh_fp32_params()  # the fp32 master partitions from the loaded parameters
-        if self.optimizer is None:
-            return
-        saved = meta["scalars"].get(self.opt_names[0], {}) if self.opt_names else {}
-        keys = sorted({k for name in self.opt_names for k in state_keys.get(name, [])})
-        # A fresh engine has no optimizer state yet (it is made at the first step): make it, zeros, on the
-        # fp32 master partitions, and have DeepSpeed link its per-parameter views into it.
-        masters = getattr(self.zero, "single_partition_of_fp32_groups", None) or \
-            getattr(self.zero, "fp32_partitioned_groups_flat", [])
-        for q in masters:
-            if not self.inner.state.get(q):
-                self.inner.state[q] = {**{k: torch.zeros_like(q) for k in keys}, **fresh_scalars(saved)}
-        if hasattr(self.zero, "_lazy_init_hp_params_optimizer_state"):
-            self.zero._hp_optimizer_states_linked = False
-            self.zero._lazy_init_hp_params_optimizer_state()
-        for p, name in zip(self.params, self.opt_names, strict=True):
-            for key in state_keys.get(name, []):
-                numel: int = getattr(p, "ds_numel", p.numel())  # stage 3 parameters are empty here
-                if hasattr(p, "ds_id"):
-                    self._set_stage3(p, read("optim", name, key, 0, numel), key)
-                else:
-                    safe_set_full_optimizer_state(p, read("optim", name, key, 0, p.numel()), key)
-        for st in self.inner.state.values():
-            for k, v in saved.items():
-                st[k] = v.clone() if isinstance(v, torch.Tensor) else v
-        self.set_settings(meta["param_groups"])
-
-    def _set_stage3(self, p: Any, value: torch.Tensor, key: str) -> None:
-        """This rank's partition of a stage-3 parameter's optimizer state. DeepSpeed 0.19.8's own
-        ``set_full_hp_param`` reads past the end of the value when the parameter's size is not a multiple of
-        the world size (the last partition is padded), so the padding is added here."""
-        part, _ = self.zero._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)
-        padded = torch.zeros(part.numel() * self.size, dtype=value.dtype)
-        padded[: value.numel()] = value.reshape(-1)
-        rank = self.zero._get_param_partition_rank(p)
-        part.data.copy_(padded[rank * part.numel():(rank + 1) * part.numel()])
