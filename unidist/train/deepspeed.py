@@ -23,7 +23,7 @@ from unidist.train.ds_layout import DeepSpeedLayout
 from unidist.train.ds_scaler import AgreedGradScaler
 from unidist.train.memory import optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import TrainOptions
-from unidist.train.precision import Precision
+from unidist.train.precision import Precision, cast_floats
 from unidist.train.trainer import Trainer
 from unidist.train.view import OptimizerView
 
@@ -341,9 +341,7 @@ class DeepSpeedTrainer(Trainer):
 
 def _outputs_float32(module: torch.nn.Module, args: Any, out: Any) -> Any:
     """The forward's floating outputs as float32 (the loss is then computed in float32, as on every backend)."""
-    from unidist.train.precision import _cast_floats
-
-    return _cast_floats(out, torch.float32)
+    return cast_floats(out, torch.float32)
 
 
 def _reset_autocast_state() -> None:

@@ -31,7 +31,7 @@ import torch
 from unidist.config import PRECISIONS
 from unidist.errors import InvalidArgumentError
 
-__all__ = ["PRECISIONS", "LossScaler", "Precision", "ScalerOptions"]
+__all__ = ["PRECISIONS", "LossScaler", "Precision", "ScalerOptions", "cast_floats"]
 
 # what each of config.PRECISIONS (the names) means: (autocast dtype, parameter dtype, loss scaling)
 _MODES: Mapping[str, tuple[torch.dtype | None, torch.dtype | None, bool]] = dict(zip(PRECISIONS, [
@@ -185,21 +185,22 @@ class Precision:
                 ctx.__enter__()  # type: ignore[no-untyped-call]
                 active.append(ctx)
             if param_dtype is not None:
-                args, kwargs = _cast_floats(args, param_dtype), _cast_floats(kwargs, param_dtype)
+                args, kwargs = cast_floats(args, param_dtype), cast_floats(kwargs, param_dtype)
             return args, kwargs
 
         def post(mod: torch.nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
             if active:
                 active.pop().__exit__(None, None, None)
-            return _cast_floats(out, torch.float32)
+            return cast_floats(out, torch.float32)
 
         return [module.register_forward_pre_hook(pre, with_kwargs=True),
                 module.register_forward_hook(post, with_kwargs=True, always_call=True)]
 
 
-def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
-    """Every floating tensor in ``data`` (nested tuples, lists, dicts) as ``dtype``; the rest unchanged."""
-    cast: Callable[[Any], Any] = lambda d: _cast_floats(d, dtype)  # noqa: E731
+def cast_floats(data: Any, dtype: torch.dtype) -> Any:
+    """Every floating tensor in ``data`` (nested tuples, lists, dicts) as ``dtype``; the rest unchanged. (Also
+    DeepSpeed's output cast, train/deepspeed.py.)"""
+    cast: Callable[[Any], Any] = lambda d: cast_floats(d, dtype)  # noqa: E731
     if isinstance(data, torch.Tensor):
         return data.to(dtype) if data.is_floating_point() and data.dtype != dtype else data
     if isinstance(data, tuple):
