@@ -177,4 +177,4 @@ def test_the_scaler_state_is_loss_scalers() -> None:
     assert (ours.scale_value, ours.skipped_steps, ours.state_dict()["growth_interval"]) == (32.0, 2, 3)
     back = LossScaler(ScalerOptions(), torch.device("cpu"))
     back.load_state_dict(ours.state_dict())
-    assert (back.scale, back.skipped_steps) == (32.0, 2)
+    assert (back.scale_value, back.skipped_steps) == (32.0, 2)

@@ -22,7 +22,7 @@ from unidist.train import ds_config
 from unidist.train.ds_layout import DeepSpeedLayout
 from unidist.train.ds_scaler import AgreedGradScaler
 from unidist.train.memory import optimizer_tensors, peak_bytes, storage_bytes
-from unidist.train.options import TrainOptions
+from unidist.train.options import TrainOptions, one_way_to_accumulate
 from unidist.train.precision import Precision, cast_floats
 from unidist.train.trainer import Trainer
 from unidist.train.view import OptimizerView
@@ -50,13 +50,13 @@ class EngineOptimizer(OptimizerView):
             h.remove()
         self._hooks.clear()
 
-    # the reporting of unidist's own optimizers (train/window.py); real properties, so __getattr__ does not
-    # forward them to the engine's optimizer
+    # OptimizerView's loss-scale report, and DeepSpeed's own where a user config enabled its fp16 section; real
+    # properties, so __getattr__ does not forward them to the engine's optimizer
     @property
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 without loss scaling)."""
         if self.scaler is not None:
-            return self.scaler.scale_value
+            return super().loss_scale
         scale = getattr(self.engine.optimizer, "loss_scale", None)  # DeepSpeed's own fp16 section
         return float(scale) if isinstance(scale, (int, float, torch.Tensor)) else 1.0
 
@@ -64,14 +64,14 @@ class EngineOptimizer(OptimizerView):
     def last_step_skipped(self) -> bool:
         """The last optimizer step found inf/nan gradients and was not applied (the same on every rank)."""
         if self.scaler is not None:
-            return self.scaler.last_step_skipped
+            return super().last_step_skipped
         return not getattr(self.engine, "_step_applied", True)
 
     @property
     def skipped_steps(self) -> int:
         """Steps skipped for inf/nan gradients so far."""
         if self.scaler is not None:
-            return self.scaler.skipped_steps
+            return super().skipped_steps
         return int(getattr(self.engine, "skipped_steps", 0))
 
     @property
@@ -121,11 +121,7 @@ class EngineOptimizer(OptimizerView):
         """``Manager.accumulate`` with DeepSpeed's own means: at ZeRO 1-3 ``engine.coalesce_grad_reduction()`` (the
         backward passes keep their gradients local; leaving it reduces them once), at stage 0 ``engine.no_sync()``
         and then one ``engine.allreduce_gradients()``. At ZeRO-3 DeepSpeed's forward still fetches parameters."""
-        k = int(self.engine.gradient_accumulation_steps())
-        if k > 1:
-            raise InvalidArgumentError(
-                f"accumulate() with gradient_accumulation_steps={k}: use one of the two ways to accumulate (prepare "
-                "without backward_passes_per_step, and no gradient_accumulation_steps in the DeepSpeed config)")
+        one_way_to_accumulate(self.backward_passes_per_step, "gradient_accumulation_steps")
         if int(self.engine.zero_optimization_stage()) == 0:
             with self.engine.no_sync():
                 yield

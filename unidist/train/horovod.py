@@ -19,7 +19,7 @@ from unidist.checkpoint.layout import FullLayout
 from unidist.comm import watchdog
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
-from unidist.train.options import SyncOptions, TrainOptions
+from unidist.train.options import SyncOptions, TrainOptions, one_way_to_accumulate
 from unidist.train.precision import LossScaler
 from unidist.train.trainer import Trainer
 from unidist.train.view import OptimizerView
@@ -109,7 +109,6 @@ class HorovodOptimizer(OptimizerView):
 
     scaler: LossScaler | None = None
     hooks: list[Any]
-    last_step_skipped = False
 
     def __init__(self, hvd_optimizer: Any, k: int, clip_grad_norm: float | None, world: Any) -> None:
         super().__init__(hvd_optimizer)
@@ -141,9 +140,8 @@ class HorovodOptimizer(OptimizerView):
             if not self._synced:
                 self.synchronize()
             found = self.scaler.unscale([p.grad for p in params])
-            self.last_step_skipped = bool(found)
             self.scaler.update(found)
-            if self.last_step_skipped:
+            if self.scaler.last_step_skipped:
                 self._synced = False
                 return None
         if self.clip_grad_norm is not None:
@@ -160,26 +158,13 @@ class HorovodOptimizer(OptimizerView):
         finally:
             self._synced = False
 
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (1.0 without loss scaling)."""
-        return self.scaler.scale if self.scaler is not None else 1.0
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for inf/nan gradients so far (the same on every rank)."""
-        return self.scaler.skipped_steps if self.scaler is not None else 0
-
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
         """``Manager.accumulate``: Horovod launches a parameter's allreduce when its countdown of backward passes
         (``_allreduce_delay``, Horovod's own bookkeeping) reaches zero; inside the block the countdowns are set out of
         reach, so nothing is sent, and leaving it ``synchronize()`` reduces every accumulated gradient once (and
         resets the countdowns)."""
-        if self.backward_passes_per_step > 1:
-            raise InvalidArgumentError(
-                f"accumulate() with backward_passes_per_step={self.backward_passes_per_step}: use one of the two "
-                "ways to accumulate (prepare without backward_passes_per_step for accumulate() blocks)")
+        one_way_to_accumulate(self.backward_passes_per_step)
         delay = self.optimizer._allreduce_delay
         saved = dict(delay)
         for p in delay:

@@ -47,6 +47,14 @@ def _check_passes(k: object, where: str) -> int:
     return k
 
 
+def one_way_to_accumulate(k: int, name: str = "backward_passes_per_step") -> None:
+    """``accumulate()`` blocks and a window of k backward passes per step are two ways to accumulate; one prepared
+    optimizer takes one of them (the window would count the block's passes as its own)."""
+    if k > 1:
+        raise InvalidArgumentError(f"accumulate() with {name}={k}: use one of the two ways to accumulate, "
+                                   f"accumulate() blocks or {name}, not both")
+
+
 def _check_bucket_mb(mb: object, where: str) -> float:
     if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not (mb > 0 and math.isfinite(mb)):
         raise InvalidArgumentError(f"{where}(bucket_mb={mb!r}) must be a positive number of MiB")

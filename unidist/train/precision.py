@@ -90,10 +90,11 @@ class LossScaler:
         self._scale = torch.full((), options.init_scale, dtype=torch.float32, device=device)
         self._tracker = torch.zeros((), dtype=torch.int32, device=device)
         self.skipped_steps = 0
+        self.last_step_skipped = False
 
     @property
-    def scale(self) -> float:
-        """The current loss scale."""
+    def scale_value(self) -> float:
+        """The current loss scale (the name DeepSpeed's ``AgreedGradScaler`` reports it under too)."""
         return float(self._scale)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -116,14 +117,14 @@ class LossScaler:
     def update(self, found_inf: torch.Tensor) -> None:
         """After a step (applied or skipped): back off on inf, grow after ``growth_interval`` good steps."""
         o = self.options
-        if float(found_inf):
-            self.skipped_steps += 1
+        self.last_step_skipped = bool(found_inf)
+        self.skipped_steps += self.last_step_skipped
         torch._amp_update_scale_(self._scale, self._tracker, found_inf.to(self._scale.device).reshape(()),
                                  o.growth_factor, o.backoff_factor, o.growth_interval)
 
     def state_dict(self) -> dict[str, Any]:
         """GradScaler's keys (and the skipped-step count)."""
-        return {"scale": self.scale, "growth_factor": self.options.growth_factor,
+        return {"scale": self.scale_value, "growth_factor": self.options.growth_factor,
                 "backoff_factor": self.options.backoff_factor, "growth_interval": self.options.growth_interval,
                 "_growth_tracker": int(self._tracker), "skipped_steps": self.skipped_steps}
 

@@ -92,6 +92,25 @@ class OptimizerView(torch.optim.Optimizer):
             "optimizer before prepare()"
         )
 
+    # fp16's loss scale, the same report from every prepared optimizer: a LossScaler (train/precision.py) or
+    # DeepSpeed's AgreedGradScaler (train/ds_scaler.py), both with scale_value, last_step_skipped, skipped_steps
+    scaler: Any = None
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss scaling)."""
+        return self.scaler.scale_value if self.scaler is not None else 1.0  # type: ignore[no-any-return]
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """The last step found inf/nan gradients and was not applied (decided alike on every rank)."""
+        return self.scaler is not None and bool(self.scaler.last_step_skipped)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for inf/nan gradients so far (the same count on every rank)."""
+        return int(self.scaler.skipped_steps) if self.scaler is not None else 0
+
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(f"{type(self).__name__} is bound to a running job and cannot be pickled; save "
                         "opt.state_dict() instead")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from unidist.errors import InvalidArgumentError
+from unidist.train.options import one_way_to_accumulate
 from unidist.train.precision import LossScaler
 from unidist.train.view import OptimizerView
 
@@ -36,17 +37,6 @@ class WindowedOptimizer(OptimizerView):
     _no_sync = False  # inside no_sync(): nothing reduces, steps or clears
     _hooks: list[Any]
     scaler: LossScaler | None = None  # fp16 dynamic loss scaling (prepare(precision="fp16-mixed"))
-    last_step_skipped = False  # the last window's step found inf/nan gradients and was not applied
-
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (1.0 without loss scaling)."""
-        return self.scaler.scale if self.scaler is not None else 1.0
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for inf/nan gradients so far (the same count on every rank)."""
-        return self.scaler.skipped_steps if self.scaler is not None else 0
 
     @property
     def _sync_pass(self) -> bool:
@@ -72,10 +62,7 @@ class WindowedOptimizer(OptimizerView):
     def accumulate(self) -> Iterator[None]:
         """One optimizer step's micro-batches (``Manager.accumulate``): backward passes inside add their
         gradients locally and communicate nothing; leaving the block reduces everything once; then ``step()``."""
-        if self.backward_passes_per_step > 1:
-            raise InvalidArgumentError(
-                f"accumulate() with backward_passes_per_step={self.backward_passes_per_step}: use one of the two "
-                "ways to accumulate (prepare without backward_passes_per_step for accumulate() blocks)")
+        one_way_to_accumulate(self.backward_passes_per_step)
         if self._no_sync:
             raise InvalidArgumentError("accumulate() blocks do not nest (nor go inside no_sync())")
         self._no_sync = True
@@ -110,11 +97,8 @@ class WindowedOptimizer(OptimizerView):
         if not self._synced:
             self.synchronize()
         self._synced = False
-        found = None
-        if self.scaler is not None:
-            found = self._agree_found_inf(self.scaler.unscale(self._scaled_grads()))
-            self.last_step_skipped = bool(found)
-        if not self.last_step_skipped:
+        found = None if self.scaler is None else self._agree_found_inf(self.scaler.unscale(self._scaled_grads()))
+        if found is None or not bool(found):  # no loss scaling, or no inf/nan anywhere
             if self.clip_grad_norm is not None:
                 self._clip(self.clip_grad_norm)
             self.optimizer.step()
