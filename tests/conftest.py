@@ -17,6 +17,9 @@ HERE = Path(__file__).resolve().parent
 BACKENDS = HERE / "backends"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(BACKENDS))
+# a launched worker sees its own directory and imports its siblings by name (common, zero); a test importing a
+# worker's constants must find them too
+sys.path.append(str(HERE / "workers"))
 os.environ["PYTHONPATH"] = os.pathsep.join([str(BACKENDS), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import max_diff, spread
 from zero import make_model  # tests/workers/zero.py: this script's directory is on sys.path
 
 import unidist
@@ -92,10 +93,8 @@ def main() -> int:
                 key = f"{'adam' if adam else 'sgd'}/stage{stage}"
                 try:
                     got, moved = train(mgr, stage, adam)
-                    flat = torch.cat([t.reshape(-1).float() for t in got.values()])
-                    spread = mgr.allreduce(flat, "max") - mgr.allreduce(flat, "min")
-                    results[key] = {"diff": max(float((got[k] - w).abs().max()) for k, w in want.items()),
-                                    "spread": float(spread.abs().max()), "calls_in_micro_steps": moved}
+                    results[key] = {"diff": max_diff(got, want), "spread": spread(mgr, got),
+                                    "calls_in_micro_steps": moved}
                 except Exception as err:  # recorded; the other cases still run on every rank
                     traceback.print_exc()
                     results[key] = {"error": f"{type(err).__name__}: {err}"}

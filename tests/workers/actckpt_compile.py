@@ -25,6 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import common  # tests/workers/common.py: this script's directory is on sys.path
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -126,8 +127,7 @@ class SavedBytes:
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    a = {k.replace("_orig_mod.", ""): v for k, v in a.items()}
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in b)
+    return common.max_diff({k.replace("_orig_mod.", ""): v for k, v in a.items()}, b)
 
 
 def rows(mgr: Any) -> slice:
@@ -135,9 +135,7 @@ def rows(mgr: Any) -> slice:
     return slice(mgr.rank * per, (mgr.rank + 1) * per)
 
 
-def spread(mgr: Any, weights: dict[str, torch.Tensor]) -> float:
-    flat = torch.cat([t.reshape(-1).float() for t in weights.values()])
-    return float((mgr.allreduce(flat, "max") - mgr.allreduce(flat, "min")).abs().max())
+spread = common.spread
 
 
 def train_ckpt(mgr: Any, mode: str, stage: int) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import max_diff, spread  # tests/workers/common.py: this script's directory is on sys.path
 
 import unidist
 
@@ -133,10 +134,9 @@ def train(mgr: Any, precision: str, stage: int, scaling: dict[str, Any] | None, 
         skipped.append(opt.last_step_skipped)
         counts.append(opt.skipped_steps)
     full = {k: v.float() for k, v in mgr.full_state_dict(engine).items()}
-    flat = torch.cat([t.reshape(-1) for t in full.values()])
-    spread = float((mgr.allreduce(flat, "max") - mgr.allreduce(flat, "min")).abs().max())
+    apart = spread(mgr, full)
     opt.remove_hooks()
-    return {"full": full, "spread": spread, "k": opt.backward_passes_per_step, "scales": scales, "skipped": skipped,
+    return {"full": full, "spread": apart, "k": opt.backward_passes_per_step, "scales": scales, "skipped": skipped,
             "counts": counts, "out_dtypes": sorted(out_dtypes), "comm_dtypes": comm, "buckets": buckets,
             "scaler": type(opt.scaler).__name__ if opt.scaler is not None else None}
 
@@ -161,10 +161,6 @@ def resume(mgr: Any, path: Path) -> dict[str, Any]:
     opt.remove_hooks()
     opt2.remove_hooks()
     return {"saved": saved, "loaded": before, "weights": diff, "fresh_scale": SCALING["init_scale"]}
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
 @dataclass(frozen=True)

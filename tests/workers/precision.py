@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import max_diff, spread
 from zero import BATCH, make_model  # tests/workers/zero.py: this script's directory is on sys.path
 
 import unidist
@@ -145,10 +146,8 @@ def main() -> int:
                     tmp = ns.out / f"ckpt-{stage}"
                 got, seq = train(mgr, mode, stage, steplr, k, clip, tmp)
                 want, want_seq = reference(mode, steplr, k, clip)
-                flat = torch.cat([t.reshape(-1).float() for t in got.values()])
-                spread = mgr.allreduce(flat, "max") - mgr.allreduce(flat, "min")
-                results[key] = {"diff": max(float((got[n].float() - w.float()).abs().max()) for n, w in want.items()),
-                                "spread": float(spread.abs().max()), "seq": seq, "want_seq": want_seq}
+                results[key] = {"diff": max_diff(got, want), "spread": spread(mgr, got), "seq": seq,
+                                "want_seq": want_seq}
             except Exception as err:  # recorded; the other cases still run on every rank
                 traceback.print_exc()
                 results[key] = {"error": f"{type(err).__name__}: {err}"}
