@@ -1,21 +1,115 @@
-"""Stub: parameter, optimizer-state and object broadcasts."""
+"""Horovod's helpers built on collectives: parameter, optimizer-state and object broadcasts.
+
+``broadcast_parameters`` takes what Horovod takes (a dict such as ``model.state_dict()``, or a list of
+parameters or of ``(name, parameter)`` pairs) and fuses the broadcast per dtype (unidist's
+``broadcast_parameters``) instead of one call per tensor: the values are the same.
+
+``broadcast_optimizer_state`` differs from Horovod on purpose. On an optimizer with no state yet, Horovod
+first runs ``step()`` with zero gradients so that the state exists; for Adam that advances ``step`` to 1, which
+changes every later bias correction (and applies weight decay once): the trained weights then differ from
+what the same optimizer gives in one process. Here an empty state stays empty (every rank's fresh optimizer
+already agrees), and an existing state is rank ``root_rank``'s, tensors and scalars (``step``, ``lr`` and every
+other ``param_groups`` option), loaded on every rank.
+
+Objects travel with cloudpickle when it is installed (as Horovod, which depends on it: lambdas and local
+classes work), else with pickle.
+"""
 
 from __future__ import annotations
 
+import io
+import pickle
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 
-def allgather_object(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+from unidist.compat.horovod import ops
+from unidist.compat.horovod.basics import manager
+from unidist.compat.horovod.process_sets import ProcessSet, global_process_set
+from unidist.errors import InvalidArgumentError
 
-
-def broadcast_object(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
-
-
-def broadcast_optimizer_state(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+__all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
 
 
-def broadcast_parameters(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def _dumps(obj: Any) -> bytes:
+    try:
+        import cloudpickle  # type: ignore[import-untyped]
+    except ImportError:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    buf = io.BytesIO()
+    cloudpickle.dump(obj, buf)
+    return buf.getvalue()
+
+
+def _check_root(root_rank: int) -> None:
+    size = manager().size
+    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
+        raise InvalidArgumentError(f"root_rank={root_rank!r} is not a rank of this job (0..{size - 1})")
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | list[Any], root_rank: int) -> None:
+    """Rank ``root_rank``'s tensors, in place, on every rank.
+
+    Args:
+        params: a dict of tensors (``model.state_dict()``; broadcast in sorted key order, as Horovod) or a list
+            of tensors or of ``(name, tensor)`` pairs (``list(model.named_parameters())``). Anything else is a
+            ValueError, as in Horovod (a generator such as ``model.parameters()`` must be made a list).
+        root_rank: the rank whose values everyone gets.
+    """
+    if isinstance(params, dict):
+        named = sorted(params.items())
+    elif isinstance(params, list):
+        named = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise InvalidArgumentError(f"invalid params of type: {type(params)} (broadcast_parameters takes a dict "
+                                   "such as model.state_dict() or a list such as list(model.named_parameters()))")
+    _check_root(root_rank)
+    manager().broadcast_parameters([(str(name), t) for name, t in named], root_rank)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None) -> None:
+    """Rank ``root_rank``'s optimizer state and options on every rank (see the module docstring for the one
+    deliberate difference from Horovod: no zero-gradient step on a fresh optimizer).
+
+    Args:
+        optimizer: a torch optimizer or this module's DistributedOptimizer.
+        root_rank: the rank whose state everyone gets.
+        model: accepted for Horovod's signature (it used it to find sparse parameters; not needed here).
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise InvalidArgumentError("cannot broadcast torch.optim.LBFGS state (as in Horovod: its state is nested "
+                                   "Python objects; build the same LBFGS on every rank from broadcast parameters)")
+    _check_root(root_rank)
+    manager().broadcast_optimizer_state(optimizer, root_rank)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Rank ``root_rank``'s object on every rank of ``process_set``, serialized as Horovod does (a size, then
+    the bytes, each a broadcast named ``name + '.sz'`` / ``'.t'``; ``name`` defaults to the object's type)."""
+    name = type(obj).__name__ if name is None else name
+    if manager().rank == root_rank:
+        data = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
+        ops.broadcast_(torch.tensor([data.numel()], dtype=torch.int32), root_rank, name + ".sz", process_set)
+    else:
+        sz = torch.zeros(1, dtype=torch.int32)
+        ops.broadcast_(sz, root_rank, name + ".sz", process_set)
+        data = torch.empty(int(sz.item()), dtype=torch.uint8)
+    ops.broadcast_(data, root_rank, name + ".t", process_set)
+    if manager().rank == root_rank:
+        return obj
+    return pickle.loads(data.numpy().tobytes())  # peers of one job are trusted (README, Security)
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Every rank's object, as a list indexed by rank (two allgathers: the sizes, then the bytes)."""
+    name = type(obj).__name__ if name is None else name
+    data = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
+    sizes = ops.allgather(torch.tensor([data.numel()], dtype=torch.int32), name=name + ".sz").tolist()
+    gathered = ops.allgather(data, name=name + ".t").numpy()
+    out, start = [], 0
+    for n in sizes:
+        out.append(pickle.loads(gathered[start:start + n].tobytes()))  # trusted peers
+        start += n
+    return out
