@@ -98,7 +98,7 @@ def main() -> None:
 
         @hvd.elastic.run
         def train(state: Any) -> None:
-            for state.epoch in range(state.epoch, EPOCHS):
+            for state.epoch in range(state.epoch, EPOCHS):  # noqa: B020 (Horovod's idiom: the loop commits it)
                 order = list(iter(state.sampler))
                 for b in range(len(order) // BATCH):
                     idx = order[b * BATCH:(b + 1) * BATCH]
@@ -109,8 +109,8 @@ def main() -> None:
                         opt.step()
                     state.sampler.record_batch(b, BATCH)
                     state.step += 1
-                    log.write(json.dumps({"attempt": mgr.launch.attempt, "epoch": state.epoch, "step": state.step,
-                                          "indices": idx}) + "\n")
+                    log.write(json.dumps({"attempt": mgr.launch.attempt, "pid": os.getpid(), "epoch": state.epoch,
+                                          "step": state.step, "indices": idx}) + "\n")
                     log.flush()
                     if state.step == ns.crash_at and mgr.rank == ns.crash_rank and ns.crash_marker is not None \
                             and not ns.crash_marker.exists():
