@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import queue
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -170,6 +170,11 @@ class ObjectState(State):
         if self._saved_state:
             self._saved_state = self._bcast_object(self._saved_state)
             self._set_attrs()
+
+    if TYPE_CHECKING:  # the kwargs are attributes (state.epoch): say so to type checkers, change nothing
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def _set_attrs(self) -> None:
         for name, value in self._saved_state.items():
