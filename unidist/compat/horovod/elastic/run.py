@@ -65,6 +65,13 @@ def _where(store: CommitStore) -> str:
     return f"the last commit is {_commit_name(store)}"
 
 
+def _restart_hint(mgr: Any) -> str:
+    if mgr.launch.launcher == "torchrun":
+        return (f"torchrun restarts every worker from it when started with --max-restarts N (this was attempt "
+                f"{mgr.launch.attempt}); otherwise run the same command again")
+    return "run the same command again to resume from it"
+
+
 def _start(state: State, store: CommitStore, mgr: Any) -> None:
     """Resume every rank from the newest commit, or make rank 0's state everyone's (Horovod's sync)."""
     path = store.latest()
@@ -117,10 +124,9 @@ def run(func: F) -> F:
                         raise HorovodInternalError(
                             f"hvd.elastic.run: a collective failed on rank {mgr.rank} ({type(err).__name__}: {err}). "
                             "unidist's engines cannot re-form the world in place, so this process ends; "
-                            f"{_where(store)}. torchrun --max-restarts N restarts the job from it; under "
-                            "mpiexec, horovodrun or deepspeed run the same command again") from err
-                    print(f"hvd.elastic: rank {mgr.rank}: training stopped by {type(err).__name__}; {_where(store)}; "
-                          "running the same command again resumes from it", file=sys.stderr, flush=True)
+                            f"{_where(store)}: {_restart_hint(mgr)}") from err
+                    print(f"hvd.elastic: rank {mgr.rank}: training stopped by {type(err).__name__}; {_where(store)}: "
+                          f"{_restart_hint(mgr)}", file=sys.stderr, flush=True)
                     raise
             store.remove()
             return result
