@@ -68,8 +68,9 @@ def commit_directory(mgr: Any, config: Config | None = None) -> Path:
 class CommitStore:
     """One job's commits: write, find, read, and remove them when the job's training function returns."""
 
-    def __init__(self, mgr: Any, directory: Path, min_seconds: float) -> None:
+    def __init__(self, mgr: Any, directory: Path, min_seconds: float, own_directory: bool = False) -> None:
         self.mgr = mgr
+        self.own_directory = own_directory  # the default per-job directory: removed with its last commit
         self.directory = directory
         self.min_seconds = min_seconds
         self.seq = 0
@@ -93,7 +94,7 @@ class CommitStore:
         problem = mgr.broadcast_object(problem)
         if problem is not None:
             raise CheckpointError(problem + " (set UNIDIST_ELASTIC_DIR to a writable directory)")
-        return cls(mgr, directory, cfg.elastic_commit_seconds)
+        return cls(mgr, directory, cfg.elastic_commit_seconds, own_directory=cfg.elastic_dir is None)
 
     def latest(self) -> Path | None:
         """The newest complete commit, as rank 0 finds it (every rank calls)."""
@@ -143,9 +144,7 @@ class CommitStore:
         if self.mgr.rank != 0:
             return
         for child in self.directory.iterdir() if self.directory.is_dir() else ():
-            if child.name.lstrip(".").startswith("commit-"):  # ours only: the directory may be the user's
+            if child.name.lstrip(".").startswith("commit-"):  # ours only: UNIDIST_ELASTIC_DIR may hold more
                 shutil.rmtree(child, ignore_errors=True)
-        try:
-            self.directory.rmdir()
-        except OSError:
-            pass  # not empty: something of the user's is there
+        if self.own_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
