@@ -50,28 +50,43 @@ def local_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None
     torch.nn.functional.cross_entropy(model(x), y).backward()
 
 
-def simulate(size: int) -> dict[str, dict[str, list[Any]]]:
-    """Final weights of an uninterrupted run on ``size`` ranks, in one process: per step each rank's gradient
-    on its own batch, summed over ranks and divided by ``size``."""
+def simulate(size: int, switch_at: int = 0, new_size: int = 0) -> dict[str, dict[str, list[Any]]]:
+    """Final weights of an uninterrupted run on ``size`` ranks, in one process: per step each rank's gradient on
+    its own batch, summed over ranks and divided by the rank count. With ``switch_at``, the job continues on
+    ``new_size`` ranks after that step, the rest of the epoch dealt again as ElasticSampler deals it (Horovod's
+    order, padding and round robin, written out here); the partial last batch of a rank's share is dropped."""
     x, y = data()
     out = {}
     for name, (model, opt) in models().items():
+        n, step = size, 0
         for epoch in range(EPOCHS):
             order = list(range(N))
             random.Random(SEED + epoch).shuffle(order)
-            shares = [order[r::size] for r in range(size)]
-            for b in range(len(shares[0]) // BATCH):
-                grads: list[list[torch.Tensor]] = []
-                for r in range(size):
-                    idx = shares[r][b * BATCH:(b + 1) * BATCH]
-                    local_step(model, x[idx], y[idx])
-                    grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
-                for i, p in enumerate(model.parameters()):
-                    total = grads[0][i].clone()
-                    for g in grads[1:]:
-                        total += g[i]
-                    p.grad = total / size
-                opt.step()
+            done = 0
+            while True:
+                rest = order[done:]
+                per = -(-len(rest) // n)
+                padded = rest + rest[:per * n - len(rest)]
+                shares = [padded[r::n] for r in range(n)]
+                switched = False
+                for b in range(per // BATCH):
+                    grads: list[list[torch.Tensor]] = []
+                    for r in range(n):
+                        idx = shares[r][b * BATCH:(b + 1) * BATCH]
+                        local_step(model, x[idx], y[idx])
+                        grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+                    for i, p in enumerate(model.parameters()):
+                        total = grads[0][i].clone()
+                        for g in grads[1:]:
+                            total += g[i]
+                        p.grad = total / n
+                    opt.step()
+                    done, step = done + BATCH * n, step + 1
+                    if step == switch_at and n != new_size:
+                        n, switched = new_size, True
+                        break
+                if not switched:
+                    break
         out[name] = {k: v.tolist() for k, v in model.state_dict().items()}
     return out
 
