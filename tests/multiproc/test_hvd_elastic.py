@@ -4,10 +4,10 @@ tests/workers/hvd_elastic.py trains an SGD-momentum and an Adam model in one Tor
 of 8 steps, an ElasticSampler, a commit every 3 steps written to disk: UNIDIST_ELASTIC_COMMIT_SECONDS=0);
 rank 1 calls os._exit(1) after step 11 on the first attempt only. Under ``torchrun --max-restarts 1`` the
 job restarts itself; under mpiexec the first launch fails and the same command run again resumes (and a copy
-of the commit resumes on 3 ranks). Both end
-with the weights of the uninterrupted run (simulated in this process with plain torch: 0.0 here, 1e-6
-allowed), redo exactly the 2 steps since the last commit (step 9), process every sample of every epoch once,
-and leave no commit behind (the default commit directory, under TMPDIR).
+of the commit resumes on 3 ranks). Both end with the weights of the uninterrupted run (simulated in this
+process with plain torch: 0.0 here, 1e-6 allowed), redo exactly the 2 steps since the last commit (step 9),
+process every sample of every epoch once, and leave no commit behind (the default commit directory, under
+TMPDIR).
 """
 
 from __future__ import annotations
