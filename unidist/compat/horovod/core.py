@@ -30,8 +30,8 @@ from unidist.ops import ReduceOp
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "NotATensorError", "Pending", "Product", "ScalarInputError", "Sum",
-    "allgather_start", "allreduce_start", "alltoall_start", "broadcast_start", "compress", "decompress",
-    "grad_mode", "grouped_allreduce_start", "reducescatter_start", "resolve_op", "scale_",
+    "allgather_start", "allreduce_now", "allreduce_start", "alltoall_start", "broadcast_start", "compress",
+    "decompress", "grad_mode", "grouped_allreduce_start", "reducescatter_start", "resolve_op", "scale_",
 ]
 
 # Horovod's reduction op values (horovod_reduce_op_* in its C++ library).
@@ -109,7 +109,9 @@ def scale_(t: torch.Tensor, factor: float) -> torch.Tensor:
 
 def grad_mode(*tensors: Any) -> bool:
     """Whether a call records autograd (then it goes through its autograd Function)."""
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def compress(compression: Any, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -146,24 +148,43 @@ def _adasum(comm: Any, tensors: list[torch.Tensor], process_set: ProcessSet) -> 
 
 
 # --------------------------------------------------------------------------------------------- starts
-def allreduce_start(tensor: Any, inplace: bool, op: int, prescale: float, postscale: float,
-                    process_set: ProcessSet, name: str | None) -> Pending:
+def _allreduce_prepare(tensor: Any, inplace: bool, pre: float, process_set: ProcessSet,
+                       name: str | None) -> tuple[Any, torch.Tensor]:
     comm = comm_of(process_set, "Allreduce")
     check_tensor(tensor)
     _check_names(comm, "allreduce", name)
     buf = tensor if inplace else tensor.clone()
-    if prescale != 1.0:
-        scale_(buf, prescale)
+    if pre != 1.0:
+        scale_(buf, pre)
+    return comm, buf
+
+
+def _adasum_one(comm: Any, buf: torch.Tensor, post: float, process_set: ProcessSet) -> torch.Tensor:
+    _adasum(comm, [buf], process_set)
+    return scale_(buf, post) if post != 1.0 else buf
+
+
+def allreduce_start(tensor: Any, inplace: bool, op: int, prescale: float, postscale: float,
+                    process_set: ProcessSet, name: str | None) -> Pending:
+    comm, buf = _allreduce_prepare(tensor, inplace, prescale, process_set, name)
     if op == Adasum:
-        _adasum(comm, [buf], process_set)
-        if postscale != 1.0:
-            scale_(buf, postscale)
-        return _done(buf)
+        return _done(_adasum_one(comm, buf, postscale, process_set))
     handle = comm.allreduce_async_(buf, _engine_op(op))
     factor = postscale / comm.size if op == Average else postscale
     if factor == 1.0:
         return Pending(handle, lambda: buf, name)
     return Pending(handle, lambda: scale_(buf, factor), name)
+
+
+def allreduce_now(tensor: Any, inplace: bool, op: int, prescale: float, postscale: float,
+                  process_set: ProcessSet, name: str | None) -> torch.Tensor:
+    """The blocking allreduce: the communicator's lean in-place path, no handle (it runs per gradient)."""
+    comm, buf = _allreduce_prepare(tensor, inplace, prescale, process_set, name)
+    if op == Adasum:
+        return _adasum_one(comm, buf, postscale, process_set)
+    comm.allreduce_(buf, _engine_op(op))
+    factor = postscale / comm.size if op == Average else postscale
+    return scale_(buf, factor) if factor != 1.0 else buf
 
 
 def grouped_allreduce_start(tensors: Sequence[Any], inplace: bool, op: int, prescale: float,

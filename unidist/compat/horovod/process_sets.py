@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from unidist.compat.horovod.basics import manager
+from unidist.compat.horovod.state import manager
 from unidist.errors import InvalidArgumentError
 
 __all__ = ["NotInProcessSetError", "ProcessSet", "add_process_set", "comm_of", "global_process_set",
