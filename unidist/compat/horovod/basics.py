@@ -36,6 +36,7 @@ tensors (staging through the host where the engine cannot). The build queries wo
 from __future__ import annotations
 
 import atexit
+import sys
 from typing import Any
 
 import torch
@@ -83,7 +84,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         _stop()
         raise
     if not state.atexit_registered:
-        atexit.register(shutdown)
+        atexit.register(_at_exit)
         state.atexit_registered = True
     handles.reset()
     ps_mod.register_init_sets(mgr, listed)
@@ -105,6 +106,23 @@ def _stop() -> None:
     mgr, state.mgr = state.mgr, None
     if mgr is not None:
         mgr.shutdown()
+
+
+def _at_exit() -> None:
+    """Horovod shuts down at exit. After an uncaught exception (``sys.last_value``) this rank leaves as a
+    failed ``with unidist.init()`` block does: it ends the job where the engine can, without the leaving
+    barrier its peers (waiting in some collective) would never reach."""
+    mgr = state.mgr
+    if mgr is None or not mgr.started:
+        return
+    exc = getattr(sys, "last_value", None)
+    if exc is None:
+        shutdown()
+        return
+    handles.reset()
+    ps_mod.reset()
+    state.mgr = None
+    mgr.__exit__(type(exc), exc, exc.__traceback__)
 
 
 def shutdown() -> None:
