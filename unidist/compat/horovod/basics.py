@@ -36,6 +36,7 @@ tensors (staging through the host where the engine cannot). The build queries wo
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 from typing import Any
 
@@ -72,7 +73,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             "every process the launcher started. Call hvd.init() and use hvd.ProcessSet / hvd.add_process_set "
             "for a subset of ranks.")
     listed = ps_mod.prepare_init_sets(process_sets)
+    dynamic = os.environ.get(ps_mod.DYNAMIC)
     mgr = unidist.init().start()
+    if dynamic is None:  # the horovod backend's own init sets it; the user's choice is what counts here
+        os.environ.pop(ps_mod.DYNAMIC, None)
     state.mgr = mgr
     try:
         if comm is not None and [int(r) for r in comm] != list(range(mgr.size)):
