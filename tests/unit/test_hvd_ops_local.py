@@ -145,3 +145,16 @@ def test_process_sets_keep_horovods_rules(started: None, monkeypatch: pytest.Mon
     assert hvd.remove_process_set(hvd.global_process_set) is False
     assert hvd.remove_process_set(ps) is False  # never registered
     assert hvd.global_process_set.size() == 1 and hvd.global_process_set.rank() == 0
+
+
+def test_inside_a_unidist_block_hvd_uses_its_manager(monkeypatch: pytest.MonkeyPatch) -> None:
+    import unidist
+
+    monkeypatch.setenv("UNIDIST_BACKEND", "local")
+    with unidist.init() as mgr:
+        hvd.init()
+        assert hvd.basics.manager() is mgr and hvd.size() == mgr.size
+        assert torch.equal(hvd.allreduce(torch.arange(3.0)), torch.arange(3.0))
+        hvd.shutdown()  # the block owns the Manager: it goes on
+        assert mgr.started and not hvd.is_initialized()
+    assert not mgr.started

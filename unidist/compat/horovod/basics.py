@@ -46,7 +46,7 @@ import unidist
 from unidist.compat.horovod import handles
 from unidist.compat.horovod import process_sets as ps_mod
 from unidist.compat.horovod.state import HorovodNotInitializedError, UnsupportedFeatureError, manager, state
-from unidist.errors import InvalidArgumentError
+from unidist.errors import InvalidArgumentError, NotInitializedError
 
 __all__ = [
     "HorovodNotInitializedError", "UnsupportedFeatureError", "ccl_built", "cross_rank", "cross_size",
@@ -57,6 +57,9 @@ __all__ = [
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Start the Manager unidist selects for this launch (no-op when already initialized, as in Horovod).
+
+    Inside a ``with unidist.init() as mgr:`` block, ``hvd`` uses that Manager (and ``hvd.shutdown()`` leaves
+    it to the block), so unidist and Horovod calls mix in one script.
 
     Args:
         comm: Horovod's MPI communicator choice. Only None (every rank) and a list naming every rank in order
@@ -73,10 +76,13 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             "every process the launcher started. Call hvd.init() and use hvd.ProcessSet / hvd.add_process_set "
             "for a subset of ranks.")
     listed = ps_mod.prepare_init_sets(process_sets)
-    dynamic = os.environ.get(ps_mod.DYNAMIC)
-    mgr = unidist.init().start()
-    if dynamic is None:  # the horovod backend's own init sets it; the user's choice is what counts here
-        os.environ.pop(ps_mod.DYNAMIC, None)
+    mgr = _running()
+    state.owned = mgr is None
+    if mgr is None:
+        dynamic = os.environ.get(ps_mod.DYNAMIC)
+        mgr = unidist.init().start()
+        if dynamic is None:  # the horovod backend's own init sets it; the user's choice is what counts here
+            os.environ.pop(ps_mod.DYNAMIC, None)
     state.mgr = mgr
     try:
         if comm is not None and [int(r) for r in comm] != list(range(mgr.size)):
@@ -106,9 +112,19 @@ def _topology(mgr: Any) -> None:
     state.homogeneous = len(set(per_node.values())) == 1
 
 
+def _running() -> Any:
+    """The Manager a ``with unidist.init()`` block started in this process, if any."""
+    from unidist.managers.base import get_manager
+
+    try:
+        return get_manager()
+    except NotInitializedError:
+        return None
+
+
 def _stop() -> None:
     mgr, state.mgr = state.mgr, None
-    if mgr is not None:
+    if mgr is not None and state.owned:
         mgr.shutdown()
 
 
@@ -120,7 +136,7 @@ def _at_exit() -> None:
     if mgr is None or not mgr.started:
         return
     exc = getattr(sys, "last_value", None)
-    if exc is None:
+    if exc is None or not state.owned:
         shutdown()
         return
     handles.reset()

@@ -28,10 +28,11 @@ class UnsupportedFeatureError(UnidistError, ValueError):
 class _State:
     """This process's run: the started Manager and the topology derived once at init."""
 
-    __slots__ = ("atexit_registered", "cross", "homogeneous", "mgr")
+    __slots__ = ("atexit_registered", "cross", "homogeneous", "mgr", "owned")
 
     def __init__(self) -> None:
         self.mgr: Any = None
+        self.owned = True  # started by hvd.init (else a `with unidist.init()` block's, which ends it)
         self.cross = (-1, -1)
         self.homogeneous = False
         self.atexit_registered = False
