@@ -1,9 +1,175 @@
-"""Stub: the Adasum reduction (helper B)."""
+"""Adasum (Maleki et al., "Adasum: Scaling Distributed Training with Adaptive Summation", 2020), as Horovod's CPU
+path computes it, on any unidist communicator.
+
+Two gradients ``a`` (the lower rank's) and ``b`` combine into ``(1 - a.b / (2|a|^2)) a + (1 - a.b / (2|b|^2)) b``:
+orthogonal vectors add, equal ones give the vector itself, so a step never grows with the number of ranks the way
+a sum does. Horovod applies it over a vector-halving, distance-doubling (VHDD) tree: at level ``k`` every rank
+pairs with ``rank ^ 2^k``, keeps one half of the span it holds (the lower rank the first half, Horovod's
+``firstHalf = count >> 1``) and sends the other, so the pair combines the two ranks' vectors half each. The dot
+products must be those of the whole vectors, so each rank's partial sums are added over the ``2^(k+1)`` ranks that
+jointly hold them (Horovod's reduction communicators). After ``log2(n)`` levels each rank owns ``1/n`` of the
+result, which an allgather puts back together. For 4 ranks that is ``adasum(adasum(g0, g1), adasum(g2, g3))``.
+
+As in Horovod: the tensors of one call are fused into one buffer per dtype and halved together, but every tensor
+gets coefficients of its own; dot products and squared norms are accumulated in float64; a squared norm below
+``sqrt(DBL_MIN)`` leaves its coefficient at 1 (a zero vector just adds); the combination is computed in float64
+and rounded into the tensor's dtype at every level. Moves use the engine's primitives with counts known on every
+rank (an alltoall that only the partner's slot fills is MPI_Sendrecv without the deadlock care, one allreduce of
+the small statistics per level, one allgather at the end), so no sizes are exchanged.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from unidist.comm.communicator import Communicator
+from unidist.comm.engine import Engine
+from unidist.errors import CollectiveMismatchError, InvalidArgumentError, UnidistError
+from unidist.ops import ReduceOp
+
+__all__ = ["ADASUM_DTYPES", "AdasumUnsupportedError", "adasum_", "check_adasum"]
+
+# dtypes Adasum reduces; Horovod's CPU kernels take float16 (an AVX build), float32 and float64; bfloat16 is an
+# extension here (same float64 arithmetic)
+ADASUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Horovod's guard: a squared norm under sqrt(DBL_MIN) counts as zero (coefficient 1) instead of dividing by it
+_TINY = math.sqrt(sys.float_info.min)
 
 
-def adasum_(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+class AdasumUnsupportedError(UnidistError, NotImplementedError):
+    """Adasum cannot run on this set of ranks (Horovod raises NotImplementedError there too); the message says
+    what to do instead."""
+
+
+def check_adasum(size: int, is_global: bool) -> None:
+    """Horovod's refusals for a CPU Adasum reduction, in its order: a non-global process set, then a rank count
+    that is not a power of 2 (the VHDD tree pairs ranks by one bit per level)."""
+    if not is_global:
+        raise AdasumUnsupportedError(
+            "Adasum does not support non-global process sets yet: reduce over the global process set "
+            "(process_set=hvd.global_process_set), or use op=hvd.Average or hvd.Sum on this one")
+    if size <= 0 or size & (size - 1):
+        raise AdasumUnsupportedError(
+            f"Running Adasum with non-power of 2 ranks is not supported yet: this job has {size} ranks; launch "
+            "1, 2, 4, 8, ... ranks, or reduce with op=hvd.Average or hvd.Sum")
+
+
+def adasum_(comm: Communicator, tensors: Sequence[torch.Tensor]) -> None:
+    """Replace every tensor, on every rank of ``comm``, by the Adasum of the ranks' tensors at its position.
+
+    Every rank passes tensors of the same dtypes and shapes in the same order. One rank: nothing changes.
+    """
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"Adasum reduces torch tensors; item {i} is a {type(t).__name__}")
+        if t.dtype not in ADASUM_DTYPES:
+            raise InvalidArgumentError(
+                f"Adasum needs floating-point tensors (float16, bfloat16, float32, float64); item {i} is "
+                f"{t.dtype}: cast it, or reduce it with op=hvd.Sum or hvd.Average")
+    check_adasum(comm.size, True)
+    if comm.config.check_collectives and comm.size > 1:
+        _same_everywhere(comm, tensors)
+    if comm.size == 1 or not tensors:
+        return
+    engine = comm.engine
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:  # first-appearance order: the same on every rank
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        counts = [t.numel() for t in group]
+        if sum(counts) == 0:
+            continue
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        _vhdd(engine, flat, counts)
+        offset = 0
+        for t, n in zip(group, counts, strict=True):
+            with torch.no_grad():
+                t.copy_(flat[offset:offset + n].view(t.shape))
+            offset += n
+
+
+def _same_everywhere(comm: Communicator, tensors: list[torch.Tensor]) -> None:
+    """With UNIDIST_CHECK_COLLECTIVES: every rank must pass the same dtypes and shapes (the counts of the
+    exchanges are computed locally, so a mismatch would otherwise truncate or hang)."""
+    mine = [(str(t.dtype), tuple(t.shape)) for t in tensors]
+    every = comm.allgather_object(mine)
+    if any(other != mine for other in every):
+        desc = "; ".join(f"rank {r}: {row}" for r, row in enumerate(every))
+        raise CollectiveMismatchError(f"Adasum: ranks passed different tensors (dtype, shape): {desc}")
+
+
+def _wire(engine: Engine, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the engine moves it (a same-size dtype where it cannot move this one)."""
+    wire = engine.wire_dtypes.get(t.dtype)
+    return t if wire is None else t.view(wire)
+
+
+def _halve(lo: int, hi: int, upper: bool) -> tuple[int, int, int, int]:
+    """(kept lo, kept hi, given lo, given hi) of span [lo, hi): the lower rank keeps the first ``count >> 1``."""
+    mid = lo + ((hi - lo) >> 1)
+    return (mid, hi, lo, mid) if upper else (lo, mid, mid, hi)
+
+
+def final_spans(n: int, size: int) -> list[tuple[int, int]]:
+    """The span of the fused buffer each rank owns after the halving levels (bit-reversed order)."""
+    spans = []
+    for rank in range(size):
+        lo, hi, level = 0, n, 1
+        while level < size:
+            lo, hi, _, _ = _halve(lo, hi, bool(rank & level))
+            level <<= 1
+        spans.append((lo, hi))
+    return spans
+
+
+def _vhdd(engine: Engine, flat: torch.Tensor, counts: list[int]) -> None:
+    """Adasum of ``flat`` (the fused tensors, ``counts`` elements each) in place, over the engine's ranks."""
+    rank, size, n = engine.rank, engine.size, flat.numel()
+    ids_all = torch.repeat_interleave(torch.arange(len(counts), device=flat.device),
+                                      torch.tensor(counts, device=flat.device))
+    recv = torch.empty((n + 1) // 2, dtype=flat.dtype, device=flat.device)
+    lo, hi, level = 0, n, 1
+    while level < size:
+        partner, upper = rank ^ level, bool(rank & level)
+        klo, khi, glo, ghi = _halve(lo, hi, upper)
+        send_counts, recv_counts = [0] * size, [0] * size
+        send_counts[partner], recv_counts[partner] = ghi - glo, khi - klo
+        mine, theirs = flat[klo:khi], recv[:khi - klo]
+        engine.alltoall(_wire(engine, flat[glo:ghi]), _wire(engine, theirs), send_counts, recv_counts)
+        _combine(engine, mine, theirs, ids_all[klo:khi], len(counts), level, upper)
+        lo, hi, level = klo, khi, level << 1
+    spans = final_spans(n, size)
+    gathered = torch.empty_like(flat)
+    engine.allgather(_wire(engine, flat[lo:hi]), _wire(engine, gathered), [b - a for a, b in spans])
+    pos = 0
+    for r in range(size):  # rank order in ``gathered``; each rank's span goes back to its place
+        a, b = spans[r]
+        flat[a:b] = gathered[pos:pos + b - a]
+        pos += b - a
+
+
+def _combine(engine: Engine, mine: torch.Tensor, theirs: torch.Tensor, ids: torch.Tensor, ntensors: int,
+             level: int, upper: bool) -> None:
+    """``mine = ca * mine + cb * theirs`` per tensor, with whole-vector statistics summed over the 2*level ranks
+    that hold the two vectors at this level (a slot per such subgroup in one world allreduce; the other slots
+    stay zero, and adding zeros is exact)."""
+    a, b = mine.to(torch.float64), theirs.to(torch.float64)
+    groups = engine.size // (2 * level)
+    stats = torch.zeros(groups, 3, ntensors, dtype=torch.float64, device=mine.device)
+    slot = stats[engine.rank // (2 * level)]
+    if a.numel():
+        left, right = (b, a) if upper else (a, b)  # [a.b, |left|^2, |right|^2]: the same on both partners
+        slot.index_add_(1, ids, torch.stack([a * b, left * left, right * right]))
+    engine.allreduce(stats, stats, ReduceOp.SUM)
+    dot, left_sq, right_sq = slot[0], slot[1], slot[2]
+    one = torch.ones_like(dot)
+    c_left = torch.where(left_sq >= _TINY, 1.0 - dot / left_sq * 0.5, one)
+    c_right = torch.where(right_sq >= _TINY, 1.0 - dot / right_sq * 0.5, one)
+    c_mine, c_theirs = (c_right, c_left) if upper else (c_left, c_right)
+    if a.numel():
+        mine.copy_(c_mine[ids] * a + c_theirs[ids] * b)
