@@ -38,6 +38,8 @@ __all__ = ["ADASUM_DTYPES", "AdasumUnsupportedError", "adasum_", "check_adasum"]
 ADASUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Horovod's guard: a squared norm under sqrt(DBL_MIN) counts as zero (coefficient 1) instead of dividing by it
 _TINY = math.sqrt(sys.float_info.min)
+# pieces shorter than this are combined in one vectorised pass per run rather than one by one
+_SMALL = 4096
 
 
 class AdasumUnsupportedError(UnidistError, NotImplementedError):
@@ -83,6 +85,9 @@ def adasum_(comm: Communicator, tensors: Sequence[torch.Tensor]) -> None:
     for group in by_dtype.values():
         counts = [t.numel() for t in group]
         if sum(counts) == 0:
+            continue
+        if len(group) == 1 and group[0].is_contiguous():  # reduced where it lies
+            _vhdd(engine, group[0].detach().view(-1), counts)
             continue
         flat = torch.cat([t.detach().reshape(-1) for t in group])
         _vhdd(engine, flat, counts)
@@ -130,8 +135,10 @@ def final_spans(n: int, size: int) -> list[tuple[int, int]]:
 def _vhdd(engine: Engine, flat: torch.Tensor, counts: list[int]) -> None:
     """Adasum of ``flat`` (the fused tensors, ``counts`` elements each) in place, over the engine's ranks."""
     rank, size, n = engine.rank, engine.size, flat.numel()
-    ids_all = torch.repeat_interleave(torch.arange(len(counts), device=flat.device),
-                                      torch.tensor(counts, device=flat.device))
+    bounds, at = [], 0
+    for c in counts:
+        bounds.append((at, at + c))
+        at += c
     recv = torch.empty((n + 1) // 2, dtype=flat.dtype, device=flat.device)
     lo, hi, level = 0, n, 1
     while level < size:
@@ -141,11 +148,17 @@ def _vhdd(engine: Engine, flat: torch.Tensor, counts: list[int]) -> None:
         send_counts[partner], recv_counts[partner] = ghi - glo, khi - klo
         mine, theirs = flat[klo:khi], recv[:khi - klo]
         engine.alltoall(_wire(engine, flat[glo:ghi]), _wire(engine, theirs), send_counts, recv_counts)
-        _combine(engine, mine, theirs, ids_all[klo:khi], len(counts), level, upper)
+        pieces = [(i, max(a, klo) - klo, min(b, khi) - klo) for i, (a, b) in enumerate(bounds)
+                  if max(a, klo) < min(b, khi)]
+        _combine(engine, mine, theirs, pieces, len(counts), level, upper)
         lo, hi, level = klo, khi, level << 1
     spans = final_spans(n, size)
+    sizes = [b - a for a, b in spans]
+    if all(spans[r][1] == spans[r + 1][0] for r in range(size - 1)):  # in rank order (2 ranks): gathered in place
+        engine.allgather(_wire(engine, flat[lo:hi].clone()), _wire(engine, flat), sizes)
+        return
     gathered = torch.empty_like(flat)
-    engine.allgather(_wire(engine, flat[lo:hi]), _wire(engine, gathered), [b - a for a, b in spans])
+    engine.allgather(_wire(engine, flat[lo:hi]), _wire(engine, gathered), sizes)
     pos = 0
     for r in range(size):  # rank order in ``gathered``; each rank's span goes back to its place
         a, b = spans[r]
@@ -153,23 +166,61 @@ def _vhdd(engine: Engine, flat: torch.Tensor, counts: list[int]) -> None:
         pos += b - a
 
 
-def _combine(engine: Engine, mine: torch.Tensor, theirs: torch.Tensor, ids: torch.Tensor, ntensors: int,
+Piece = tuple[int, int, int]  # (tensor index, start, end) within this rank's kept span
+
+
+def _runs(pieces: list[Piece]) -> list[list[Piece]]:
+    """Pieces in runs: a large piece alone (BLAS dot products, scalar coefficients), consecutive small ones
+    together (one vectorised pass: per-element work beats a Python loop over many small tensors)."""
+    runs: list[list[Piece]] = []
+    for piece in pieces:
+        small = piece[2] - piece[1] < _SMALL
+        if small and runs and runs[-1][-1][2] - runs[-1][-1][1] < _SMALL:
+            runs[-1].append(piece)
+        else:
+            runs.append([piece])
+    return runs
+
+
+def _combine(engine: Engine, mine: torch.Tensor, theirs: torch.Tensor, pieces: list[Piece], ntensors: int,
              level: int, upper: bool) -> None:
-    """``mine = ca * mine + cb * theirs`` per tensor, with whole-vector statistics summed over the 2*level ranks
-    that hold the two vectors at this level (a slot per such subgroup in one world allreduce; the other slots
-    stay zero, and adding zeros is exact)."""
-    a, b = mine.to(torch.float64), theirs.to(torch.float64)
-    groups = engine.size // (2 * level)
-    stats = torch.zeros(groups, 3, ntensors, dtype=torch.float64, device=mine.device)
+    """``mine = c_mine * mine + c_theirs * theirs`` per tensor, the coefficients from whole-vector statistics
+    summed over the 2*level ranks that hold the two vectors at this level (a slot per such subgroup in one
+    world allreduce; the other slots stay zero, and adding zeros is exact)."""
+    stats = torch.zeros(engine.size // (2 * level), 3, ntensors, dtype=torch.float64)
     slot = stats[engine.rank // (2 * level)]
-    if a.numel():
+    runs = _runs(pieces)
+    wide = []
+    for run in runs:
+        lo, hi = run[0][1], run[-1][2]
+        a, b = mine[lo:hi].to(torch.float64), theirs[lo:hi].to(torch.float64)
         left, right = (b, a) if upper else (a, b)  # [a.b, |left|^2, |right|^2]: the same on both partners
-        slot.index_add_(1, ids, torch.stack([a * b, left * left, right * right]))
+        if len(run) == 1:
+            i = run[0][0]
+            slot[0, i], slot[1, i], slot[2, i] = torch.dot(a, b), torch.dot(left, left), torch.dot(right, right)
+        else:
+            ids = _ids(run, a.device)
+            slot.index_add_(1, ids.cpu(), torch.stack([a * b, left * left, right * right]).cpu())
+        wide.append((a, b))
     engine.allreduce(stats, stats, ReduceOp.SUM)
     dot, left_sq, right_sq = slot[0], slot[1], slot[2]
     one = torch.ones_like(dot)
     c_left = torch.where(left_sq >= _TINY, 1.0 - dot / left_sq * 0.5, one)
     c_right = torch.where(right_sq >= _TINY, 1.0 - dot / right_sq * 0.5, one)
     c_mine, c_theirs = (c_right, c_left) if upper else (c_left, c_right)
-    if a.numel():
-        mine.copy_(c_mine[ids] * a + c_theirs[ids] * b)
+    for run, (a, b) in zip(runs, wide, strict=True):
+        lo, hi = run[0][1], run[-1][2]
+        if len(run) == 1:
+            i = run[0][0]
+            a.mul_(float(c_mine[i])).add_(b * float(c_theirs[i]))  # Horovod's ca * a + cb * b, in float64
+            if a.data_ptr() != mine[lo:hi].data_ptr():
+                mine[lo:hi] = a
+        else:
+            ids = _ids(run, a.device)
+            mine[lo:hi] = c_mine.to(a.device)[ids] * a + c_theirs.to(a.device)[ids] * b
+
+
+def _ids(run: list[Piece], device: torch.device) -> torch.Tensor:
+    """The tensor index of every element of a run of pieces."""
+    return torch.repeat_interleave(torch.tensor([p[0] for p in run], device=device),
+                                   torch.tensor([p[2] - p[1] for p in run], device=device))

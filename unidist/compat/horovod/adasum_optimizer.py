@@ -70,7 +70,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
                  compression: Any, backward_passes_per_step: int) -> None:
-        super().__init__(params)  # type: ignore[call-arg]  (the user's optimizer class: its own defaults)
+        super().__init__(params)  # type: ignore[call-arg]  # the user's optimizer class, its own defaults
         named = list(named_parameters) if named_parameters is not None else \
             [(f"allreduce.noname.{i}", v) for g in self.param_groups for i, v in enumerate(g["params"])]
         _check_names(named, self.param_groups)
