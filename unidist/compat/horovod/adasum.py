@@ -186,38 +186,40 @@ def _combine(engine: Engine, mine: torch.Tensor, theirs: torch.Tensor, pieces: l
              level: int, upper: bool) -> None:
     """``mine = c_mine * mine + c_theirs * theirs`` per tensor, the coefficients from whole-vector statistics
     summed over the 2*level ranks that hold the two vectors at this level (a slot per such subgroup in one
-    world allreduce; the other slots stay zero, and adding zeros is exact)."""
-    stats = torch.zeros(engine.size // (2 * level), 3, ntensors, dtype=torch.float64)
+    world allreduce; the other slots stay zero, and adding zeros is exact).
+
+    Each run's two vectors are widened into the rows of one float64 matrix ``w``: a large piece's statistics
+    are then its Gram matrix ``w @ w.T`` and its combination ``[c_mine, c_theirs] @ w`` (BLAS, one pass each)."""
+    stats = torch.zeros(engine.size // (2 * level), 3, ntensors, dtype=torch.float64, device=mine.device)
     slot = stats[engine.rank // (2 * level)]
+    l_row, r_row = (1, 0) if upper else (0, 1)  # [a.b, |left|^2, |right|^2]: the same on both partners
     runs = _runs(pieces)
     wide = []
     for run in runs:
         lo, hi = run[0][1], run[-1][2]
-        a, b = mine[lo:hi].to(torch.float64), theirs[lo:hi].to(torch.float64)
-        left, right = (b, a) if upper else (a, b)  # [a.b, |left|^2, |right|^2]: the same on both partners
+        w = torch.empty(2, hi - lo, dtype=torch.float64, device=mine.device)
+        w[0].copy_(mine[lo:hi])
+        w[1].copy_(theirs[lo:hi])
         if len(run) == 1:
-            i = run[0][0]
-            slot[0, i], slot[1, i], slot[2, i] = torch.dot(a, b), torch.dot(left, left), torch.dot(right, right)
+            gram = w @ w.T
+            slot[:, run[0][0]] = torch.stack([gram[0, 1], gram[l_row, l_row], gram[r_row, r_row]])
         else:
-            ids = _ids(run, a.device)
-            slot.index_add_(1, ids.cpu(), torch.stack([a * b, left * left, right * right]).cpu())
-        wide.append((a, b))
+            slot.index_add_(1, _ids(run, w.device), torch.stack([w[0] * w[1], w[l_row] ** 2, w[r_row] ** 2]))
+        wide.append(w)
     engine.allreduce(stats, stats, ReduceOp.SUM)
     dot, left_sq, right_sq = slot[0], slot[1], slot[2]
     one = torch.ones_like(dot)
     c_left = torch.where(left_sq >= _TINY, 1.0 - dot / left_sq * 0.5, one)
     c_right = torch.where(right_sq >= _TINY, 1.0 - dot / right_sq * 0.5, one)
     c_mine, c_theirs = (c_right, c_left) if upper else (c_left, c_right)
-    for run, (a, b) in zip(runs, wide, strict=True):
+    for run, w in zip(runs, wide, strict=True):
         lo, hi = run[0][1], run[-1][2]
         if len(run) == 1:
             i = run[0][0]
-            a.mul_(float(c_mine[i])).add_(b * float(c_theirs[i]))  # Horovod's ca * a + cb * b, in float64
-            if a.data_ptr() != mine[lo:hi].data_ptr():
-                mine[lo:hi] = a
+            mine[lo:hi] = (torch.stack([c_mine[i], c_theirs[i]]).view(1, 2) @ w)[0]
         else:
-            ids = _ids(run, a.device)
-            mine[lo:hi] = c_mine.to(a.device)[ids] * a + c_theirs.to(a.device)[ids] * b
+            ids = _ids(run, w.device)
+            mine[lo:hi] = c_mine[ids] * w[0] + c_theirs[ids] * w[1]
 
 
 def _ids(run: list[Piece], device: torch.device) -> torch.Tensor:
