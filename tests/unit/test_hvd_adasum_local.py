@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hvd_adasum import CASES, fill, pair, tree
+from hvd_adasum import CASES, OPT_CASES, fill, pair, tree
 
 import unidist
 from unidist.compat.horovod.adasum import AdasumUnsupportedError, adasum_, check_adasum, final_spans
@@ -20,6 +20,8 @@ from unidist.compat.horovod.adasum_optimizer import adasum_optimizer
 from unidist.compat.horovod.compression import Compression
 from unidist.compat.horovod.process_sets import global_process_set
 from unidist.errors import InvalidArgumentError, UnidistError
+
+OPT_KEYS = [f"opt-{kind}-k{k}" for kind, k in OPT_CASES]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def test_worker_cases_on_one_rank(mgr: Any) -> None:
     for key in CASES:
         case = report[key]
         assert "error" not in case and case["err_exact"] == 0.0 and case["spread"] == 0.0, (key, case)
-    for key in ("opt-sgd-k1", "opt-adam-k1", "opt-sgd-k2"):
+    for key in OPT_KEYS:
         assert report[key]["diff"] == 0.0 and report[key]["moved"] > 0.1, (key, report[key])
     assert report["refusals"]["call"] == "ok"
 

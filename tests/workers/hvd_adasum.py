@@ -164,6 +164,7 @@ def refusals(mgr: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- the optimizer
 STEPS, LR = 3, 0.05
+OPT_CASES = (("sgd", 1), ("adam", 1), ("sgd", 2), ("sgd-fp16", 1))  # (optimizer[-compression], passes)
 
 
 def make_model() -> torch.nn.Module:
@@ -172,7 +173,7 @@ def make_model() -> torch.nn.Module:
 
 
 def make_opt(kind: str, params: Any) -> torch.optim.Optimizer:
-    if kind == "adam":
+    if kind.startswith("adam"):
         return torch.optim.Adam(params, lr=LR)
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
@@ -188,9 +189,9 @@ def _loss(model: torch.nn.Module, rank: int, step: int, part: int) -> torch.Tens
 
 
 def adasum_train(hvd_distopt: Callable[..., Any], kind: str, rank: int, k: int = 1) -> dict[str, torch.Tensor]:
-    """``STEPS`` steps of this rank's batches through ``hvd_distopt(opt, named_parameters=..., op=Adasum)``."""
+    """``STEPS`` steps of this rank's batches through ``hvd_distopt(opt, named_parameters, k, fp16)``."""
     model = make_model()
-    opt = hvd_distopt(make_opt(kind, model.parameters()), model.named_parameters(), k)
+    opt = hvd_distopt(make_opt(kind, model.parameters()), model.named_parameters(), k, kind.endswith("fp16"))
     for step in range(STEPS):
         opt.zero_grad()
         for part in range(k):
@@ -201,7 +202,9 @@ def adasum_train(hvd_distopt: Callable[..., Any], kind: str, rank: int, k: int =
 
 def emulate(kind: str, size: int, k: int = 1) -> dict[str, torch.Tensor]:
     """One process: each rank's local optimizer (its own state) steps from the shared weights on its own batch;
-    the deltas are combined by ``tree`` (float32 rounding per level, as adasum_ stores them) and added."""
+    the deltas are combined by ``tree`` (rounded per level, as adasum_ stores them: float32, or float16 for
+    fp16 compression) and added."""
+    dtype = torch.float16 if kind.endswith("fp16") else torch.float32
     shared = make_model()
     models = [copy.deepcopy(shared) for _ in range(size)]
     opts = [make_opt(kind, m.parameters()) for m in models]
@@ -219,22 +222,23 @@ def emulate(kind: str, size: int, k: int = 1) -> dict[str, torch.Tensor]:
                                                             strict=True)])
         with torch.no_grad():
             for i, q in enumerate(shared.parameters()):
-                combined = tree([d[i].reshape(-1).numpy() for d in deltas], torch.float32)
+                combined = tree([d[i].reshape(-1).to(dtype).double().numpy() for d in deltas], dtype)
                 q.add_(torch.from_numpy(combined).float().view(q.shape))
     return {n: p.detach().clone() for n, p in shared.named_parameters()}
 
 
-def _ours(opt: torch.optim.Optimizer, named: Any, k: int) -> Any:
-    """What ``hvd.DistributedOptimizer(opt, named, op=hvd.Adasum, backward_passes_per_step=k)`` returns."""
+def _ours(opt: torch.optim.Optimizer, named: Any, k: int, fp16: bool = False) -> Any:
+    """What ``hvd.DistributedOptimizer(opt, named, op=hvd.Adasum, backward_passes_per_step=k, compression)``
+    returns on more than one rank."""
     from unidist.compat.horovod.adasum_optimizer import adasum_optimizer
     from unidist.compat.horovod.compression import Compression
     from unidist.compat.horovod.process_sets import global_process_set
 
-    return adasum_optimizer(opt, named, Compression.none, k, global_process_set)
+    return adasum_optimizer(opt, named, Compression.fp16 if fp16 else Compression.none, k, global_process_set)
 
 
 def optimizer_cases(mgr: Any, report: dict[str, Any], real: Any) -> None:
-    for kind, k in (("sgd", 1), ("adam", 1), ("sgd", 2)):
+    for kind, k in OPT_CASES:
         key = f"opt-{kind}-k{k}"
 
         def one(kind: str = kind, k: int = k) -> dict[str, Any]:
@@ -244,8 +248,9 @@ def optimizer_cases(mgr: Any, report: dict[str, Any], real: Any) -> None:
                    "moved": max(float((got[n] - p.detach()).abs().max()) for n, p in make_model().named_parameters()),
                    "spread": _spread(mgr, list(got.values()))}
             if real is not None:
-                theirs = adasum_train(lambda o, named, k: real.DistributedOptimizer(
-                    o, named_parameters=named, op=real.Adasum, backward_passes_per_step=k), kind, mgr.rank, k)
+                theirs = adasum_train(lambda o, named, k, fp16: real.DistributedOptimizer(
+                    o, named_parameters=named, op=real.Adasum, backward_passes_per_step=k,
+                    compression=real.Compression.fp16 if fp16 else real.Compression.none), kind, mgr.rank, k)
                 out["diff_real"] = max(float((got[n] - t).abs().max()) for n, t in theirs.items())
             return out
         _guard(report, key, one)
