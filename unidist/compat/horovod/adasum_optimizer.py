@@ -30,22 +30,26 @@ from unidist.comm.communicator import Communicator
 from unidist.compat.horovod.adasum import adasum_, check_adasum
 from unidist.compat.horovod.exceptions import OptimizerProtocolError
 from unidist.compat.horovod.process_sets import global_process_set
-from unidist.errors import InvalidArgumentError
+from unidist.errors import InvalidArgumentError, NotInitializedError
 
 __all__ = ["adasum_optimizer"]
 
 
 def _world() -> Communicator:
-    """The communicator Adasum runs over: always the world (Adasum refuses other process sets). Helper A's
-    ``basics.manager()`` where it is implemented, else the active Manager."""
+    """The communicator Adasum runs over: always the world (Adasum refuses other process sets): the Manager
+    ``hvd.init()`` started, else one started with ``unidist.init()`` (the Adasum optimizer used directly)."""
     from unidist.compat.horovod import basics
+    from unidist.managers.base import get_manager
 
     try:
         comm: Communicator = basics.manager()
-    except NotImplementedError:
-        from unidist.managers.base import get_manager
-
+    except NotImplementedError:  # the skeleton's stub
         comm = get_manager()
+    except NotInitializedError as err:  # Horovod's not-initialized error, unless unidist has a Manager
+        try:
+            comm = get_manager()
+        except NotInitializedError:
+            raise err from None
     return comm
 
 
