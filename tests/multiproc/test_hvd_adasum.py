@@ -81,6 +81,9 @@ def test_refusals(adasum: Result) -> None:
             assert f"this job has {launch.size} ranks" in ref["call"]["msg"]
         else:
             assert ref["call"] == "ok", (rank, ref)
+        if "UNIDIST_CHECK_COLLECTIVES" in launch.env:  # different shapes on different ranks: every rank names them
+            assert ref["mismatch"]["type"] == "CollectiveMismatchError", (rank, ref)
+            assert "rank 0: [('torch.float32', (3,))]" in ref["mismatch"]["msg"], (rank, ref)
 
 
 def test_equals_the_tree_reference(adasum: Result) -> None:

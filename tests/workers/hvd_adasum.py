@@ -31,7 +31,7 @@ import torch
 from common import report_main
 
 from unidist.compat.horovod.adasum import AdasumUnsupportedError, adasum_, check_adasum
-from unidist.errors import InvalidArgumentError
+from unidist.errors import CollectiveMismatchError, InvalidArgumentError
 
 TINY = np.sqrt(sys.float_info.min)  # Horovod's guard on squared norms
 MIXED = [((7,), 1e-3), ((3, 5), 1.0), ((1000,), 1e3), ((1,), 5.0), ((0,), 1.0), ((4, 4, 3), 0.1)]
@@ -159,6 +159,12 @@ def refusals(mgr: Any) -> dict[str, Any]:
             out[key] = "ok"
         except (AdasumUnsupportedError, InvalidArgumentError) as err:
             out[key] = {"type": type(err).__name__, "not_impl": isinstance(err, NotImplementedError), "msg": str(err)}
+    if mgr.config.check_collectives and mgr.size in (2, 4):  # ranks passing different shapes: named, no hang
+        try:
+            adasum_(mgr, [torch.ones(3 + mgr.rank)])
+            out["mismatch"] = "ok"
+        except CollectiveMismatchError as err:
+            out["mismatch"] = {"type": type(err).__name__, "msg": str(err)}
     return out
 
 
