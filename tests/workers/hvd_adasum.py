@@ -234,13 +234,13 @@ def emulate(kind: str, size: int, k: int = 1) -> dict[str, torch.Tensor]:
 
 
 def _ours(opt: torch.optim.Optimizer, named: Any, k: int, fp16: bool = False) -> Any:
-    """What ``hvd.DistributedOptimizer(opt, named, op=hvd.Adasum, backward_passes_per_step=k, compression)``
-    returns on more than one rank."""
-    from unidist.compat.horovod.adasum_optimizer import adasum_optimizer
-    from unidist.compat.horovod.compression import Compression
-    from unidist.compat.horovod.process_sets import global_process_set
+    """``hvd.DistributedOptimizer(op=hvd.Adasum)`` as a script makes it (hvd.init() inside report_main's
+    ``with unidist.init()`` block uses that Manager)."""
+    import unidist.compat.horovod as hvd
 
-    return adasum_optimizer(opt, named, Compression.fp16 if fp16 else Compression.none, k, global_process_set)
+    hvd.init()
+    return hvd.DistributedOptimizer(opt, named_parameters=named, op=hvd.Adasum, backward_passes_per_step=k,
+                                    compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none)
 
 
 def optimizer_cases(mgr: Any, report: dict[str, Any], real: Any) -> None:
