@@ -88,8 +88,11 @@ def test_worker_cases_on_one_rank(mgr: Any) -> None:
     for key in CASES:
         case = report[key]
         assert "error" not in case and case["err_exact"] == 0.0 and case["spread"] == 0.0, (key, case)
-    for key in OPT_KEYS:  # one rank: Horovod's plain optimizer (p - lr*g) against the emulation's start + delta
-        assert report[key]["diff"] <= 1e-7 and report[key]["moved"] > 0.1, (key, report[key])
+    for key in OPT_KEYS:
+        # one rank: Horovod's plain optimizer (p - lr*g, nothing compressed: nothing is reduced) against the
+        # emulation's start + delta (one rounding; with fp16 the emulation rounds the delta to float16)
+        tol = 1e-3 if "fp16" in key else 1e-7
+        assert report[key]["diff"] <= tol and report[key]["moved"] > 0.1, (key, report[key])
     assert report["refusals"]["call"] == "ok"
 
 
