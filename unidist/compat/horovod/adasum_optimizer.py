@@ -30,7 +30,8 @@ from unidist.comm.communicator import Communicator
 from unidist.compat.horovod.adasum import adasum_, check_adasum
 from unidist.compat.horovod.exceptions import OptimizerProtocolError
 from unidist.compat.horovod.process_sets import global_process_set
-from unidist.errors import InvalidArgumentError, NotInitializedError
+from unidist.compat.horovod.protocol import TOO_MANY_PASSES, ZERO_GRAD_MID_STEP, check_named_parameters
+from unidist.errors import NotInitializedError
 
 __all__ = ["adasum_optimizer"]
 
@@ -43,30 +44,12 @@ def _world() -> Communicator:
 
     try:
         comm: Communicator = basics.manager()
-    except NotImplementedError:  # the skeleton's stub
-        comm = get_manager()
     except NotInitializedError as err:  # Horovod's not-initialized error, unless unidist has a Manager
         try:
             comm = get_manager()
         except NotInitializedError:
             raise err from None
     return comm
-
-
-def _check_names(named: list[Any], param_groups: list[dict[str, Any]]) -> None:
-    """Horovod's checks of ``named_parameters`` (tuples, unique names, every optimizer parameter named)."""
-    if any(not isinstance(p, tuple) for p in named):
-        raise InvalidArgumentError("named_parameters should be a sequence of tuples (name, parameter), usually "
-                                   "produced by model.named_parameters().")
-    names = [k for k, _ in named]
-    dups = sorted({k for k in names if names.count(k) > 1})
-    if dups:
-        raise InvalidArgumentError(f"Parameter names in named_parameters must be unique. Found duplicates: "
-                                   f"{', '.join(dups)}")
-    unnamed = {id(v) for g in param_groups for v in g["params"]} - {id(v) for _, v in named}
-    if unnamed:
-        raise InvalidArgumentError("named_parameters was specified, but one or more model parameters were not "
-                                   f"named. Python object ids: {', '.join(str(i) for i in unnamed)}")
 
 
 class _AdasumOptimizer(torch.optim.Optimizer):
@@ -77,7 +60,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
         super().__init__(params)  # type: ignore[call-arg]  # the user's optimizer class, its own defaults
         named = list(named_parameters) if named_parameters is not None else \
             [(f"allreduce.noname.{i}", v) for g in self.param_groups for i, v in enumerate(g["params"])]
-        _check_names(named, self.param_groups)
+        check_named_parameters(named, self.param_groups)
         self._ada_compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         # parameters in a fixed order (param_groups'), so every rank reduces the same list
@@ -95,9 +78,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
     def _ada_hook(self, p: torch.Tensor) -> None:
         key = id(p)
         if self._ada_pending.get(key) is not None and self._ada_delay[key] <= 0:
-            raise OptimizerProtocolError("Gradients were computed more than backward_passes_per_step times before "
-                                         "call to step(). Increase backward_passes_per_step to accumulate gradients "
-                                         "locally.")
+            raise OptimizerProtocolError(TOO_MANY_PASSES)
         self._ada_delay[key] -= 1
         self._ada_pending[key] = self._ada_local_step(p) if self._ada_delay[key] == 0 else None
 
@@ -149,9 +130,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Refused between ``backward()`` and ``step()``, as in Horovod."""
         if self._ada_pending:
-            raise OptimizerProtocolError("optimizer.zero_grad() was called after loss.backward() but before "
-                                         "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
-                                         "cause a race condition.")
+            raise OptimizerProtocolError(ZERO_GRAD_MID_STEP)
         super().zero_grad(set_to_none=set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:

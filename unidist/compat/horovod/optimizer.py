@@ -33,6 +33,7 @@ from unidist.compat.horovod.basics import size
 from unidist.compat.horovod.compression import Compression, Compressor
 from unidist.compat.horovod.exceptions import OptimizerProtocolError
 from unidist.compat.horovod.process_sets import ProcessSet, global_process_set
+from unidist.compat.horovod.protocol import TOO_MANY_PASSES, ZERO_GRAD_MID_STEP, check_named_parameters
 from unidist.errors import InvalidArgumentError
 from unidist.train.gradcore import InOrder
 
@@ -87,18 +88,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
         else:
             named = [(f"allreduce.noname.{i}.{j}", v) for i, g in enumerate(self.param_groups)
                      for j, v in enumerate(g["params"])]
-        if any(not isinstance(p, tuple) for p in named):
-            raise InvalidArgumentError("named_parameters should be a sequence of tuples (name, parameter), usually "
-                                       "produced by model.named_parameters().")
-        names = [k for k, _ in named]
-        dups = sorted({k for k in names if names.count(k) > 1})
-        if dups:
-            raise InvalidArgumentError(f"Parameter names in named_parameters must be unique. Found duplicates: "
-                                       f"{', '.join(dups)}")
-        unnamed = {id(v) for g in self.param_groups for v in g["params"]} - {id(v) for _, v in named}
-        if unnamed:
-            raise InvalidArgumentError("named_parameters was specified, but one or more model parameters were not "
-                                       f"named. Python object ids: {', '.join(str(i) for i in unnamed)}")
+        check_named_parameters(named, self.param_groups)
         self._hvd_names = {id(v): k for k, v in named}
         self._hvd_compression = compression
         self.backward_passes_per_step = backward_passes_per_step
@@ -143,9 +133,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
     def _hvd_hook(self, p: torch.Tensor) -> None:
         delay = self._hvd_delay[id(p)]
         if delay <= 0:
-            raise OptimizerProtocolError("Gradients were computed more than backward_passes_per_step times before "
-                                         "call to step(). Increase backward_passes_per_step to accumulate gradients "
-                                         "locally.")
+            raise OptimizerProtocolError(TOO_MANY_PASSES)
         self._hvd_touched = True
         self._hvd_delay[id(p)] = delay - 1
         if delay == 1:
@@ -210,9 +198,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
         """Refused between ``backward()`` and ``step()``/``synchronize()``, as in Horovod (the reductions in
         flight write into the gradients)."""
         if self._hvd_touched:
-            raise OptimizerProtocolError("optimizer.zero_grad() was called after loss.backward() but before "
-                                         "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
-                                         "cause a race condition.")
+            raise OptimizerProtocolError(ZERO_GRAD_MID_STEP)
         super().zero_grad(set_to_none=set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
