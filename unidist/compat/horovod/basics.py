@@ -1,97 +1,304 @@
-"""Stub: init, topology and the build queries (helper A)."""
+"""``hvd.init``, topology and the build queries: Horovod's basics over the Manager unidist selects.
+
+``init()`` starts ``unidist.init()`` (so the same script runs under python, mpiexec, torchrun, the deepspeed
+launcher and horovodrun) and exchanges every rank's (node, local rank) once, from which Horovod's cross ranks
+and homogeneity follow. As in Horovod, a second ``init()`` is a no-op, ``shutdown()`` then ``init()`` starts
+again, an atexit hook shuts down, and every topology call before ``init()`` raises
+``ValueError('Horovod has not been initialized; use hvd.init().')`` (here a ``HorovodNotInitializedError``,
+which is also unidist's ``NotInitializedError``).
+
+Build queries answer for the engine in use (``mpi_built`` etc. describe what this run can do, not what some
+other install could):
+
+=================  ===========  ===========  ===================  ===================  =====================
+query              local        mpi          torch / deepspeed    horovod              type
+=================  ===========  ===========  ===================  ===================  =====================
+mpi_built          False        True         False                Horovod's answer     bool
+mpi_enabled        False        True         False                Horovod's answer     bool
+gloo_built         False        False        gloo available       Horovod's answer     bool
+gloo_enabled       False        False        group uses gloo      Horovod's answer     bool
+nccl_built         0            0            NCCL version code    Horovod's answer     int (0 = not built)
+                                             if CUDA + NCCL
+cuda_built         CUDA usable  CUDA usable  CUDA usable          Horovod's answer     bool
+rocm_built         ROCm usable  ROCm usable  ROCm usable          Horovod's answer     bool
+ddl_built          False        False        False                Horovod's answer     bool
+ccl_built          False        False        False                Horovod's answer     bool
+mpi_threads_sup.   ValueError   MPI thread   ValueError           Horovod's answer     bool
+                                level is
+                                MULTIPLE
+=================  ===========  ===========  ===================  ===================  =====================
+
+"CUDA usable" is ``torch.cuda.is_available()`` with a CUDA build of torch: every unidist engine moves CUDA
+tensors (staging through the host where the engine cannot). The build queries work before ``init()`` too
+(Horovod's do); before it they describe the backend unidist would select.
+"""
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
 
+import torch
 
-def ccl_built(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+import unidist
+from unidist.errors import InvalidArgumentError, NotInitializedError, UnidistError
 
+__all__ = [
+    "HorovodNotInitializedError", "UnsupportedFeatureError", "ccl_built", "cross_rank", "cross_size",
+    "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "init", "is_homogeneous", "is_initialized",
+    "local_rank", "local_size", "manager", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
+    "rank", "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline",
+]
 
-def cross_rank(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
-
-
-def cross_size(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
-
-
-def cuda_built(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+_NOT_INIT = "Horovod has not been initialized; use hvd.init()."
 
 
-def ddl_built(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+class HorovodNotInitializedError(NotInitializedError, ValueError):
+    """Horovod's ``ValueError('Horovod has not been initialized; use hvd.init().')``, also unidist's
+    NotInitializedError: ``except ValueError`` in a Horovod script keeps working."""
 
 
-def gloo_built(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+class UnsupportedFeatureError(UnidistError, ValueError):
+    """A Horovod argument this layer cannot honour on unidist (e.g. ``init(comm=<mpi4py communicator>)``);
+    the message says what to do instead."""
 
 
-def gloo_enabled(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+class _State:
+    """This process's run: the started Manager and the topology derived once at init."""
+
+    __slots__ = ("atexit_registered", "cross", "homogeneous", "mgr")
+
+    def __init__(self) -> None:
+        self.mgr: Any = None
+        self.cross = (-1, -1)
+        self.homogeneous = False
+        self.atexit_registered = False
 
 
-def init(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+_state = _State()
 
 
-def is_homogeneous(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def manager() -> Any:
+    """The started Manager behind ``hvd``; raises Horovod's not-initialized error before ``init()``."""
+    mgr = _state.mgr
+    if mgr is None or not mgr.started:
+        raise HorovodNotInitializedError(_NOT_INIT)
+    return mgr
 
 
-def is_initialized(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Start the Manager unidist selects for this launch (no-op when already initialized, as in Horovod).
+
+    Args:
+        comm: Horovod's MPI communicator choice. Only None (every rank) and a list naming every rank in order
+            are possible here: unidist's world is the launch. Anything else is an UnsupportedFeatureError.
+        process_sets: None, a list of ``hvd.ProcessSet`` to register now (every rank passes the same list),
+            or "dynamic" (Horovod's switch that allows ``add_process_set`` later; sets
+            ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` as Horovod does).
+    """
+    from unidist.compat.horovod import process_sets as ps_mod
+
+    if _state.mgr is not None and _state.mgr.started:
+        return
+    if comm is not None and not isinstance(comm, (list, tuple, range)):
+        raise UnsupportedFeatureError(
+            f"hvd.init(comm={comm!r}): an MPI communicator cannot choose the ranks under unidist; the world is "
+            "every process the launcher started. Call hvd.init() and use hvd.ProcessSet / hvd.add_process_set "
+            "for a subset of ranks.")
+    listed = ps_mod.prepare_init_sets(process_sets)
+    mgr = unidist.init().start()
+    _state.mgr = mgr
+    try:
+        if comm is not None and [int(r) for r in comm] != list(range(mgr.size)):
+            raise UnsupportedFeatureError(
+                f"hvd.init(comm={list(comm)}) names a subset of the {mgr.size} ranks; unidist's world is every "
+                "launched process. Call hvd.init() and use hvd.ProcessSet for a subset.")
+        _topology(mgr)
+    except BaseException:
+        _stop()
+        raise
+    if not _state.atexit_registered:
+        atexit.register(shutdown)
+        _state.atexit_registered = True
+    from unidist.compat.horovod import handles
+
+    handles.reset()
+    ps_mod.register_init_sets(mgr, listed)
 
 
-def local_rank(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def _topology(mgr: Any) -> None:
+    """Cross rank/size and homogeneity from every rank's (node, local rank): one object allgather."""
+    table = mgr.allgather_object((mgr.node_rank, mgr.local_rank)) if mgr.size > 1 else [(0, 0)]
+    mine = table[mgr.rank]
+    same_local = sorted(node for node, local in table if local == mine[1])
+    _state.cross = (same_local.index(mine[0]), len(same_local))
+    per_node: dict[int, int] = {}
+    for node, _ in table:
+        per_node[node] = per_node.get(node, 0) + 1
+    _state.homogeneous = len(set(per_node.values())) == 1
 
 
-def local_size(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def _stop() -> None:
+    mgr, _state.mgr = _state.mgr, None
+    if mgr is not None:
+        mgr.shutdown()
 
 
-def mpi_built(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def shutdown() -> None:
+    """Shut the Manager down (a no-op when not initialized); ``init()`` may start a new run afterwards."""
+    from unidist.compat.horovod import handles, process_sets
+
+    handles.reset()
+    process_sets.reset()
+    _stop()
 
 
-def mpi_enabled(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def is_initialized() -> bool:
+    return _state.mgr is not None and _state.mgr.started
 
 
-def mpi_threads_supported(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's timeline is not recorded yet (a later change adds one): a no-op that still requires
+    ``init()`` and a path, as Horovod does."""
+    manager()
+    if not isinstance(file_path, str):
+        raise InvalidArgumentError(f"start_timeline(file_path={file_path!r}) takes a path string")
 
 
-def nccl_built(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def stop_timeline() -> None:
+    """No-op counterpart of ``start_timeline``; requires ``init()``."""
+    manager()
 
 
-def rank(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def size() -> int:
+    return int(manager().size)
 
 
-def rocm_built(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def rank() -> int:
+    return int(manager().rank)
 
 
-def shutdown(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def local_size() -> int:
+    return int(manager().local_size)
 
 
-def size(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def local_rank() -> int:
+    return int(manager().local_rank)
 
 
-def start_timeline(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def cross_size() -> int:
+    """Number of processes with this process's local rank (one per node that has it)."""
+    manager()
+    return _state.cross[1]
 
 
-def stop_timeline(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def cross_rank() -> int:
+    """This process's index among the processes with its local rank: its node's, counted over those nodes."""
+    manager()
+    return _state.cross[0]
 
 
-def manager(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def is_homogeneous() -> bool:
+    """Whether every node runs the same number of ranks."""
+    manager()
+    return _state.homogeneous
+
+
+# ------------------------------------------------------------------------------------------ build queries
+def _backend() -> str:
+    """The backend in use, or the one unidist would select before init."""
+    mgr = _state.mgr
+    if mgr is not None and mgr.started:
+        return str(mgr.backend)
+    return str(unidist.init().backend)
+
+
+def _real_horovod() -> Any:
+    import horovod.torch as real
+
+    return real
+
+
+def _cuda() -> bool:
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+def _torch_like(backend: str) -> bool:
+    return backend in ("torch", "deepspeed")
+
+
+def mpi_built() -> bool:
+    backend = _backend()
+    return bool(_real_horovod().mpi_built()) if backend == "horovod" else backend == "mpi"
+
+
+def mpi_enabled() -> bool:
+    backend = _backend()
+    return bool(_real_horovod().mpi_enabled()) if backend == "horovod" else backend == "mpi"
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI runs with MPI_THREAD_MULTIPLE; a ValueError where MPI is not in use, as in Horovod."""
+    backend = _backend()
+    if backend == "horovod":
+        return bool(_real_horovod().mpi_threads_supported())
+    if backend != "mpi":
+        raise UnsupportedFeatureError("Horovod MPI is not enabled; Please make sure it's installed and enabled.")
+    manager()
+    from mpi4py import MPI
+
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
+def gloo_built() -> bool:
+    backend = _backend()
+    if backend == "horovod":
+        return bool(_real_horovod().gloo_built())
+    if _torch_like(backend):
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_gloo_available())
+    return False
+
+
+def gloo_enabled() -> bool:
+    backend = _backend()
+    if backend == "horovod":
+        return bool(_real_horovod().gloo_enabled())
+    if _torch_like(backend) and is_initialized():
+        import torch.distributed as dist
+
+        return dist.is_initialized() and "gloo" in str(dist.get_backend())
+    return False
+
+
+def nccl_built() -> int:
+    """Horovod's int: the NCCL version code (major*10000 + minor*100 + patch) when NCCL can be used, else 0."""
+    backend = _backend()
+    if backend == "horovod":
+        return int(_real_horovod().nccl_built())
+    if _torch_like(backend) and _cuda():
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_nccl_available():
+            major, minor, patch = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+            return int(major * 10000 + minor * 100 + patch)
+    return 0
+
+
+def cuda_built() -> bool:
+    return bool(_real_horovod().cuda_built()) if _backend() == "horovod" else _cuda()
+
+
+def rocm_built() -> bool:
+    if _backend() == "horovod":
+        return bool(_real_horovod().rocm_built())
+    return torch.version.hip is not None and torch.cuda.is_available()
+
+
+def ddl_built() -> bool:
+    return bool(_real_horovod().ddl_built()) if _backend() == "horovod" else False
+
+
+def ccl_built() -> bool:
+    return bool(_real_horovod().ccl_built()) if _backend() == "horovod" else False
