@@ -42,6 +42,11 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "horovod_examples"
 REAL_IMPORT = "import horovod.torch as hvd\n"
 COMPAT_IMPORT = "import unidist.compat.horovod as hvd\n"
 SGD, FP16 = 1e-5, 1e-3
+BROADCAST_PARAMETERS = "hvd.broadcast_parameters(model.state_dict(), root_rank=0)"
+# What Horovod's broadcast_optimizer_state does first on an optimizer with no state yet: a step of the wrapped
+# torch optimizer's own class on all-zero gradients (unidist's deliberately does not)
+HOROVODS_ZERO_STEP = ("    for p in model.parameters(): p.grad = torch.zeros_like(p)  # test: Horovod's zero step\n"
+                      "    torch.optim.SGD.step(optimizer)\n")
 
 
 @dataclass(frozen=True)
@@ -79,20 +84,27 @@ class Outcome:
     seconds: float
 
 
-def _script(tmp: Path, case: Case, compat: bool) -> Path:
+def _script(tmp: Path, case: Case, compat: bool, after_broadcast: str = "") -> Path:
     """The case's script in a fresh directory beside the harness it imports; the compat copy differs from the
     data file by the one import line (replaced textually, exactly once)."""
     tmp.mkdir(parents=True, exist_ok=True)
     shutil.copy(EXAMPLES / "harness.py", tmp / "harness.py")
-    text = (EXAMPLES / case.script).read_text()
+    lines = (EXAMPLES / case.script).read_text().splitlines(keepends=True)
     if compat:
-        if text.count(REAL_IMPORT) != 1:
-            raise AssertionError(f"{case.script} must contain {REAL_IMPORT!r} exactly once")
-        text = text.replace(REAL_IMPORT, COMPAT_IMPORT)
-        if "horovod.torch" in text:
+        where = [i for i, line in enumerate(lines) if line == REAL_IMPORT]
+        if len(where) != 1:
+            raise AssertionError(f"{case.script} must contain the line {REAL_IMPORT!r} exactly once")
+        lines[where[0]] = COMPAT_IMPORT
+        code = [line for line in lines if not line.lstrip().startswith("#")]
+        if any("horovod.torch" in line for line in code):
             raise AssertionError(f"{case.script} still names horovod.torch after the replacement")
+    if after_broadcast:
+        where = [i for i, line in enumerate(lines) if line.strip() == BROADCAST_PARAMETERS]
+        if len(where) != 1:
+            raise AssertionError(f"{case.script} must call {BROADCAST_PARAMETERS!r} exactly once")
+        lines.insert(where[0] + 1, after_broadcast)
     path = tmp / case.script
-    path.write_text(text)
+    path.write_text("".join(lines))
     return path
 
 
@@ -124,10 +136,10 @@ def real_horovod(tmp: Path, case: Case, size: int) -> Outcome:
     return _launch([*argv, *_args(case, tmp)], {}, tmp, size)
 
 
-def compat(tmp: Path, case: Case, launch: Launch) -> Outcome:
+def compat(tmp: Path, case: Case, launch: Launch, after_broadcast: str = "") -> Outcome:
     """The compat copy under ``launch``. The deepspeed launcher gets its own --no_local_rank: by default it appends
     --local_rank=N to the script's argv, which Horovod's examples' argparse rejects."""
-    path = _script(tmp, case, compat=True)
+    path = _script(tmp, case, compat=True, after_broadcast=after_broadcast)
     argv = launch.command(str(path), *_args(case, tmp))
     if launch.backend == "deepspeed":
         argv.insert(argv.index(str(path)), "--no_local_rank")
@@ -147,7 +159,7 @@ def _same_lines(got: list[str], want: list[str], tol: float) -> list[str]:
         if _NUMBER.sub("#", a) != _NUMBER.sub("#", b):
             problems.append(f"{a!r} != {b!r}")
             continue
-        if "img/sec" in a:
+        if "img/sec" in a.lower():
             continue
         for x, y in zip(_NUMBER.findall(a), _NUMBER.findall(b), strict=True):
             unit = 10.0 ** -len(x.split(".")[1]) if "." in x else 0.0
@@ -210,3 +222,20 @@ def test_example_under_deepspeed_equals_torchrun(launch_id: str, case_id: str,
     got = compat(tmp_path_factory.mktemp(f"compat-{launch_id}-{case_id}"), case, launch)
     worst = compare(got, reference, launch.size, case.tolerance)
     _report(f"{launch_id} {case_id} vs compat under torchrun-2", got, reference, worst)
+
+
+@MARKS["horovod"]
+def test_horovods_zero_gradient_step_is_the_only_difference(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The ImageNet example with its default weight decay (5e-5): there Horovod's zero-gradient step on the fresh
+    optimizer is not a no-op (SGD adds wd * w to the zero gradient, so the step moves each weight by lr * wd * w
+    and leaves wd * w in the momentum buffer). Measured here: compat with only the import changed ends
+    2.6e-5 away from real Horovod (batch norm weights start at 1.0), over the SGD tolerance. With that one step
+    written into the compat copy right after broadcast_parameters (as Horovod takes it inside
+    broadcast_optimizer_state) the two are equal within the SGD tolerance (measured bit for bit): the step is the
+    whole difference."""
+    launch, case = LAUNCHES["mpiexec-2"], Case("pytorch_imagenet_resnet50.py", ("--batches-per-allreduce", "2"), SGD)
+    require("horovod", *launch.engines)
+    want = real_horovod(tmp_path_factory.mktemp("real-imagenet-wd"), case, launch.size)
+    got = compat(tmp_path_factory.mktemp("compat-imagenet-wd-zero-step"), case, launch, HOROVODS_ZERO_STEP)
+    worst = compare(got, want, launch.size, case.tolerance)
+    _report("mpiexec-2 imagenet-k2 (weight decay) + Horovod's zero step vs real Horovod", got, want, worst)
