@@ -39,7 +39,9 @@ def check(reports: list[dict], size: int) -> None:
             assert report["cases"][name] == reports[0]["cases"][name], (name, "ranks differ")
     for report in reports:
         p = report["protocol"]
-        assert p["zero_grad_mid_step"] == "True" and p["too_many_passes"] == "True", p
+        # Horovod hooks gradients only on more than one rank: one process is the plain optimizer
+        refused = "True" if size > 1 else "none"
+        assert p["zero_grad_mid_step"] == refused and p["too_many_passes"] == refused, p
         assert p["dup_names"] == p["bad_k"] == p["predivide_sum"] == "ValueError", p
 
 
