@@ -33,6 +33,9 @@ MAX_TIMEOUT = 30 * 24 * 3600.0
 _TIMEOUT_ALLOWED = f"a positive number of seconds up to {MAX_TIMEOUT:.0f} (30 days)"
 
 
+_COMMIT_SECONDS_ALLOWED = f"a number of seconds from 0 (every commit) up to {MAX_TIMEOUT:.0f}"
+
+
 def _env_name(field_name: str) -> str:
     return "UNIDIST_" + field_name.upper()
 
@@ -51,6 +54,10 @@ class Config:
     device: str = "auto"
     deepspeed_config: str | None = None
     precision: str = "32"
+    # hvd.elastic (unidist/compat/horovod/elastic): where commits go (None: a per-job directory under the
+    # system temp dir) and the least seconds between two commits written to disk (0: every commit)
+    elastic_dir: str | None = None
+    elastic_commit_seconds: float = 10.0
     unknown: tuple[str, ...] = field(default=(), compare=False, repr=False)
     # the fields the environment set (not defaults): an explicit prepare() argument that disagrees is an error
     from_environment: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -76,6 +83,8 @@ class Config:
             raise bad("device", self.device, "auto, cpu, cuda or cuda:N")
         if self.precision not in PRECISIONS:
             raise bad("precision", self.precision, ", ".join(PRECISIONS))
+        if not 0 <= self.elastic_commit_seconds <= MAX_TIMEOUT:  # also refuses nan and inf
+            raise bad("elastic_commit_seconds", self.elastic_commit_seconds, _COMMIT_SECONDS_ALLOWED)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -151,6 +160,8 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "device": _device,
     "deepspeed_config": _path,
     "precision": _choice(PRECISIONS),
+    "elastic_dir": _path,
+    "elastic_commit_seconds": _number(float, _COMMIT_SECONDS_ALLOWED, lambda v: 0 <= v <= MAX_TIMEOUT),
 }
 
 ENV_VARS: tuple[str, ...] = tuple(_env_name(n) for n in _PARSERS)

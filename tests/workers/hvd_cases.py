@@ -251,3 +251,13 @@ def _name_mismatch(c: Any) -> list[Any]:
     """Horovod matches calls by name: ranks naming one call differently would each wait for the other name.
     unidist's check mode compares names (CollectiveMismatchError, a RuntimeError) before any data moves."""
     return [c.capture(lambda: c.hvd.allreduce(c.t("nm", (2,)), name=f"rank{c.r}")), c.hvd.allreduce(c.t("nm", (2,)))]
+
+
+@case("in-place/parameters", lambda r, n: [True, reduce("pp", range(n), (3,), "float32", "sum", 2.0), True,
+                                           x("pq", 0, (2,)), True])
+def _parameters(c: Any) -> list[Any]:
+    """In-place ops write parameters (leaves that require grad) outside autograd, as Horovod's kernels do."""
+    p = c.torch.nn.Parameter(c.t("pp", (3,)))
+    q = c.torch.nn.Parameter(c.t("pq", (2,)))
+    h = c.hvd.allreduce_async_(p, op=c.hvd.Sum, prescale_factor=2.0)
+    return [c.hvd.synchronize(h) is p, p, c.hvd.broadcast_(q, 0) is q, q, p.requires_grad]

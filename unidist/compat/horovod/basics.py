@@ -36,12 +36,17 @@ tensors (staging through the host where the engine cannot). The build queries wo
 from __future__ import annotations
 
 import atexit
+import os
+import sys
 from typing import Any
 
 import torch
 
 import unidist
-from unidist.errors import InvalidArgumentError, NotInitializedError, UnidistError
+from unidist.compat.horovod import handles
+from unidist.compat.horovod import process_sets as ps_mod
+from unidist.compat.horovod.state import HorovodNotInitializedError, UnsupportedFeatureError, manager, state
+from unidist.errors import InvalidArgumentError, NotInitializedError
 
 __all__ = [
     "HorovodNotInitializedError", "UnsupportedFeatureError", "ccl_built", "cross_rank", "cross_size",
@@ -50,44 +55,11 @@ __all__ = [
     "rank", "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline",
 ]
 
-_NOT_INIT = "Horovod has not been initialized; use hvd.init()."
-
-
-class HorovodNotInitializedError(NotInitializedError, ValueError):
-    """Horovod's ``ValueError('Horovod has not been initialized; use hvd.init().')``, also unidist's
-    NotInitializedError: ``except ValueError`` in a Horovod script keeps working."""
-
-
-class UnsupportedFeatureError(UnidistError, ValueError):
-    """A Horovod argument this layer cannot honour on unidist (e.g. ``init(comm=<mpi4py communicator>)``);
-    the message says what to do instead."""
-
-
-class _State:
-    """This process's run: the started Manager and the topology derived once at init."""
-
-    __slots__ = ("atexit_registered", "cross", "homogeneous", "mgr")
-
-    def __init__(self) -> None:
-        self.mgr: Any = None
-        self.cross = (-1, -1)
-        self.homogeneous = False
-        self.atexit_registered = False
-
-
-_state = _State()
-
-
-def manager() -> Any:
-    """The started Manager behind ``hvd``; raises Horovod's not-initialized error before ``init()``."""
-    mgr = _state.mgr
-    if mgr is None or not mgr.started:
-        raise HorovodNotInitializedError(_NOT_INIT)
-    return mgr
-
-
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Start the Manager unidist selects for this launch (no-op when already initialized, as in Horovod).
+
+    Inside a ``with unidist.init() as mgr:`` block, ``hvd`` uses that Manager (and ``hvd.shutdown()`` leaves
+    it to the block), so unidist and Horovod calls mix in one script.
 
     Args:
         comm: Horovod's MPI communicator choice. Only None (every rank) and a list naming every rank in order
@@ -96,9 +68,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             or "dynamic" (Horovod's switch that allows ``add_process_set`` later; sets
             ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` as Horovod does).
     """
-    from unidist.compat.horovod import process_sets as ps_mod
-
-    if _state.mgr is not None and _state.mgr.started:
+    if state.mgr is not None and state.mgr.started:
         return
     if comm is not None and not isinstance(comm, (list, tuple, range)):
         raise UnsupportedFeatureError(
@@ -106,8 +76,14 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             "every process the launcher started. Call hvd.init() and use hvd.ProcessSet / hvd.add_process_set "
             "for a subset of ranks.")
     listed = ps_mod.prepare_init_sets(process_sets)
-    mgr = unidist.init().start()
-    _state.mgr = mgr
+    mgr = _running()
+    state.owned = mgr is None
+    if mgr is None:
+        dynamic = os.environ.get(ps_mod.DYNAMIC)
+        mgr = unidist.init().start()
+        if dynamic is None:  # the horovod backend's own init sets it; the user's choice is what counts here
+            os.environ.pop(ps_mod.DYNAMIC, None)
+    state.mgr = mgr
     try:
         if comm is not None and [int(r) for r in comm] != list(range(mgr.size)):
             raise UnsupportedFeatureError(
@@ -117,11 +93,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     except BaseException:
         _stop()
         raise
-    if not _state.atexit_registered:
-        atexit.register(shutdown)
-        _state.atexit_registered = True
-    from unidist.compat.horovod import handles
-
+    if not state.atexit_registered:
+        atexit.register(_at_exit)
+        state.atexit_registered = True
     handles.reset()
     ps_mod.register_init_sets(mgr, listed)
 
@@ -131,30 +105,55 @@ def _topology(mgr: Any) -> None:
     table = mgr.allgather_object((mgr.node_rank, mgr.local_rank)) if mgr.size > 1 else [(0, 0)]
     mine = table[mgr.rank]
     same_local = sorted(node for node, local in table if local == mine[1])
-    _state.cross = (same_local.index(mine[0]), len(same_local))
+    state.cross = (same_local.index(mine[0]), len(same_local))
     per_node: dict[int, int] = {}
     for node, _ in table:
         per_node[node] = per_node.get(node, 0) + 1
-    _state.homogeneous = len(set(per_node.values())) == 1
+    state.homogeneous = len(set(per_node.values())) == 1
+
+
+def _running() -> Any:
+    """The Manager a ``with unidist.init()`` block started in this process, if any."""
+    from unidist.managers.base import get_manager
+
+    try:
+        return get_manager()
+    except NotInitializedError:
+        return None
 
 
 def _stop() -> None:
-    mgr, _state.mgr = _state.mgr, None
-    if mgr is not None:
+    mgr, state.mgr = state.mgr, None
+    if mgr is not None and state.owned:
         mgr.shutdown()
+
+
+def _at_exit() -> None:
+    """Horovod shuts down at exit. After an uncaught exception (``sys.last_value``) this rank leaves as a
+    failed ``with unidist.init()`` block does: it ends the job where the engine can, without the leaving
+    barrier its peers (waiting in some collective) would never reach."""
+    mgr = state.mgr
+    if mgr is None or not mgr.started:
+        return
+    exc = getattr(sys, "last_value", None)
+    if exc is None or not state.owned:
+        shutdown()
+        return
+    handles.reset()
+    ps_mod.reset()
+    state.mgr = None
+    mgr.__exit__(type(exc), exc, exc.__traceback__)
 
 
 def shutdown() -> None:
     """Shut the Manager down (a no-op when not initialized); ``init()`` may start a new run afterwards."""
-    from unidist.compat.horovod import handles, process_sets
-
     handles.reset()
-    process_sets.reset()
+    ps_mod.reset()
     _stop()
 
 
 def is_initialized() -> bool:
-    return _state.mgr is not None and _state.mgr.started
+    return state.mgr is not None and state.mgr.started
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
@@ -189,25 +188,25 @@ def local_rank() -> int:
 def cross_size() -> int:
     """Number of processes with this process's local rank (one per node that has it)."""
     manager()
-    return _state.cross[1]
+    return state.cross[1]
 
 
 def cross_rank() -> int:
     """This process's index among the processes with its local rank: its node's, counted over those nodes."""
     manager()
-    return _state.cross[0]
+    return state.cross[0]
 
 
 def is_homogeneous() -> bool:
     """Whether every node runs the same number of ranks."""
     manager()
-    return _state.homogeneous
+    return state.homogeneous
 
 
 # ------------------------------------------------------------------------------------------ build queries
 def _backend() -> str:
     """The backend in use, or the one unidist would select before init."""
-    mgr = _state.mgr
+    mgr = state.mgr
     if mgr is not None and mgr.started:
         return str(mgr.backend)
     return str(unidist.init().backend)

@@ -30,8 +30,8 @@ from unidist.ops import ReduceOp
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "NotATensorError", "Pending", "Product", "ScalarInputError", "Sum",
-    "allgather_start", "allreduce_start", "alltoall_start", "broadcast_start", "compress", "decompress",
-    "grad_mode", "grouped_allreduce_start", "reducescatter_start", "resolve_op", "scale_",
+    "allgather_start", "allreduce_now", "allreduce_start", "alltoall_start", "broadcast_start", "compress",
+    "decompress", "grad_mode", "grouped_allreduce_start", "reducescatter_start", "resolve_op", "scale_",
 ]
 
 # Horovod's reduction op values (horovod_reduce_op_* in its C++ library).
@@ -109,7 +109,9 @@ def scale_(t: torch.Tensor, factor: float) -> torch.Tensor:
 
 def grad_mode(*tensors: Any) -> bool:
     """Whether a call records autograd (then it goes through its autograd Function)."""
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def compress(compression: Any, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -146,24 +148,58 @@ def _adasum(comm: Any, tensors: list[torch.Tensor], process_set: ProcessSet) -> 
 
 
 # --------------------------------------------------------------------------------------------- starts
-def allreduce_start(tensor: Any, inplace: bool, op: int, prescale: float, postscale: float,
-                    process_set: ProcessSet, name: str | None) -> Pending:
+def _allreduce_prepare(tensor: Any, inplace: bool, pre: float, process_set: ProcessSet,
+                       name: str | None) -> tuple[Any, torch.Tensor]:
     comm = comm_of(process_set, "Allreduce")
     check_tensor(tensor)
     _check_names(comm, "allreduce", name)
-    buf = tensor if inplace else tensor.clone()
-    if prescale != 1.0:
-        scale_(buf, prescale)
+    buf = _writable(tensor) if inplace else tensor.clone()
+    if pre != 1.0:
+        scale_(buf, pre)
+    return comm, buf
+
+
+def _writable(t: torch.Tensor) -> torch.Tensor:
+    """The storage an in-place op writes: Horovod's kernels write parameters (leaves that require grad)
+    outside autograd, as a detached view does here."""
+    return t.detach() if t.requires_grad else t
+
+
+def _adasum_one(comm: Any, buf: torch.Tensor, post: float, process_set: ProcessSet) -> torch.Tensor:
+    _adasum(comm, [buf], process_set)
+    return scale_(buf, post) if post != 1.0 else buf
+
+
+def allreduce_start(tensor: Any, inplace: bool, op: int, prescale: float, postscale: float,
+                    process_set: ProcessSet, name: str | None) -> Pending:
+    comm, buf = _allreduce_prepare(tensor, inplace, prescale, process_set, name)
     if op == Adasum:
-        _adasum(comm, [buf], process_set)
-        if postscale != 1.0:
-            scale_(buf, postscale)
-        return _done(buf)
+        _adasum_one(comm, buf, postscale, process_set)
+        return _done(tensor if inplace else buf)
     handle = comm.allreduce_async_(buf, _engine_op(op))
     factor = postscale / comm.size if op == Average else postscale
+    out = tensor if inplace else buf
     if factor == 1.0:
-        return Pending(handle, lambda: buf, name)
-    return Pending(handle, lambda: scale_(buf, factor), name)
+        return Pending(handle, lambda: out, name)
+
+    def finish() -> torch.Tensor:
+        scale_(buf, factor)
+        return out  # type: ignore[no-any-return]
+    return Pending(handle, finish, name)
+
+
+def allreduce_now(tensor: Any, inplace: bool, op: int, prescale: float, postscale: float,
+                  process_set: ProcessSet, name: str | None) -> torch.Tensor:
+    """The blocking allreduce: the communicator's lean in-place path, no handle (it runs per gradient)."""
+    comm, buf = _allreduce_prepare(tensor, inplace, prescale, process_set, name)
+    if op == Adasum:
+        _adasum_one(comm, buf, postscale, process_set)
+    else:
+        comm.allreduce_(buf, _engine_op(op))
+        factor = postscale / comm.size if op == Average else postscale
+        if factor != 1.0:
+            scale_(buf, factor)
+    return tensor if inplace else buf  # type: ignore[no-any-return]
 
 
 def grouped_allreduce_start(tensors: Sequence[Any], inplace: bool, op: int, prescale: float,
@@ -174,7 +210,7 @@ def grouped_allreduce_start(tensors: Sequence[Any], inplace: bool, op: int, pres
     for t in tensors:
         check_tensor(t)
     _check_names(comm, "grouped_allreduce", name)
-    bufs = list(tensors) if inplace else [t.clone() for t in tensors]
+    bufs = [_writable(t) for t in tensors] if inplace else [t.clone() for t in tensors]
     if prescale != 1.0:
         for b in bufs:
             scale_(b, prescale)
@@ -187,7 +223,7 @@ def grouped_allreduce_start(tensors: Sequence[Any], inplace: bool, op: int, pres
     if factor != 1.0:
         for b in bufs:
             scale_(b, factor)
-    return _done(bufs)
+    return _done(list(tensors) if inplace else bufs)
 
 
 def allgather_start(tensor: Any, process_set: ProcessSet, name: str | None) -> Pending:
@@ -220,9 +256,10 @@ def broadcast_start(tensor: Any, root_rank: Any, inplace: bool, process_set: Pro
     check_tensor(tensor, MOVE_DTYPES)
     root = group_root(process_set, root_rank, comm)
     _check_names(comm, "broadcast", name)
-    buf = tensor if inplace else tensor.clone()
+    buf = _writable(tensor) if inplace else tensor.clone()
     handle = comm.broadcast_async_(buf, root)
-    return Pending(handle, lambda: buf, name)
+    out = tensor if inplace else buf
+    return Pending(handle, lambda: out, name)
 
 
 def _split_counts(tensor: torch.Tensor, splits: Any, n_ranks: int) -> list[int]:

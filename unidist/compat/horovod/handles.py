@@ -13,7 +13,7 @@ from typing import Any
 from unidist.compat.horovod.core import Pending
 from unidist.errors import InvalidArgumentError
 
-__all__ = ["poll", "register", "reset", "run", "synchronize"]
+__all__ = ["claim", "poll", "register", "reset", "run", "synchronize"]
 
 _handles: dict[int, Pending] = {}
 _names: dict[str, int] = {}
@@ -26,7 +26,8 @@ def reset() -> None:
     _names.clear()
 
 
-def _claim(name: str | None) -> None:
+def claim(name: str | None) -> None:
+    """Refuse a name an in-flight op holds (Horovod's ValueError)."""
     if name is not None and name in _names:
         raise InvalidArgumentError(
             "Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that "
@@ -36,7 +37,7 @@ def _claim(name: str | None) -> None:
 def register(start: Callable[..., Pending], *args: Any) -> int:
     """Start an op (``start(*args)``, the name last) and return its handle."""
     name = args[-1]
-    _claim(name)
+    claim(name)
     pending = start(*args)
     handle = _next[0]
     _next[0] += 1
@@ -48,7 +49,7 @@ def register(start: Callable[..., Pending], *args: Any) -> int:
 
 def run(start: Callable[..., Pending], *args: Any) -> Any:
     """Start an op and wait for it: the blocking calls."""
-    _claim(args[-1])
+    claim(args[-1])
     return start(*args).wait()
 
 

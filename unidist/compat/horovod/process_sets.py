@@ -14,13 +14,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from unidist.compat.horovod.basics import manager
+from unidist.compat.horovod.state import manager
 from unidist.errors import InvalidArgumentError
 
 __all__ = ["NotInProcessSetError", "ProcessSet", "add_process_set", "comm_of", "global_process_set",
            "remove_process_set"]
 
-_DYNAMIC = "HOROVOD_DYNAMIC_PROCESS_SETS"
+DYNAMIC = "HOROVOD_DYNAMIC_PROCESS_SETS"  # Horovod's switch for adding/removing sets after init
 
 
 class NotInProcessSetError(InvalidArgumentError):
@@ -119,7 +119,7 @@ def prepare_init_sets(process_sets: Any) -> list[ProcessSet]:
         if process_sets.lower() != "dynamic":
             raise InvalidArgumentError(f'hvd.init(process_sets={process_sets!r}): use a list of ProcessSet, None '
                                        'or "dynamic"')
-        os.environ[_DYNAMIC] = "1"
+        os.environ[DYNAMIC] = "1"
         return []
     listed = list(process_sets)
     if any(not isinstance(ps, ProcessSet) for ps in listed):
@@ -166,8 +166,8 @@ def _register(mgr: Any, ps: ProcessSet) -> None:
 
 
 def _need_dynamic(verb: str) -> None:
-    if os.environ.get(_DYNAMIC, "") != "1":
-        raise InvalidArgumentError(f"Set {_DYNAMIC}=1 to allow {verb} process sets after Horovod initialization.")
+    if os.environ.get(DYNAMIC, "") != "1":
+        raise InvalidArgumentError(f"Set {DYNAMIC}=1 to allow {verb} process sets after Horovod initialization.")
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:

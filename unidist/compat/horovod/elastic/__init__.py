@@ -1,21 +1,47 @@
-"""Stub: hvd.elastic (helper C)."""
+"""``hvd.elastic``: Horovod's elastic API (``horovod.torch.elastic``) on unidist's launchers.
+
+```python
+@hvd.elastic.run
+def train(state):
+    for state.epoch in range(state.epoch, epochs):
+        for state.batch in range(state.batch, batches_per_epoch):
+            step()
+            if state.batch % batches_per_commit == 0:
+                state.commit()
+        state.batch = 0
+
+state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
+state.register_reset_callbacks([lambda: rescale_lr(hvd.size())])
+train(state)
+```
+
+The names and semantics are Horovod's: ``run``, ``State``, ``ObjectState``, ``TorchState`` (``commit``,
+``restore``, ``sync``, ``save``, ``check_host_updates``, ``register_reset_callbacks``, ``on_reset``, the kwargs
+as attributes) and ``ElasticSampler``. What differs is how a failure is survived. Horovod's driver re-forms
+the world inside the running processes; unidist's engines cannot, so a commit is also written to disk (a
+unidist checkpoint, see store.py) and the *launcher* restarts the job, which resumes from it:
+
+- ``torchrun --max-restarts N``: a failed worker makes torchrun restart every worker (up to N times), and
+  they resume from the last written commit.
+- ``mpiexec``, ``horovodrun -np N`` (no elastic flags), ``deepspeed``: the job ends non-zero; run the same
+  command again and it resumes from the last written commit.
+- ``horovodrun --min-np/--max-np/--host-discovery-script``: refused with ``LaunchEnvironmentError`` (those
+  need Horovod's own elastic driver).
+
+Commits go to ``UNIDIST_ELASTIC_DIR`` (default: a directory per job under the system temp dir, keyed by
+torchrun's rendezvous id or by the script, its arguments and the world size; a multi-host job must set it to
+a shared directory). A written commit costs ~0.15 s (file syncs), so one is written at the first commit and
+then at most every ``UNIDIST_ELASTIC_COMMIT_SECONDS`` (default 10; 0 writes every commit); a restart redoes
+the batches since the last *written* commit. The commits are deleted when the decorated function returns.
+Worlds of another size can resume a commit (set ``UNIDIST_ELASTIC_DIR``): checkpoints load at any size and
+``ElasticSampler`` re-deals the rest of the epoch; the reset callbacks run after a resume.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from unidist.compat.horovod.elastic.run import run
+from unidist.compat.horovod.elastic.sampler import ElasticSampler
+from unidist.compat.horovod.elastic.state import ObjectState, State
+from unidist.compat.horovod.elastic.torch_state import TorchState
 
-
-def run(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
-
-
-class TorchState:
-    pass
-
-
-class ObjectState:
-    pass
-
-
-class State:
-    pass
+__all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]

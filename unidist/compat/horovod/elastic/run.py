@@ -1,0 +1,136 @@
+"""``hvd.elastic.run``: resume from the last written commit, train, and leave restarts to the launcher.
+
+Horovod's elastic driver re-forms the world inside running processes. unidist's engines (MPI, gloo through
+torch.distributed, DeepSpeed, Horovod under horovodrun without elastic flags) cannot: a dead peer ends the
+job. So here elasticity is the launcher's restart plus durable commits: on start, ``run`` resumes every rank
+from the job's newest commit when there is one (a restarted job), else broadcasts rank 0's state as Horovod
+does; when a collective fails it raises ``HorovodInternalError`` naming the commit the job will resume from,
+and the process exits non-zero; ``torchrun --max-restarts N`` then restarts every worker, and under mpiexec,
+horovodrun or the deepspeed launcher the same command re-run resumes. When the function returns on every rank
+the job's commits are deleted, so the next run of the same command starts afresh.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import unidist
+from unidist.compat.horovod.elastic.state import State
+from unidist.compat.horovod.elastic.store import CommitStore
+from unidist.compat.horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from unidist.errors import CollectiveTimeoutError, InvalidArgumentError, LaunchEnvironmentError
+
+__all__ = ["run"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_ELASTIC_FLAGS = "HOROVOD_ELASTIC"  # set by horovodrun's gloo runner when started with elastic flags
+
+
+def _refuse_horovod_driver() -> None:
+    if os.environ.get(_ELASTIC_FLAGS, "0").strip() not in ("", "0"):
+        raise LaunchEnvironmentError(
+            f"hvd.elastic.run: this job was started by horovodrun with elastic flags ({_ELASTIC_FLAGS}=1: "
+            "--min-np/--max-np/--host-discovery-script), which need Horovod's own elastic driver to re-form the "
+            "world in place; unidist cannot join it. Start the job without those flags (horovodrun -np N), or "
+            "with torchrun --max-restarts N for automatic restarts; hvd.elastic.run then resumes from the last "
+            "commit")
+
+
+def _engine_failure(err: BaseException) -> bool:
+    """Is this a collective failing (a peer gone), not the training code's own error?"""
+    kinds: list[type] = [HorovodInternalError, CollectiveTimeoutError]
+    for module, name in (("torch.distributed", "DistError"), ("horovod.common.exceptions", "HorovodInternalError")):
+        found = getattr(sys.modules.get(module), name, None)
+        if isinstance(found, type):
+            kinds.append(found)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and isinstance(getattr(mpi, "Exception", None), type):
+        kinds.append(mpi.Exception)
+    return isinstance(err, tuple(kinds)) or (isinstance(err, RuntimeError) and "gloo" in str(err).lower())
+
+
+def _commit_name(store: CommitStore) -> str:
+    shown = {k: v for k, v in store.last_objects.get("objects", {}).items() if isinstance(v, (int, float, str))}
+    return f"{store.last_path}" + (f" {shown}" if shown else "")
+
+
+def _where(store: CommitStore) -> str:
+    if store.last_path is None:
+        return f"no commit was written yet ({store.directory}): a restart begins from the start"
+    return f"the last commit is {_commit_name(store)}"
+
+
+def _restart_hint(mgr: Any) -> str:
+    if mgr.launch.launcher == "torchrun":
+        return (f"torchrun restarts every worker from it when started with --max-restarts N (this was attempt "
+                f"{mgr.launch.attempt}); otherwise run the same command again")
+    return "run the same command again to resume from it"
+
+
+def _start(state: State, store: CommitStore, mgr: Any) -> None:
+    """Resume every rank from the newest commit, or make rank 0's state everyone's (Horovod's sync)."""
+    path = store.latest()
+    if path is None:
+        state.sync()
+    else:
+        state._read_commit(store, path)
+        if mgr.rank == 0:
+            print(f"hvd.elastic: attempt {mgr.launch.attempt}: resuming from {_commit_name(store)}",
+                  file=sys.stderr, flush=True)
+        state.on_reset()
+    state.save()
+
+
+def run(func: F) -> F:
+    """Decorate the training function ``func(state, *args, **kwargs)`` (``state``: an ``hvd.elastic.State``).
+
+    On entry every rank resumes from the job's last written commit if there is one, else takes rank 0's
+    state; then ``func`` runs. A ``HostsUpdatedInterrupt`` (raised by ``state.commit()`` when hosts change;
+    never on unidist's launchers) resets the state and calls ``func`` again, as in Horovod. A failed
+    collective ends this process with ``HorovodInternalError``: the launcher's restart (``torchrun
+    --max-restarts``) or re-running the command resumes from the last commit. Call no collective before it.
+    """
+    if not callable(func):
+        raise InvalidArgumentError(f"hvd.elastic.run decorates a function, got {type(func).__name__}")
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(state, State):
+            raise InvalidArgumentError(f"{getattr(func, '__name__', 'the function')}'s first argument must be an "
+                                       f"hvd.elastic.State (TorchState, ObjectState), got {type(state).__name__}")
+        _refuse_horovod_driver()
+        mgr = unidist.get_manager()
+        store = CommitStore.open(mgr)
+        state._store = store
+        try:
+            _start(state, store, mgr)
+            skip_sync = True  # _start synced
+            while True:
+                try:
+                    if not skip_sync:
+                        state.sync()
+                    result = func(state, *args, **kwargs)
+                    break
+                except HostsUpdatedInterrupt as err:
+                    skip_sync = err.skip_sync
+                    state.on_reset()
+                except Exception as err:
+                    if _engine_failure(err):
+                        raise HorovodInternalError(
+                            f"hvd.elastic.run: a collective failed on rank {mgr.rank} ({type(err).__name__}: {err}). "
+                            "unidist's engines cannot re-form the world in place, so this process ends; "
+                            f"{_where(store)}: {_restart_hint(mgr)}") from err
+                    print(f"hvd.elastic: rank {mgr.rank}: training stopped by {type(err).__name__}; {_where(store)}: "
+                          f"{_restart_hint(mgr)}", file=sys.stderr, flush=True)
+                    raise
+            store.remove()
+            return result
+        finally:
+            state._store = None
+
+    return wrapper  # type: ignore[return-value]
