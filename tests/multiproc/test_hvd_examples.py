@@ -89,7 +89,8 @@ class Outcome:
 
 def _script(tmp: Path, case: Case, compat: bool, after_broadcast: str = "") -> Path:
     """The case's script in a fresh directory beside the harness it imports; the compat copy differs from the
-    data file by the one import line (replaced textually, exactly once)."""
+    data file by the one import line (replaced textually, exactly once), plus ``after_broadcast`` when a test
+    inserts a line after broadcast_parameters on purpose."""
     tmp.mkdir(parents=True, exist_ok=True)
     shutil.copy(EXAMPLES / "harness.py", tmp / "harness.py")
     lines = (EXAMPLES / case.script).read_text().splitlines(keepends=True)
@@ -157,7 +158,7 @@ def _same_lines(got: list[str], want: list[str], tol: float) -> list[str]:
     unit in its last printed digit (a rounding flip); timings (img/sec) are not compared."""
     problems = []
     if len(got) != len(want):
-        return [f"{len(got)} lines printed, real Horovod printed {len(want)}"]
+        return [f"{len(got)} lines printed, the reference printed {len(want)}"]
     for a, b in zip(got, want, strict=True):
         if _NUMBER.sub("#", a) != _NUMBER.sub("#", b):
             problems.append(f"{a!r} != {b!r}")
