@@ -65,8 +65,10 @@ def test_init_is_idempotent_and_restartable(started: None) -> None:
 
 def test_init_refuses_what_unidist_cannot_give(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UNIDIST_BACKEND", "local")
-    with pytest.raises(UnsupportedFeatureError, match="MPI communicator"):
+    with pytest.raises(UnsupportedFeatureError, match="mpi4py communicator"):
         hvd.init(comm=object())
+    with pytest.raises(UnsupportedFeatureError, match=r"the ranks \[1\]"):
+        hvd.init(comm=[1])
     with pytest.raises(ValueError, match="dynamic"):
         hvd.init(process_sets="sometimes")
     assert not hvd.is_initialized()

@@ -41,6 +41,8 @@ def encode(item: Any) -> Any:
         t = item.detach().cpu()
         return {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
                 "values": t.reshape(-1).tolist()}
+    if isinstance(item, np.generic):  # numpy's 0-d results
+        item = np.asarray(item)
     if isinstance(item, np.ndarray):
         return {"dtype": str(item.dtype), "shape": list(item.shape), "values": item.reshape(-1).tolist()}
     if isinstance(item, Err):

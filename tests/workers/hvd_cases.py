@@ -42,9 +42,9 @@ def x(case: str, r: int, shape: Sequence[int], dtype: str = "float32") -> np.nda
     rng = np.random.default_rng(zlib.crc32(f"{case}/{r}".encode()))
     if dtype in FLOATS:
         scale = 10.0 if dtype == "float16" else 100.0
-        return (rng.standard_normal(shape) * scale).astype(dtype)
+        return np.asarray(rng.standard_normal(shape) * scale).astype(dtype)
     lo, hi = {"uint8": (0, 255), "int8": (-100, 100)}.get(dtype, (-1000, 1000))
-    return rng.integers(lo, hi, size=shape).astype(dtype)
+    return np.asarray(rng.integers(lo, hi, size=shape)).astype(dtype)
 
 
 def scale(a: np.ndarray, f: float) -> np.ndarray:

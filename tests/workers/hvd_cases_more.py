@@ -253,3 +253,15 @@ def _grad_rs(c: Any) -> list[Any]:
     (c.hvd.reducescatter(t, op=c.hvd.Sum) * w).sum().backward()
     return [t.grad]
 
+
+
+@case("edges/0-d-and-empty", lambda r, n: [reduce("e0", range(n), (), "float64", "avg"), x("e1", n - 1, (), "float32"),
+                                           np.zeros((0, 3), np.float32), np.concatenate([x("e2", q, (q, 2))
+                                                                                        for q in range(n)]),
+                                           np.zeros((0, 2), np.float32), np.zeros((0, 2), np.float32)])
+def _edges(c: Any) -> list[Any]:
+    """0-d tensors reduce and broadcast; empty ones (and ranks with no rows) go through every collective."""
+    t = c.torch
+    return [c.hvd.allreduce(c.t("e0", (), "float64")), c.hvd.broadcast(c.t("e1", ()), c.n - 1),
+            c.hvd.allreduce(t.ones(0, 3)), c.hvd.allgather(c.t("e2", (c.r, 2))), c.hvd.reducescatter(t.ones(0, 2)),
+            c.hvd.alltoall(t.ones(0, 2))]

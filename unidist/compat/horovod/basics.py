@@ -62,19 +62,20 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     it to the block), so unidist and Horovod calls mix in one script.
 
     Args:
-        comm: Horovod's MPI communicator choice. Only None (every rank) and a list naming every rank in order
-            are possible here: unidist's world is the launch. Anything else is an UnsupportedFeatureError.
+        comm: Horovod's MPI communicator choice. Only None, a list naming every rank in order, or an mpi4py
+            communicator spanning the world (``MPI.COMM_WORLD`` under mpiexec) are possible here: unidist's world
+            is the launch. Anything else is an UnsupportedFeatureError.
         process_sets: None, a list of ``hvd.ProcessSet`` to register now (every rank passes the same list),
             or "dynamic" (Horovod's switch that allows ``add_process_set`` later; sets
             ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` as Horovod does).
     """
     if state.mgr is not None and state.mgr.started:
         return
-    if comm is not None and not isinstance(comm, (list, tuple, range)):
+    mpi_comm = _is_mpi_comm(comm)
+    if comm is not None and not mpi_comm and not isinstance(comm, (list, tuple, range)):
         raise UnsupportedFeatureError(
-            f"hvd.init(comm={comm!r}): an MPI communicator cannot choose the ranks under unidist; the world is "
-            "every process the launcher started. Call hvd.init() and use hvd.ProcessSet / hvd.add_process_set "
-            "for a subset of ranks.")
+            f"hvd.init(comm={comm!r}) takes None, a list of every rank, or an mpi4py communicator spanning the "
+            "world; use hvd.ProcessSet / hvd.add_process_set for a subset of ranks.")
     listed = ps_mod.prepare_init_sets(process_sets)
     mgr = _running()
     state.owned = mgr is None
@@ -85,10 +86,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             os.environ.pop(ps_mod.DYNAMIC, None)
     state.mgr = mgr
     try:
-        if comm is not None and [int(r) for r in comm] != list(range(mgr.size)):
-            raise UnsupportedFeatureError(
-                f"hvd.init(comm={list(comm)}) names a subset of the {mgr.size} ranks; unidist's world is every "
-                "launched process. Call hvd.init() and use hvd.ProcessSet for a subset.")
+        _check_comm(mgr, comm, mpi_comm)
         _topology(mgr)
     except BaseException:
         _stop()
@@ -98,6 +96,29 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         state.atexit_registered = True
     handles.reset()
     ps_mod.register_init_sets(mgr, listed)
+
+
+def _is_mpi_comm(comm: Any) -> bool:
+    return comm is not None and type(comm).__module__.startswith("mpi4py")
+
+
+def _check_comm(mgr: Any, comm: Any, mpi_comm: bool) -> None:
+    """Horovod's ``comm``: unidist's world is every launched process, so only a comm naming all of them, in
+    order, is possible (a list of ranks, or an mpi4py communicator such as ``MPI.COMM_WORLD``)."""
+    if comm is None:
+        return
+    if mpi_comm:
+        mine = comm.Get_size() == mgr.size and comm.Get_rank() == mgr.rank
+        if all(mgr.allgather_object(mine)) if mgr.size > 1 else mine:
+            return
+        what = f"an mpi4py communicator of {comm.Get_size()} ranks that is not the world"
+    elif [int(r) for r in comm] == list(range(mgr.size)):
+        return
+    else:
+        what = f"the ranks {list(comm)}"
+    raise UnsupportedFeatureError(
+        f"hvd.init(comm=...) got {what}; unidist's world is every one of the {mgr.size} launched processes. Call "
+        "hvd.init() and use hvd.ProcessSet / hvd.add_process_set for a subset of ranks.")
 
 
 def _topology(mgr: Any) -> None:

@@ -7,6 +7,11 @@ Broadcast roots are world ranks on every process set, as in Horovod. ``alltoall`
 when no splits were given and ``(output, received_splits)`` (int32) when they were; its handle always
 synchronizes to the pair. ``reducescatter`` takes Average (default) or Sum, gives the first ``rows % size``
 ranks one row more (numpy.array_split), and scales as allreduce does (core.py).
+
+Differences from Horovod: calls must be issued in the same order on every rank (Horovod matches them by name,
+in any order; under UNIDIST_CHECK_COLLECTIVES=1 named calls compare their names); ``join`` is a point every
+rank must reach (see its docstring); async grouped calls, alltoall and Adasum complete before their handle is
+returned; a handle's op starts when the call is made, as Horovod's.
 """
 
 from __future__ import annotations
@@ -41,38 +46,11 @@ from unidist.compat.horovod.state import manager
 from unidist.errors import InvalidArgumentError
 
 __all__ = [
-    "Adasum",
-    "Average",
-    "Max",
-    "Min",
-    "Product",
-    "Sum",
-    "allgather",
-    "allgather_async",
-    "allreduce",
-    "allreduce_",
-    "allreduce_async",
-    "allreduce_async_",
-    "alltoall",
-    "alltoall_async",
-    "barrier",
-    "broadcast",
-    "broadcast_",
-    "broadcast_async",
-    "broadcast_async_",
-    "grouped_allgather",
-    "grouped_allgather_async",
-    "grouped_allreduce",
-    "grouped_allreduce_",
-    "grouped_allreduce_async",
-    "grouped_allreduce_async_",
-    "grouped_reducescatter",
-    "grouped_reducescatter_async",
-    "join",
-    "poll",
-    "reducescatter",
-    "reducescatter_async",
-    "synchronize",
+    "Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather", "allgather_async", "allreduce", "allreduce_",
+    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+    "grouped_reducescatter_async", "join", "poll", "reducescatter", "reducescatter_async", "synchronize",
 ]
 
 _NONE = getattr(Compression, "none", None)  # Horovod's default; None until compression.py defines it

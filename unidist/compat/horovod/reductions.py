@@ -3,10 +3,6 @@
 ops.py re-exports them beside broadcast, alltoall, reducescatter, join and barrier, whose backward passes
 are written on these. Differentiable as Horovod's: allreduce, grouped allreduce, allgather and grouped
 allgather, with Horovod's backward passes.
-
-Differences from Horovod (README, "Coming from Horovod"): calls must be issued in the same order on every rank
-(Horovod matches them by name, in any order); ``join`` is a point where every rank must arrive (see its
-docstring); async grouped calls, alltoall and Adasum complete before their handle is returned.
 """
 
 from __future__ import annotations
