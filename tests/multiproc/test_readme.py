@@ -11,8 +11,8 @@ import pytest
 from helpers import BIN, ROOT, require, run
 
 README = (ROOT / "README.md").read_text()
-BLOCK = re.search(r"<!-- readme-launch -->\n```bash\n(.*?)```", README, flags=re.S)
-COMMANDS = [line.split("  #")[0].strip() for line in (BLOCK.group(1) if BLOCK else "").splitlines() if line.strip()]
+BLOCKS = re.findall(r"<!-- readme-launch -->\n```bash\n(.*?)```", README, flags=re.S)  # Launching, Coming from Horovod
+COMMANDS = [line.split("  #")[0].strip() for block in BLOCKS for line in block.splitlines() if line.strip()]
 
 
 def _engine(cmd: str) -> str | None:
@@ -51,6 +51,11 @@ def test_readme_command(cmd: str) -> None:
         assert f"7/7 collectives correct on {n} process(es)" in proc.stdout, proc.describe()
     elif "groups.py" in cmd:
         assert f"groups: all checks correct on {n} process(es)" in proc.stdout, proc.describe()
+    elif "horovod_digits" in cmd:
+        m = re.search(r"horovod_digits: size=(\d) test accuracy ([\d.]+) max parameter difference across ranks (\S+)",
+                      proc.stdout)
+        assert m, proc.describe()
+        assert int(m.group(1)) == n and float(m.group(2)) >= 0.9 and float(m.group(3)) == 0.0, m.group(0)
     elif "train_digits" in cmd:
         m = re.search(r"backend=(\w+) ranks=(\d) final test accuracy ([\d.]+) .* max parameter difference across "
                       r"ranks (\S+)", proc.stdout)

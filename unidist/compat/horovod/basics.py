@@ -71,6 +71,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """
     if state.mgr is not None and state.mgr.started:
         return
+    if state.mgr is not None:  # a `with unidist.init()` block's Manager, since ended: forget its sets and handles
+        handles.reset()
+        ps_mod.reset()
+        state.mgr = None
     mpi_comm = _is_mpi_comm(comm)
     if comm is not None and not mpi_comm and not isinstance(comm, (list, tuple, range)):
         raise UnsupportedFeatureError(

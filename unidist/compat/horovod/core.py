@@ -143,8 +143,16 @@ def _check_names(comm: Any, call: str, name: str | None) -> None:
 def _adasum(comm: Any, tensors: list[torch.Tensor], process_set: ProcessSet) -> None:
     from unidist.compat.horovod import adasum
 
-    adasum.check_adasum(comm.size, process_set is global_process_set)  # type: ignore[attr-defined]
+    adasum.check_adasum(comm.size, process_set is global_process_set)
     adasum.adasum_(comm, tensors)
+
+
+def _adasum_set_first(op: int, process_set: ProcessSet) -> None:
+    """Horovod refuses Adasum on a non-global process set before anything else, on every rank (members or not)."""
+    if op == Adasum and process_set is not global_process_set:
+        from unidist.compat.horovod import adasum
+
+        adasum.check_adasum(2, False)
 
 
 # --------------------------------------------------------------------------------------------- starts
@@ -172,6 +180,7 @@ def _adasum_one(comm: Any, buf: torch.Tensor, post: float, process_set: ProcessS
 
 def allreduce_start(tensor: Any, inplace: bool, op: int, prescale: float, postscale: float,
                     process_set: ProcessSet, name: str | None) -> Pending:
+    _adasum_set_first(op, process_set)
     comm, buf = _allreduce_prepare(tensor, inplace, prescale, process_set, name)
     if op == Adasum:
         _adasum_one(comm, buf, postscale, process_set)
@@ -204,6 +213,7 @@ def allreduce_now(tensor: Any, inplace: bool, op: int, prescale: float, postscal
 
 def grouped_allreduce_start(tensors: Sequence[Any], inplace: bool, op: int, prescale: float,
                             postscale: float, process_set: ProcessSet, name: str | None) -> Pending:
+    _adasum_set_first(op, process_set)
     comm = comm_of(process_set, "Allreduce")
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise InvalidArgumentError("grouped ops take a non-empty list of tensors")

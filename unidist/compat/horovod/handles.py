@@ -39,6 +39,7 @@ def register(start: Callable[..., Pending], *args: Any) -> int:
     name = args[-1]
     claim(name)
     pending = start(*args)
+    pending.name = name  # eager starts (grouped, alltoall, Adasum) make theirs without one: free it at synchronize
     handle = _next[0]
     _next[0] += 1
     _handles[handle] = pending

@@ -81,7 +81,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
                  compression: type[Compressor], backward_passes_per_step: int, op: int,
                  gradient_predivide_factor: float, groups: int | list[list[torch.Tensor]] | None,
                  sparse_as_dense: bool, process_set: ProcessSet) -> None:
-        super().__init__(params)  # type: ignore[call-arg]  (the user's optimizer class: its own defaults)
+        super().__init__(params)  # type: ignore[call-arg]  # the user's optimizer class: its own defaults
         if named_parameters is not None:
             named = list(named_parameters)
         else:

@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from unidist.compat.horovod.state import manager
+from unidist.compat.horovod.state import manager, state
 from unidist.errors import InvalidArgumentError
 
 __all__ = ["NotInProcessSetError", "ProcessSet", "add_process_set", "comm_of", "global_process_set",
@@ -92,8 +92,8 @@ def comm_of(process_set: ProcessSet, call: str = "Allreduce") -> Any:
     Raises Horovod's ValueErrors: not initialized, an unregistered set, or this rank not a member.
     """
     comm = process_set._comm
-    if comm is not None and process_set.process_set_id is not None:
-        return comm
+    if comm is not None and process_set.process_set_id is not None and state.mgr is not None and state.mgr.started:
+        return comm  # (a `with unidist.init()` block's Manager may have ended without hvd.shutdown())
     mgr = manager()
     if process_set.process_set_id is None or process_set.process_set_id not in _registered:
         raise InvalidArgumentError("Process set does not exist or has not been registered.")
