@@ -180,7 +180,10 @@ def _unknown(c: Any) -> list[Any]:
     return [c.hvd.synchronize(987654), c.capture(lambda: c.hvd.poll(987654))]
 
 
-@case("names/in-flight-duplicate", lambda r, n: [Err("ValueError"), reduce("nd", range(n), (2,), "float32", "avg")])
+# Real Horovod refuses the second name only while the first op is still queued on that rank: measured, rank 1
+# sometimes finds it done already (a race); here a name is held until synchronize(), so the refusal is certain.
+@case("names/in-flight-duplicate", lambda r, n: [Err("ValueError"), reduce("nd", range(n), (2,), "float32", "avg")],
+      horovod=False)
 def _dup_name(c: Any) -> list[Any]:
     h = c.hvd.allreduce_async(c.t("nd", (2,)), name="same")
     err = c.capture(lambda: c.hvd.allreduce_async(c.t("nd", (2,)), name="same"))
