@@ -7,7 +7,10 @@ the passes in between add up locally and are not divided by the pass count, as i
 ``synchronize()``s: it starts what has not started (a parameter with no gradient sends zeros), waits, and writes
 the results into ``p.grad``. ``op=Average`` sums ``grad / gradient_predivide_factor`` and multiplies by
 ``gradient_predivide_factor / size``, in Horovod's order; ``compression=hvd.Compression.fp16`` reduces a float16
-copy. ``groups``/``num_groups`` reduce several gradients in one grouped call, as Horovod's explicit groups.
+copy. Gradients are fused as Horovod's tensor fusion does it: consecutive parameters of one dtype, up to
+``UNIDIST_BUCKET_MB`` (25) MiB, travel as one flat allreduce when all of them are ready (the sums are
+elementwise, so fusion changes no result; it turns ~1 ms per gradient on gloo into ~1 ms per bucket).
+``groups``/``num_groups`` instead reduce their lists in one grouped call each, as Horovod's explicit groups.
 
 One difference in mechanics, none in results: Horovod matches operations across ranks by name, in whatever
 order ranks start them; unidist's engines match them by order. So reductions start in one fixed order on every
@@ -29,43 +32,53 @@ from typing import Any
 import torch
 
 from unidist.compat.horovod import ops
-from unidist.compat.horovod.basics import size
+from unidist.compat.horovod.basics import manager, size
 from unidist.compat.horovod.compression import Compression, Compressor
 from unidist.compat.horovod.exceptions import OptimizerProtocolError
 from unidist.compat.horovod.process_sets import ProcessSet, global_process_set
 from unidist.compat.horovod.protocol import TOO_MANY_PASSES, ZERO_GRAD_MID_STEP, check_named_parameters
 from unidist.errors import InvalidArgumentError
-from unidist.train.gradcore import InOrder
+from unidist.train.gradcore import InOrder, pack
 
 __all__ = ["DistributedOptimizer"]
 
 
 class _Slot:
-    """Gradients reduced by one call (one parameter, or one of Horovod's explicit groups), in launch order."""
+    """Gradients reduced by one call, in launch order: a fusion bucket (one flat allreduce, as Horovod's tensor
+    fusion buffer) or one of Horovod's explicit groups (one grouped allreduce)."""
 
-    __slots__ = ("ctxs", "handle", "opt", "params", "ready")
+    __slots__ = ("ctxs", "fused", "handle", "opt", "params", "ready")
 
-    def __init__(self, opt: _HorovodOptimizer, params: list[torch.nn.Parameter]) -> None:
-        self.opt, self.params = opt, params
+    def __init__(self, opt: _HorovodOptimizer, params: list[torch.nn.Parameter], fused: bool) -> None:
+        self.opt, self.params, self.fused = opt, params, fused
         self.ready: set[int] = set()
         self.handle: int | None = None
         self.ctxs: list[Any] = []
 
     def finish(self) -> None:
-        """Wait for the reduction and set each parameter's gradient to its (decompressed) result."""
+        """Wait for the reduction and write each parameter's (decompressed) result into its gradient."""
         if self.handle is None:
             return
         out = ops.synchronize(self.handle)
-        outputs = out if isinstance(out, (list, tuple)) else [out]
         self.handle = None
+        if self.fused:
+            outputs, offset = [], 0
+            for p in self.params:
+                outputs.append(out[offset:offset + p.numel()].view(p.shape))
+                offset += p.numel()
+        else:
+            outputs = list(out)
         compression = self.opt._hvd_compression
         for p, result, ctx in zip(self.params, outputs, self.ctxs, strict=True):
             reduced = compression.decompress(result, ctx)
             grad = p.grad
-            if grad is not None and grad.is_sparse:
+            if grad is None:
+                continue
+            if grad.is_sparse:
                 grad.zero_().add_(reduced if reduced.is_sparse else reduced.to_sparse())
-            elif grad is not None and reduced is not grad:
-                grad.set_(reduced)  # type: ignore[call-overload]
+            elif reduced.data_ptr() != grad.data_ptr():  # (a lone gradient was reduced where it lies)
+                with torch.no_grad():
+                    grad.copy_(reduced)
         self.ctxs = []
 
 
@@ -122,10 +135,11 @@ class _HorovodOptimizer(torch.optim.Optimizer):
                 parts = [g for g in listed if g] + [[p] for p in params if id(p) not in seen]
             else:
                 parts = [part for part in _split(params, groups) if part]
-        else:
-            parts = [[p] for p in params]
+        else:  # fusion buckets of UNIDIST_BUCKET_MB, in reverse order (what backward produces first)
+            parts = list(reversed(pack(params, manager().config.bucket_mb * 2**20,
+                                       lambda p: (p.dtype, p.device))))
         for part in reversed(parts):  # backward produces the last layers' gradients first
-            self._hvd_order.add(_Slot(self, part))
+            self._hvd_order.add(_Slot(self, part, fused=groups is None))
         for p in params:
             self._hvd_delay[id(p)] = self.backward_passes_per_step
             self._hvd_hooks.append(p.register_post_accumulate_grad_hook(self._hvd_hook))  # type: ignore[no-untyped-call]
@@ -151,14 +165,15 @@ class _HorovodOptimizer(torch.optim.Optimizer):
             tensors.append(compressed)
             slot.ctxs.append(ctx)
         name = self._hvd_names[id(slot.params[0])]
-        if len(slot.params) > 1:
+        if not slot.fused:  # Horovod's explicit groups: one grouped call, without the predivide split
             slot.handle = ops.grouped_allreduce_async_(tensors, name=name, op=self.op, process_set=self.process_set)
             return
         pre = post = 1.0
         if self.op == ops.Average:  # the average split around the sum; the backend adds 1/size after it
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        slot.handle = ops.allreduce_async_(tensors[0], name=name, op=self.op, prescale_factor=pre,
-                                           postscale_factor=post, process_set=self.process_set)
+        flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+        slot.handle = ops.allreduce_async_(flat, name=name, op=self.op, prescale_factor=pre, postscale_factor=post,
+                                           process_set=self.process_set)
 
     # ------------------------------------------------------------------ Horovod's optimizer protocol
     def synchronize(self) -> None:
