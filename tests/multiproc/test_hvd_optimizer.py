@@ -43,6 +43,8 @@ def check(reports: list[dict], size: int) -> None:
         refused = "True" if size > 1 else "none"
         assert p["zero_grad_mid_step"] == refused and p["too_many_passes"] == refused, p
         assert p["dup_names"] == p["bad_k"] == p["predivide_sum"] == "ValueError", p
+        total = sum(1 + r for r in range(size))  # every rank's a-gradient is 1+rank, its b-gradient ten times that
+        assert p["swapped_order_grads"] == str([[float(total)] * 3, [float(10 * total)] * 3]), p
 
 
 @pytest.mark.parametrize("launch_id", [pytest.param(i, marks=MARKS[LAUNCHES[i].backend]) for i in IDS])

@@ -156,6 +156,14 @@ def protocol_errors(hvd: Any) -> dict[str, str]:
         except ValueError as e:
             out[name] = "ValueError"
             out[name + "_message"] = str(e)[:60]
+    # param_groups in another order on another rank (built from a set, say): Horovod pairs by name, and so must we
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    named = [("a", a), ("b", b)] if hvd.rank() % 2 == 0 else [("b", b), ("a", a)]
+    swapped = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=1.0), named_parameters=named,
+                                       op=hvd.Sum)
+    (a.sum() * (1 + hvd.rank()) + b.sum() * 10 * (1 + hvd.rank())).backward()
+    swapped.synchronize()
+    out["swapped_order_grads"] = str([a.grad.tolist(), b.grad.tolist()])  # type: ignore[union-attr]
     adam_model = make_model()
     adam = torch.optim.Adam(adam_model.parameters(), lr=1e-2)
     hvd.broadcast_optimizer_state(adam, root_rank=0)

@@ -36,6 +36,11 @@ class Communicator(Collectives):
         return self._engine
 
     @property
+    def checks_collectives(self) -> bool:
+        """Whether calls are compared across ranks before they run (UNIDIST_CHECK_COLLECTIVES, 2+ ranks)."""
+        return self._checked
+
+    @property
     def rank(self) -> int:
         """This process's rank in this communicator."""
         self._need_started()

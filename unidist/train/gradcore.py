@@ -162,6 +162,12 @@ class InOrder(Generic[S]):
             self._launch(self.slots[self._next])
             self._next += 1
 
+    def reset(self) -> None:
+        """Forget a step in progress (nothing launched, nothing ready): the owner drops its slots' collectives."""
+        self._next = 0
+        for slot in self.slots:
+            slot.ready.clear()
+
     def drain(self) -> None:
         """Launch the slots not launched yet (missing gradients count as zeros), then finish all in order."""
         while self._next < len(self.slots):

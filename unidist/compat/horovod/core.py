@@ -132,7 +132,7 @@ def _engine_op(op: int) -> ReduceOp:
 def _check_names(comm: Any, call: str, name: str | None) -> None:
     """Under UNIDIST_CHECK_COLLECTIVES, ranks compare a named call's name (one object allgather): Horovod
     matches calls by name, unidist by order, so a mismatch would otherwise reduce unrelated tensors."""
-    if name is None or not getattr(comm, "_checked", False):
+    if name is None or not comm.checks_collectives:
         return
     names = comm.allgather_object(str(name))
     if any(n != names[0] for n in names):

@@ -53,7 +53,7 @@ __all__ = [
     "grouped_reducescatter_async", "join", "poll", "reducescatter", "reducescatter_async", "synchronize",
 ]
 
-_NONE = getattr(Compression, "none", None)  # Horovod's default; None until compression.py defines it
+_NONE = Compression.none  # Horovod's default
 _JOIN_TAG = 32001
 
 

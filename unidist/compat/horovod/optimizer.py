@@ -14,9 +14,10 @@ elementwise, so fusion changes no result; it turns ~1 ms per gradient on gloo in
 
 One difference in mechanics, none in results: Horovod matches operations across ranks by name, in whatever
 order ranks start them; unidist's engines match them by order. So reductions start in one fixed order on every
-rank (the parameters' reverse registration order, the order backward usually produces them): a gradient ready
-early waits until those before it are started. A parameter that gets no gradient on some rank can therefore not
-reorder anything.
+rank: rank 0's parameter order (names exchanged once, when the optimizer is made), last parameters first (the
+order backward usually produces them); a gradient ready early waits until those before it are started. Neither a
+parameter that gets no gradient on some rank nor param_groups listed in another order on another rank can
+reorder anything; ranks naming different parameters get a CollectiveMismatchError.
 
 Sparse gradients are reduced dense and made sparse again (Horovod allgathers indices and values; the sums are
 the same). ``op=hvd.Adasum`` on more than one rank is Horovod's delta optimizer (``adasum_optimizer.py``).
@@ -35,9 +36,9 @@ from unidist.compat.horovod import ops
 from unidist.compat.horovod.basics import manager, size
 from unidist.compat.horovod.compression import Compression, Compressor
 from unidist.compat.horovod.exceptions import OptimizerProtocolError
-from unidist.compat.horovod.process_sets import ProcessSet, global_process_set
+from unidist.compat.horovod.process_sets import ProcessSet, comm_of, global_process_set
 from unidist.compat.horovod.protocol import TOO_MANY_PASSES, ZERO_GRAD_MID_STEP, check_named_parameters
-from unidist.errors import InvalidArgumentError
+from unidist.errors import CollectiveMismatchError, InvalidArgumentError, NotInitializedError
 from unidist.train.gradcore import InOrder, pack
 
 __all__ = ["DistributedOptimizer"]
@@ -47,13 +48,14 @@ class _Slot:
     """Gradients reduced by one call, in launch order: a fusion bucket (one flat allreduce, as Horovod's tensor
     fusion buffer) or one of Horovod's explicit groups (one grouped allreduce)."""
 
-    __slots__ = ("ctxs", "fused", "handle", "opt", "params", "ready")
+    __slots__ = ("ctxs", "fused", "handle", "opt", "params", "ready", "shapes")
 
     def __init__(self, opt: _HorovodOptimizer, params: list[torch.nn.Parameter], fused: bool) -> None:
         self.opt, self.params, self.fused = opt, params, fused
         self.ready: set[int] = set()
         self.handle: int | None = None
         self.ctxs: list[Any] = []
+        self.shapes: list[torch.Size] = []  # the compressed tensors' shapes (a compressor may change them)
 
     def finish(self) -> None:
         """Wait for the reduction and write each parameter's (decompressed) result into its gradient."""
@@ -61,11 +63,15 @@ class _Slot:
             return
         out = ops.synchronize(self.handle)
         self.handle = None
+        if out is None:
+            raise NotInitializedError("DistributedOptimizer: a gradient reduction was dropped mid-step (hvd.shutdown()"
+                                      " or hvd.init() between backward() and step()); run backward() again")
         if self.fused:
             outputs, offset = [], 0
-            for p in self.params:
-                outputs.append(out[offset:offset + p.numel()].view(p.shape))
-                offset += p.numel()
+            for shape in self.shapes:
+                n = shape.numel()
+                outputs.append(out[offset:offset + n].view(shape))
+                offset += n
         else:
             outputs = list(out)
         compression = self.opt._hvd_compression
@@ -79,7 +85,11 @@ class _Slot:
             elif reduced.data_ptr() != grad.data_ptr():  # (a lone gradient was reduced where it lies)
                 with torch.no_grad():
                     grad.copy_(reduced)
-        self.ctxs = []
+        self.ctxs, self.shapes = [], []
+
+    def drop(self) -> None:
+        """Forget this step's reduction (load_state_dict mid-step)."""
+        self.handle, self.ctxs, self.shapes = None, [], []
 
 
 def _split(items: list[Any], n: int) -> list[list[Any]]:
@@ -121,28 +131,39 @@ class _HorovodOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ hooks and launches
     def _hvd_register(self, groups: int | list[list[torch.Tensor]] | None) -> None:
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        if groups is not None:
-            # every rank forms the same groups from rank 0's parameter order, as Horovod
-            from unidist.compat.horovod.functions import broadcast_object
-
-            order = broadcast_object([self._hvd_names[id(p)] for p in params], root_rank=0,
-                                     process_set=self.process_set)
-            position = {name: i for i, name in enumerate(order)}
-            params.sort(key=lambda p: position[self._hvd_names[id(p)]])
+        params = self._rank0_order(params)
+        if groups is None:  # fusion buckets of UNIDIST_BUCKET_MB, last parameters first (what backward produces first)
+            slots = [_Slot(self, part, fused=True)
+                     for part in pack(params, manager().config.bucket_mb * 2**20, lambda p: (p.dtype, p.device))]
+        else:
             if isinstance(groups, list):
-                listed = [[p for p in group if any(p is q for q in params)] for group in groups]
+                mine = {id(p): p for p in params}
+                listed = [[mine[id(p)] for p in group if id(p) in mine] for group in groups]
                 seen = {id(p) for group in listed for p in group}
                 parts = [g for g in listed if g] + [[p] for p in params if id(p) not in seen]
             else:
                 parts = [part for part in _split(params, groups) if part]
-        else:  # fusion buckets of UNIDIST_BUCKET_MB, in reverse order (what backward produces first)
-            parts = list(reversed(pack(params, manager().config.bucket_mb * 2**20,
-                                       lambda p: (p.dtype, p.device))))
-        for part in reversed(parts):  # backward produces the last layers' gradients first
-            self._hvd_order.add(_Slot(self, part, fused=groups is None))
+            slots = [_Slot(self, part, fused=False) for part in reversed(parts)]
+        for slot in slots:
+            self._hvd_order.add(slot)
         for p in params:
             self._hvd_delay[id(p)] = self.backward_passes_per_step
             self._hvd_hooks.append(p.register_post_accumulate_grad_hook(self._hvd_hook))  # type: ignore[no-untyped-call]
+
+    def _rank0_order(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """``params`` in rank 0's order of their names, on every rank. Horovod pairs reductions by name; here
+        buckets and launches follow one order, so a rank whose param_groups list them otherwise (built from a
+        set, say) still reduces each gradient with its namesakes. Ranks naming different parameters: an error
+        on every rank."""
+        names = [self._hvd_names[id(p)] for p in params]
+        lists = comm_of(self.process_set).allgather_object(names)
+        for r, theirs in enumerate(lists):
+            if sorted(theirs) != sorted(lists[0]):
+                only = sorted(set(theirs) ^ set(lists[0]))[:5]
+                raise CollectiveMismatchError(f"DistributedOptimizer: rank {r} names other parameters than rank 0 "
+                                              f"(differing: {only}); every rank must wrap the same model's parameters")
+        position = {name: i for i, name in enumerate(lists[0])}
+        return sorted(params, key=lambda p: position[self._hvd_names[id(p)]])
 
     def _hvd_hook(self, p: torch.Tensor) -> None:
         delay = self._hvd_delay[id(p)]
@@ -164,6 +185,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
             compressed, ctx = self._hvd_compression.compress(tensor)
             tensors.append(compressed)
             slot.ctxs.append(ctx)
+            slot.shapes.append(compressed.shape)
         name = self._hvd_names[id(slot.params[0])]
         if not slot.fused:  # Horovod's explicit groups: one grouped call, without the predivide split
             slot.handle = ops.grouped_allreduce_async_(tensors, name=name, op=self.op, process_set=self.process_set)
@@ -222,6 +244,10 @@ class _HorovodOptimizer(torch.optim.Optimizer):
             self._hvd_delay[p_id] = passes
 
     def load_state_dict(self, state_dict: Any) -> None:
+        """As Horovod: a step in progress is forgotten (its reductions dropped), then the state is loaded."""
+        self._hvd_order.reset()
+        for slot in self._hvd_order.slots:
+            slot.drop()
         self._hvd_touched = self._hvd_synchronized = False
         self._hvd_should_synchronize = True
         self.set_backward_passes_per_step(self.backward_passes_per_step)
@@ -271,7 +297,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802  (Horov
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step <= 0:
         raise InvalidArgumentError("backward_passes_per_step must be > 0")
     if op not in (ops.Average, ops.Sum, ops.Adasum, ops.Min, ops.Max, ops.Product):
-        raise InvalidArgumentError(f"op={op!r} is not one of hvd.Average, hvd.Sum, hvd.Adasum")
+        raise InvalidArgumentError(f"op={op!r} is not one of hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, "
+                                   "hvd.Product")
     if op == ops.Adasum and size() > 1:
         from unidist.compat.horovod.adasum_optimizer import adasum_optimizer
 

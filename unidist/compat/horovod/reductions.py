@@ -25,7 +25,7 @@ __all__ = [
     "grouped_allreduce_async", "grouped_allreduce_async_",
 ]
 
-_NONE = getattr(Compression, "none", None)  # Horovod's default; None until compression.py defines it
+_NONE = Compression.none  # Horovod's default
 
 
 # -------------------------------------------------------------------------------------------- allreduce
