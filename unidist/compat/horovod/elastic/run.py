@@ -78,7 +78,7 @@ def _start(state: State, store: CommitStore, mgr: Any) -> None:
     if path is None:
         state.sync()
     else:
-        state._read_commit(store, path)
+        state.resume_from(store, path)
         if mgr.rank == 0:
             print(f"hvd.elastic: attempt {mgr.launch.attempt}: resuming from {_commit_name(store)}",
                   file=sys.stderr, flush=True)
@@ -106,7 +106,7 @@ def run(func: F) -> F:
         _refuse_horovod_driver()
         mgr = unidist.get_manager()
         store = CommitStore.open(mgr)
-        state._store = store
+        state.attach_store(store)
         try:
             _start(state, store, mgr)
             skip_sync = True  # _start synced
@@ -131,6 +131,6 @@ def run(func: F) -> F:
             store.remove()
             return result
         finally:
-            state._store = None
+            state.attach_store(None)
 
     return wrapper  # type: ignore[return-value]

@@ -139,7 +139,12 @@ class State:
         model, optimizer, objects = self._durable()
         store.write(model, optimizer, objects)
 
-    def _read_commit(self, store: CommitStore, path: Any) -> dict[str, Any]:
+    def attach_store(self, store: CommitStore | None) -> None:
+        """Where ``commit()`` writes durably (``hvd.elastic.run`` attaches its store while it runs; None detaches)."""
+        self._store = store
+
+    def resume_from(self, store: CommitStore, path: Any) -> dict[str, Any]:
+        """Load the commit at ``path`` into this state's model, optimizer and objects; returns the objects."""
         model, optimizer, _ = self._durable()
         objects = store.read(path, model, optimizer)
         self._load_durable(objects)
