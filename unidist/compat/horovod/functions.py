@@ -34,7 +34,7 @@ __all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", 
 
 def _dumps(obj: Any) -> bytes:
     try:
-        import cloudpickle  # type: ignore[import-untyped]
+        import cloudpickle  # type: ignore[import-untyped, import-not-found, unused-ignore]  # optional, untyped
     except ImportError:
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     buf = io.BytesIO()
