@@ -16,7 +16,7 @@ from helpers import LAUNCHES, MARKS, WORKERS, horovodrun, require, run
 from hvd_optimizer_compat import CASES, reference  # tests/workers
 
 WORKER = str(WORKERS / "hvd_optimizer_compat.py")
-IDS = ("local-1", "mpiexec-2", "mpiexec-3", "torchrun-2", "deepspeed-2", "horovodrun-gloo-2",
+IDS = ("local-1", "mpiexec-2", "torchrun-2", "deepspeed-2", "horovodrun-gloo-2",
        "horovod-under-mpiexec-2")
 
 
