@@ -413,19 +413,33 @@ class Collectives(abc.ABC):
                 rank then sends x.shape[0] / size() rows to each (``all_to_all_single``'s even case) and no row
                 counts are exchanged.
         """
+        if out is None:
+            return self.alltoall_splits(x, splits)[0]
+        t, _ = self._input(x)
+        if t.dim() == 0:
+            raise InvalidArgumentError("alltoall needs at least one dimension to split")
+        n = t.shape[0]
+        if splits is not None or n % self._size:
+            raise InvalidArgumentError(f"alltoall(out=...) needs the default splits and x.shape[0]={n} "
+                                       f"divisible by size()={self._size}; pass splits without out instead")
+        o = out_tensor(out, t, n, "alltoall")
+        self._signature("alltoall", t)  # sizes compared too: they must be equal
+        counts = [t.numel() // self._size] * self._size
+        self._alltoall(self._wired(t), self._wired(o), counts, counts)
+        return out
+
+    def alltoall_splits(self, x: Array, splits: Sequence[int] | None = None) -> tuple[Array, list[int]]:
+        """``alltoall(x, splits)`` and the rows each rank sent here (Horovod's received splits): the row counts
+        travel in any case, so this costs nothing more.
+
+        Args:
+            x: the rows to send.
+            splits: rows for each rank (default: numpy.array_split sizes).
+        """
         t, as_np = self._input(x)
         if t.dim() == 0:
             raise InvalidArgumentError("alltoall needs at least one dimension to split")
         n = t.shape[0]
-        if out is not None:
-            if splits is not None or n % self._size:
-                raise InvalidArgumentError(f"alltoall(out=...) needs the default splits and x.shape[0]={n} "
-                                           f"divisible by size()={self._size}; pass splits without out instead")
-            o = out_tensor(out, t, n, "alltoall")
-            self._signature("alltoall", t)  # sizes compared too: they must be equal
-            counts = [t.numel() // self._size] * self._size
-            self._alltoall(self._wired(t), self._wired(o), counts, counts)
-            return out
         if splits is None:
             send_rows = split_sizes(n, self._size)
         else:
@@ -443,4 +457,4 @@ class Collectives(abc.ABC):
         row = row_numel(t)
         got = rows_like(t, sum(recv_rows))
         self._alltoall(self._wired(t), self._wired(got), [r * row for r in send_rows], [r * row for r in recv_rows])
-        return self._output(got, as_np)  # type: ignore[no-any-return]
+        return self._output(got, as_np), recv_rows

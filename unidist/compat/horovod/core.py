@@ -304,11 +304,9 @@ def alltoall_start(tensor: Any, splits: Any, process_set: ProcessSet, name: str 
     _check_names(comm, "alltoall", name)
     total = sum(counts)
     send = tensor if total == tensor.shape[0] else tensor[:total]
-    ones = [1] * comm.size
-    received = comm.alltoall(torch.tensor(counts, dtype=torch.int64), splits=ones)
-    output = comm.alltoall(send, splits=counts)
+    output, received = comm.alltoall_splits(send, counts)  # the row counts travel with it: no exchange of our own
     device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
-    return _done((output, received.to(device=device, dtype=torch.int32)))
+    return _done((output, torch.tensor(received, dtype=torch.int32, device=device)))
 
 
 def reducescatter_start(tensor: Any, op: int, prescale: float, postscale: float, process_set: ProcessSet,
