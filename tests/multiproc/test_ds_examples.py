@@ -1,0 +1,267 @@
+"""DeepSpeedExamples' cifar10_deepspeed.py, with only its import lines changed, gives real DeepSpeed's weights.
+
+tests/data/deepspeed_examples/ holds upstream's script (deepspeedai/DeepSpeedExamples@45b4b71), adapted only where
+this machine forces it (README.md there lists every change), and harness.py, which runs it once per case inside
+one process per launch. A case is ``<ZeRO stage>-<optimizer>-<gradient clipping>`` (SGD lr 1e-5, Adam lr 1e-4,
+fp32, one epoch of 24 steps). The reference is the UNMODIFIED data script under REAL DeepSpeed (``deepspeed
+--num_gpus 2``, DS_ACCELERATOR=cpu), every case in one launch; the compat copy differs from it by its three import
+lines (``deepspeed`` -> ``unidist.compat.deepspeed``, replaced textually, each exactly once). Every rank's final
+weights and every step's loss must match the reference rank by rank: SGD 1e-5, Adam 1e-4 (max |difference|).
+Under plain python (one rank) the script's DistributedSampler covers the whole set, so each step's batch is the
+union of the two reference ranks' micro batches: its loss is compared with their mean, its weights with theirs.
+
+The chain is split by environment, as test_hvd_examples.py's: real DeepSpeed exists only in the deepspeed tox env
+and Horovod only in the horovod env.
+
+- deepspeed env: the reference against plain torch (the same math written out: test_reference_is_deepspeeds_
+  math), then compat under deepspeed-2, torchrun-2, mpiexec-2 and python against the reference. Each launch runs
+  four cases, every stage once, both optimizers, both clipping thresholds.
+- horovod env: compat under horovodrun-gloo-2 against compat under torchrun-2 for the cases torchrun-2 runs
+  against real DeepSpeed in the deepspeed env (both run unidist's own ZeRO on a gloo process group), so
+  horovodrun-2 == torchrun-2 == real DeepSpeed.
+
+The script's gradient_clipping of 1.0 never acts here: its small CNN at PyTorch's initialization has a global
+gradient norm of 0.2-0.5 on CIFAR-shaped data (measured on these data; per-sample norms are ~1.3, a 16-sample
+mean far less), so half the cases clip at 0.3 instead, where the plain-torch replay shows the threshold cut
+some steps and not others.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from helpers import LAUNCHES, MARKS, Launch, Run, require, run
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "deepspeed_examples"
+SCRIPT = "cifar10_deepspeed.py"
+SIBLINGS = ("cifar_data.py", "example_record.py", "harness.py")
+IMPORTS = {  # upstream's import line -> the compat copy's (each must occur exactly once)
+    "import deepspeed\n": "import unidist.compat.deepspeed as deepspeed\n",
+    "from deepspeed.accelerator import get_accelerator\n":
+        "from unidist.compat.deepspeed.accelerator import get_accelerator\n",
+    "from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer\n":
+        "from unidist.compat.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer\n",
+}
+TOLERANCE = {"SGD": 1e-5, "Adam": 1e-4}
+LR = {"SGD": 1e-5, "Adam": 1e-4}  # harness.LR
+STEPS, WARMUP, BATCH = 24, 8, 16  # cifar_data.TRAIN_SIZE / BATCH, harness.WARMUP_STEPS, the script's train_batch_size
+
+# every stage once per launch, both optimizers and both clipping thresholds in each
+A = ("0-SGD-1.0", "1-Adam-0.3", "2-SGD-0.3", "3-Adam-1.0")
+B = ("0-Adam-0.3", "1-SGD-1.0", "2-Adam-1.0", "3-SGD-0.3")
+DEEPSPEED_ENV = {"deepspeed-2": A, "torchrun-2": B, "mpiexec-2": A, "local-1": B}
+HOROVOD_ENV = {"horovodrun-gloo-2": B}  # against torchrun-2's B, which the deepspeed env checks against DeepSpeed
+
+
+@dataclass
+class Outcome:
+    """One launch: the process, each case's per-rank record (example_record: weights, steps) and the wall time."""
+
+    proc: Run
+    cases: dict[str, dict[int, dict[str, Any]]]
+    seconds: float
+
+    def ranks(self, case: str) -> dict[int, dict[str, Any]]:
+        assert self.proc.returncode == 0, self.proc.describe()
+        assert case in self.cases, f"case {case} left no record\n{self.proc.describe()}"
+        return self.cases[case]
+
+
+def _copy(tmp: Path, compat: bool) -> Path:
+    """The data script (the compat copy: its import lines replaced) with its siblings in a fresh directory."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    for name in SIBLINGS:
+        shutil.copy(EXAMPLES / name, tmp / name)
+    text = (EXAMPLES / SCRIPT).read_text()
+    if compat:
+        lines = text.splitlines(keepends=True)
+        for old, new in IMPORTS.items():
+            where = [i for i, line in enumerate(lines) if line == old]
+            if len(where) != 1:
+                raise AssertionError(f"{SCRIPT} must contain the line {old!r} exactly once")
+            lines[where[0]] = new
+        text = "".join(lines)
+        left = [line for line in text.splitlines() if line.startswith(("import deepspeed", "from deepspeed"))]
+        if left:
+            raise AssertionError(f"{SCRIPT} still imports real DeepSpeed after the replacement: {left}")
+    (tmp / SCRIPT).write_text(text)
+    return tmp / "harness.py"
+
+
+def launch_cases(tmp: Path, launch: Launch, cases: tuple[str, ...], compat: bool) -> Outcome:
+    """Run ``cases`` in one launch of the harness under ``launch`` (the deepspeed launcher's --local_rank=N goes
+    through the harness to the script, whose argparse takes it, as upstream runs it)."""
+    import torch
+
+    harness = _copy(tmp, compat)
+    out = tmp / "out"
+    start = time.monotonic()
+    proc = run(launch.command(str(harness), "--out", str(out), "--cases", ",".join(cases)), env=launch.env,
+               cwd=tmp, timeout=600)
+    seconds = time.monotonic() - start
+    records = {case: {r: torch.load(out / case / f"rank{r}.pt") for r in range(launch.size)
+                      if (out / case / f"rank{r}.pt").exists()} for case in cases}
+    return Outcome(proc, records, seconds)
+
+
+_REFERENCE: dict[str, Outcome] = {}
+
+
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    """The unmodified script under real DeepSpeed, every case the deepspeed env compares, in one launch."""
+    if "real" not in _REFERENCE:
+        cases = tuple(dict.fromkeys(case for group in DEEPSPEED_ENV.values() for case in group))
+        _REFERENCE["real"] = launch_cases(tmp_path_factory.mktemp("real-deepspeed"), LAUNCHES["deepspeed-2"],
+                                          cases, compat=False)
+    return _REFERENCE["real"]
+
+
+def _max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def compare(got: dict[int, dict[str, Any]], want: dict[int, dict[str, Any]], tol: float) -> tuple[float, float]:
+    """Assert a case's runs agree; return (max |dw|, max |dloss|). Equal sizes compare rank by rank; one rank
+    against N compares its loss with the mean of the N ranks' (each rank's loss is its micro batch's mean, all
+    micro batches the same size) and its weights with each rank's."""
+    assert sorted(want) == list(range(len(want))) and sorted(got) == list(range(len(got)))
+    dw = max(_max_diff(got[min(r, len(got) - 1)]["weights"], want[r]["weights"]) for r in want)
+    if len(got) == len(want):
+        pairs = [(s["loss"], t["loss"]) for r in got for s, t in zip(got[r]["steps"], want[r]["steps"], strict=True)]
+    else:
+        assert len(got) == 1, "compare one rank, or as many as the reference"
+        mean = [sum(want[r]["steps"][i]["loss"] for r in want) / len(want) for i in range(len(want[0]["steps"]))]
+        pairs = [(s["loss"], m) for s, m in zip(got[0]["steps"], mean, strict=True)]
+    assert len(pairs) == len(got) * STEPS, f"{len(pairs) // len(got)} steps recorded per rank, not {STEPS}"
+    dloss = max(abs(x - y) for x, y in pairs)
+    for r in got:  # the lr each step used: the same WarmupLR on every launcher
+        for s, t in zip(got[r]["steps"], want[min(r, len(want) - 1)]["steps"], strict=True):
+            assert s["lr"] == pytest.approx(t["lr"], rel=1e-12, abs=0), (r, s, t)
+    assert dw <= tol and dloss <= tol, f"max |dw| = {dw:.3g}, max |dloss| = {dloss:.3g} > {tol:g}"
+    return dw, dloss
+
+
+def _moved(record: dict[int, dict[str, Any]], tol: float) -> float:
+    """How far training moved the weights from the seeded start (must dwarf the tolerance)."""
+    start = _net()[1]
+    moved = _max_diff(record[0]["weights"], start)
+    assert moved > 10 * tol, f"the weights moved only {moved:.3g}: the comparison would be trivial"
+    return moved
+
+
+def _net() -> tuple[Any, dict[str, Any]]:
+    """The script's own Net class (its source, compiled here: the module imports DeepSpeed) and its start."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F  # noqa: N812
+
+    tree = ast.parse((EXAMPLES / SCRIPT).read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Net")
+    space: dict[str, Any] = {"nn": nn, "F": F, "torch": torch}
+    exec(compile(ast.Module([node], []), SCRIPT, "exec"), space)
+    torch.manual_seed(0)  # as the script seeds it (its marked line (4))
+    net = space["Net"](SimpleNamespace(moe=False))
+    return net, {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def replay(case: str) -> dict[str, Any]:
+    """The case in one process of plain torch: the global batches DistributedSampler(seed 0) deals the ranks,
+    torch's SGD/AdamW with the script's parameters (DeepSpeed's Adam with weight decay is AdamW), the global
+    gradient norm clipped as DeepSpeed clips it, and DeepSpeed's WarmupLR class stepped after each step."""
+    import sys
+
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import cifar_data
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    _, optimizer, clipping = case.split("-")
+    net, _ = _net()
+    t = cifar_data.transforms
+    data = cifar_data.CIFAR10("./data", train=True, transform=t.Compose([t.ToTensor(), t.Normalize((0.5,) * 3,
+                                                                                                  (0.5,) * 3)]))
+    lr = LR[optimizer]
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9) if optimizer == "SGD" else \
+        torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.8, 0.999), eps=1e-8, weight_decay=3e-7)
+    sched = WarmupLR(opt, warmup_min_lr=0, warmup_max_lr=lr, warmup_num_steps=WARMUP)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
+    losses, norms, lrs = [], [], []
+    for i in range(STEPS):
+        batch = [data[j] for j in order[i * BATCH:(i + 1) * BATCH]]
+        x, y = torch.stack([b[0] for b in batch]), torch.tensor([b[1] for b in batch])
+        loss = F.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), float(clipping))))
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        lrs.append(opt.param_groups[0]["lr"])  # what the engine's get_lr() reports after its step
+    return {"weights": {k: v.detach().clone() for k, v in net.state_dict().items()},
+            "steps": [{"loss": x, "lr": r} for x, r in zip(losses, lrs, strict=True)], "norms": norms}
+
+
+@MARKS["deepspeed"]
+def test_reference_is_deepspeeds_math(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Real DeepSpeed's run of each case equals the plain-torch replay (so the reference is the math the compat
+    layer must give, and not, say, a run where the lr stayed 0), DeepSpeed's reported global gradient norms
+    (ZeRO stages >= 1; stage 0 reports None in fp32) equal the replay's, and clipping at 0.3 acted on some
+    steps but not all."""
+    require("deepspeed")
+    real = reference(tmp_path_factory)
+    assert real.proc.returncode == 0, real.proc.describe()
+    print(f"\nreal DeepSpeed, {len(real.cases)} cases in one deepspeed-2 launch: {real.seconds:.1f} s")
+    for case in real.cases:
+        want, got = replay(case), real.ranks(case)
+        tol = TOLERANCE[case.split("-")[1]]
+        dw, dloss = compare({0: want}, got, tol)
+        reported = [s["grad_norm"] for s in got[0]["steps"]]
+        if case.startswith("0-"):
+            assert reported == [None] * STEPS
+        else:
+            assert max(abs(a - b) for a, b in zip(reported, want["norms"], strict=True)) < 1e-5, (reported, want)
+        clipping = float(case.split("-")[2])
+        clipped = sum(n > clipping for n in want["norms"])
+        assert (0 < clipped < STEPS) if clipping < 1 else clipped == 0, (case, want["norms"])
+        print(f"{case}: replay vs real DeepSpeed max|dw|={dw:.3g} max|dloss|={dloss:.3g}, clipped "
+              f"{clipped}/{STEPS} steps, moved {_moved(got, tol):.3g}")
+
+
+@pytest.mark.parametrize("launch_id", [pytest.param(k, marks=MARKS["deepspeed"], id=k) for k in DEEPSPEED_ENV])
+def test_compat_equals_real_deepspeed(launch_id: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    launch, cases = LAUNCHES[launch_id], DEEPSPEED_ENV[launch_id]
+    require("deepspeed", *launch.engines)
+    real = reference(tmp_path_factory)
+    got = launch_cases(tmp_path_factory.mktemp(f"compat-{launch_id}"), launch, cases, compat=True)
+    print(f"\ncompat under {launch_id}: {got.seconds:.1f} s for {len(cases)} cases (reference {real.seconds:.1f} s)")
+    for case in cases:
+        tol = TOLERANCE[case.split("-")[1]]
+        dw, dloss = compare(got.ranks(case), real.ranks(case), tol)
+        print(f"{launch_id} {case} vs real DeepSpeed: max|dw|={dw:.3g} max|dloss|={dloss:.3g} "
+              f"(moved {_moved(got.ranks(case), tol):.3g})")
+
+
+@pytest.mark.parametrize("launch_id", [pytest.param(k, marks=MARKS["horovod"], id=k) for k in HOROVOD_ENV])
+def test_compat_under_horovodrun_equals_torchrun(launch_id: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    launch, cases = LAUNCHES[launch_id], HOROVOD_ENV[launch_id]
+    require(*launch.engines)
+    want = launch_cases(tmp_path_factory.mktemp("compat-torchrun-2"), LAUNCHES["torchrun-2"], cases, compat=True)
+    got = launch_cases(tmp_path_factory.mktemp(f"compat-{launch_id}"), launch, cases, compat=True)
+    print(f"\ncompat under {launch_id}: {got.seconds:.1f} s, under torchrun-2: {want.seconds:.1f} s")
+    for case in cases:
+        tol = TOLERANCE[case.split("-")[1]]
+        dw, dloss = compare(got.ranks(case), want.ranks(case), tol)
+        print(f"{launch_id} {case} vs compat under torchrun-2: max|dw|={dw:.3g} max|dloss|={dloss:.3g} "
+              f"(moved {_moved(got.ranks(case), tol):.3g})")
