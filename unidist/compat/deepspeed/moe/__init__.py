@@ -1,0 +1,1 @@
+"""TEMPORARY minimal stand-in (the lead's bootstrap); helper DIST's moe replaces it."""
