@@ -49,6 +49,6 @@ def __getattr__(name: str) -> Any:
     """``deepspeed.comm``, ``deepspeed.accelerator`` ... as attributes, imported when first used."""
     import importlib
 
-    if name in ("comm", "accelerator", "moe", "pipe", "runtime", "utils", "ops"):
+    if name in ("comm", "accelerator", "moe", "pipe", "runtime", "utils", "ops", "zero"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -86,6 +86,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         loader = DeepSpeedDataLoader(mgr, training_data, cfg.train_micro_batch_size_per_gpu, collate_fn,
                                      cfg.dataloader_drop_last)
     engine = DeepSpeedEngine(mgr, cfg, prepared, prepared_opt, scheduler, loader)
+    state.register_engine(engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -8,17 +8,19 @@ uses the Manager of an enclosing ``with unidist.init()`` block, or starts the on
 from __future__ import annotations
 
 import atexit
+import weakref
 from typing import Any
 
-__all__ = ["manager", "running"]
+__all__ = ["engine_of", "manager", "register_engine", "running"]
 
 
 class _State:
-    __slots__ = ("atexit_registered", "mgr")
+    __slots__ = ("atexit_registered", "engines", "mgr")
 
     def __init__(self) -> None:
         self.mgr: Any = None
         self.atexit_registered = False
+        self.engines: weakref.WeakSet[Any] = weakref.WeakSet()  # the engines initialize made (deepspeed.zero)
 
 
 _state = _State()
@@ -55,3 +57,17 @@ def _at_exit() -> None:
     mgr, _state.mgr = _state.mgr, None
     if mgr is not None and mgr.started:
         mgr.shutdown()
+
+
+def register_engine(engine: Any) -> None:
+    """Remember an engine ``initialize`` made, so ``deepspeed.zero.GatheredParameters(params)`` finds its module."""
+    _state.engines.add(engine)
+
+
+def engine_of(params: list[Any]) -> Any:
+    """The live engine whose module holds any of ``params``, or None."""
+    ids = {id(p) for p in params}
+    for engine in list(_state.engines):
+        if any(id(p) in ids for p in engine.module.parameters()):
+            return engine
+    return None
