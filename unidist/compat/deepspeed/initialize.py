@@ -57,7 +57,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if model is None:
         raise InvalidArgumentError("deepspeed.initialize requires a model")
     if not isinstance(model, torch.nn.Module):
-        raise InvalidArgumentError(f"deepspeed.initialize(model=...) takes a torch.nn.Module, got {type(model).__name__}")
+        raise InvalidArgumentError(f"deepspeed.initialize(model=...) takes a torch.nn.Module, got "
+                                   f"{type(model).__name__}")
     for name, given in (("mpu", mpu), ("mesh_param", mesh_param)):
         if given is not None:
             raise DeepSpeedUnsupportedError(f"deepspeed.initialize({name}=...) (model parallelism through "

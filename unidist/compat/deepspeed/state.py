@@ -8,6 +8,7 @@ uses the Manager of an enclosing ``with unidist.init()`` block, or starts the on
 from __future__ import annotations
 
 import atexit
+import sys
 import weakref
 from typing import Any
 
@@ -54,9 +55,17 @@ def manager() -> Any:
 
 
 def _at_exit() -> None:
+    """Shut our Manager down at exit. After an uncaught exception (``sys.last_value``) leave as a failed ``with
+    unidist.init()`` block does: end the job where the engine can, without the leaving barrier the peers (waiting
+    in some collective) would never reach."""
     mgr, _state.mgr = _state.mgr, None
-    if mgr is not None and mgr.started:
+    if mgr is None or not mgr.started:
+        return
+    exc = getattr(sys, "last_value", None)
+    if exc is None:
         mgr.shutdown()
+    else:
+        mgr.__exit__(type(exc), exc, exc.__traceback__)
 
 
 def register_engine(engine: Any) -> None:
