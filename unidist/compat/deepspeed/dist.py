@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -231,5 +232,15 @@ def _rank0_address(mgr: Any, port: int, given: bool, listen: bool) -> tuple[Any,
 def _own(mgr: Any, store: Any) -> None:
     _run.owned, _run.mgr, _run.store = True, mgr, store
     # atexit runs last-registered first: re-registering puts this ahead of the Manager's shutdown (state.py)
-    atexit.unregister(shutdown)
-    atexit.register(shutdown)
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    """``shutdown`` at exit; after an uncaught exception (``sys.last_value``) the group is left as it is: the
+    peers may wait in a collective and never reach the meeting, and the Manager's exit ends the job."""
+    if getattr(sys, "last_value", None) is not None:
+        _run.initialized = _run.owned = False
+        _run.store = _run.mgr = None
+        return
+    shutdown()
