@@ -26,8 +26,8 @@ _state = _State()
 
 def running() -> Any:
     """The started Manager (ours or an enclosing ``with unidist.init()`` block's), or None."""
-    from unidist.managers.base import get_manager
     from unidist.errors import NotInitializedError
+    from unidist.managers.base import get_manager
 
     if _state.mgr is not None and _state.mgr.started:
         return _state.mgr
