@@ -5,9 +5,10 @@ so the Manager starts inside it and the gloo world and the Manager end at exit (
 exit code checks that order. Checked here, per rank: DeepSpeed's five variables exist and match the launcher's
 ranks (and the launcher's own values are kept where it set all five), every rank agrees on MASTER_ADDR and
 MASTER_PORT, torch.distributed's rank/world/all_reduce agree with unidist's Manager, and each comm case (every
-ReduceOp, async, all_gather, all_gather_into_tensor, reduce_scatter_tensor, broadcast, a subgroup) equals numpy
-on the same per-rank inputs. In the deepspeed env, real ``deepspeed.init_distributed`` runs once under mpiexec
-and its variables are compared with compat's (MASTER_ADDR differs on purpose: see dist.py).
+ReduceOp, async, reduce, all_gather(_into_tensor), reduce_scatter(_tensor), all_to_all(_single), gather,
+scatter, broadcast, a subgroup) equals numpy on the same per-rank inputs. In the deepspeed env, real
+``deepspeed.init_distributed`` runs once under mpiexec and its variables are compared with compat's
+(MASTER_ADDR differs on purpose: see dist.py).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def test_torch_distributed_agrees_with_the_manager(compat: Outcome) -> None:
 
 def test_comm_functions_equal_numpy(compat: Outcome) -> None:
     for rank, rep in _ranks(compat).items():
-        assert len(rep["cases"]) == 15
+        assert len(rep["cases"]) == 21
         for name, case in rep["cases"].items():
             assert "error" not in case, (rank, name, case.get("error"))
             assert case["shape"] == case["want_shape"], (rank, name, case)

@@ -101,6 +101,48 @@ def cases(comm: Any, rank: int, size: int) -> dict[str, Callable[[], tuple[np.nd
             return got, np.concatenate([want.ravel(), [2 * (len(range(0, size, 2)) - 1), len(range(0, size, 2))]])
         return t.numpy(), mine["f"]
 
+    def reduce_to_last() -> tuple[np.ndarray, np.ndarray]:
+        t = torch.from_numpy(mine["f"].copy())
+        comm.reduce(t, dst=size - 1, op=op.MAX)
+        if rank != size - 1:  # torch defines the result on dst only (gloo uses the others' tensors as scratch)
+            return mine["f"], mine["f"]
+        return t.numpy(), np.max([e["f"] for e in every], axis=0)
+
+    def slices(r: int) -> list[np.ndarray]:
+        """Rank r's list of one block per rank (block s scaled by s + 1)."""
+        return [(every[r]["rows"] * (s + 1)).astype(np.float32) for s in range(size)]
+
+    def reduce_scatter_list() -> tuple[np.ndarray, np.ndarray]:
+        out = torch.empty(ROWS, 5)
+        comm.reduce_scatter(out, [torch.from_numpy(b) for b in slices(rank)])
+        return out.numpy(), np.sum([slices(r)[rank] for r in range(size)], axis=0)
+
+    def all_to_all() -> tuple[np.ndarray, np.ndarray]:
+        out = [torch.empty(ROWS, 5) for _ in range(size)]
+        comm.all_to_all(out, [torch.from_numpy(b) for b in slices(rank)])
+        return torch.stack(out).numpy(), np.stack([slices(r)[rank] for r in range(size)])
+
+    def all_to_all_single() -> tuple[np.ndarray, np.ndarray]:
+        out = torch.empty(size * ROWS, 5)
+        comm.all_to_all_single(out, torch.from_numpy(np.concatenate(slices(rank))))
+        return out.numpy(), np.concatenate([slices(r)[rank] for r in range(size)])
+
+    def gather() -> tuple[np.ndarray, np.ndarray]:
+        dst = size - 1
+        out = [torch.empty(ROWS, 5) for _ in range(size)] if rank == dst else None
+        comm.gather(torch.from_numpy(mine["rows"]), out, dst=dst)
+        if out is None:
+            return mine["rows"], mine["rows"]
+        return torch.stack(out).numpy(), np.stack([e["rows"] for e in every])
+
+    def scatter() -> tuple[np.ndarray, np.ndarray]:
+        out = torch.empty(ROWS, 5)
+        comm.scatter(out, [torch.from_numpy(b) for b in slices(0)] if rank == 0 else None, src=0)
+        comm.monitored_barrier()
+        return out.numpy(), slices(0)[rank]
+
+    table.update({"reduce/MAX": reduce_to_last, "reduce_scatter": reduce_scatter_list, "all_to_all": all_to_all,
+                  "all_to_all_single": all_to_all_single, "gather": gather, "scatter": scatter})
     table.update({"all_reduce/async": async_sum, "all_gather": all_gather,
                   "all_gather_into_tensor": all_gather_into_tensor,
                   "reduce_scatter_tensor/SUM": reduce_scatter_tensor("SUM"),

@@ -27,11 +27,12 @@ from unidist.compat.deepspeed.dist import is_initialized as _compat_initialized
 from unidist.compat.deepspeed.dist import shutdown as _shutdown
 from unidist.errors import InvalidArgumentError, NotInitializedError
 
-__all__ = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
+__all__ = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
            "all_to_all_single", "allgather_fn", "barrier", "broadcast", "broadcast_object_list",
-           "destroy_process_group", "get_global_rank", "get_local_rank", "get_rank", "get_world_group",
-           "get_world_size", "init_distributed", "irecv", "is_available", "is_initialized", "isend", "new_group",
-           "recv", "reduce", "reduce_scatter_fn", "reduce_scatter_tensor", "send"]
+           "destroy_process_group", "gather", "get_global_rank", "get_local_rank", "get_rank", "get_world_group",
+           "get_world_size", "init_distributed", "irecv", "is_available", "is_initialized", "isend",
+           "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter", "reduce_scatter_fn",
+           "reduce_scatter_tensor", "scatter", "send"]
 
 _NOT_SET = "DeepSpeed backend not set, please initialize it using init_process_group()"  # ds/comm/comm.py:750
 
@@ -181,6 +182,37 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_s
     """torch's all_to_all_single (gloo supports it on CPU)."""
     return _need().all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group,
                                      async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM, group: Any = None,
+                   async_op: bool = False, prof: bool = False, log_name: str = "reduce_scatter",
+                   debug: Any = None) -> Any:
+    """Reduce ``input_list`` (one tensor per rank) over the ranks; rank r receives the r-th into ``output``."""
+    return _need().reduce_scatter(output, input_list, op=_torch_op(op), group=group, async_op=async_op)
+
+
+def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor], group: Any = None,
+               async_op: bool = False, prof: bool = False, log_name: str = "all_to_all", debug: Any = None) -> Any:
+    """Rank r's ``input_tensor_list[s]`` into rank s's ``output_tensor_list[r]``."""
+    return _need().all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, group: Any = None,
+           async_op: bool = False, prof: bool = False, log_name: str = "gather", debug: Any = None) -> Any:
+    """Every rank's ``tensor`` into ``gather_list`` on rank ``dst``."""
+    return _need().gather(tensor, gather_list, dst=dst, group=group, async_op=async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, group: Any = None,
+            async_op: bool = False, prof: bool = False, log_name: str = "scatter", debug: Any = None) -> Any:
+    """Rank ``src``'s ``scatter_list[r]`` into rank r's ``tensor``."""
+    return _need().scatter(tensor, scatter_list, src=src, group=group, async_op=async_op)
+
+
+def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False, prof: bool = False,
+                      log_name: str = "monitored_barrier", debug: Any = None) -> Any:
+    """A barrier that names the ranks that did not arrive within ``timeout`` (gloo)."""
+    return _need().monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
 def barrier(group: Any = None, async_op: bool = False, device_ids: list[int] | None = None, prof: bool = False,
