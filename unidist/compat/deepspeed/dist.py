@@ -20,7 +20,9 @@ DeepSpeed fails with "address already in use", here rank 0 takes a free port ins
 MASTER_PORT is that port: the store really listens on MASTER_PORT either way. MASTER_ADDR is the address
 rank 0 listens on: 127.0.0.1 when every rank is on one node, else rank 0's routable address
 (``net.rendezvous_address``); DeepSpeed exports the first address of ``hostname -I`` (comm.py:922-929).
-Where all five are set (torchrun, the deepspeed launcher, a user's export), they are used as they are.
+Where all five are set (torchrun, the deepspeed launcher, a user's export), they are used as they are. On the
+torch backend under an MPI launcher the Manager's rendezvous already exported them (MASTER_PORT: the free port
+it chose, not ``distributed_port``).
 
 Differences from DeepSpeed, on purpose: ``auto_mpi_discovery`` changes nothing (unidist always knows the
 ranks, also under horovodrun where DeepSpeed's mpi4py discovery would see singletons); ``config`` (comms
