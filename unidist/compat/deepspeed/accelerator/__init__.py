@@ -1,20 +1,7 @@
-"""TEMPORARY minimal stand-in (the lead's bootstrap); helper DIST's accelerator replaces it."""
+"""``deepspeed.accelerator``: ``get_accelerator()`` (see real_accelerator.py for the answers and the choice)."""
 
 from __future__ import annotations
 
-from typing import Any
+from unidist.compat.deepspeed.accelerator.real_accelerator import CpuAccelerator, CudaAccelerator, get_accelerator
 
-
-class _CPU:
-    def device_name(self, i: Any = None) -> str:
-        return "cpu"
-
-    def is_bf16_supported(self) -> bool:
-        return True
-
-    def is_fp16_supported(self) -> bool:
-        return True
-
-
-def get_accelerator() -> Any:
-    return _CPU()
+__all__ = ["CpuAccelerator", "CudaAccelerator", "get_accelerator"]
