@@ -6,7 +6,8 @@ one process per launch. A case is ``<ZeRO stage>-<optimizer>-<gradient clipping>
 fp32, one epoch of 24 steps). The reference is the UNMODIFIED data script under REAL DeepSpeed (``deepspeed
 --num_gpus 2``, DS_ACCELERATOR=cpu), every case in one launch; the compat copy differs from it by its three import
 lines (``deepspeed`` -> ``unidist.compat.deepspeed``, replaced textually, each exactly once). Every rank's final
-weights and every step's loss must match the reference rank by rank: SGD 1e-5, Adam 1e-4 (max |difference|).
+weights and every step's loss (and lr, and the global gradient norm where both report one) must match the
+reference rank by rank, tighter than the issue's SGD 1e-5 / Adam 1e-4 (TOLERANCE says why and what was measured).
 Under plain python (one rank) the script's DistributedSampler covers the whole set, so each step's batch is the
 union of the two reference ranks' micro batches: its loss is compared with their mean, its weights with theirs.
 
@@ -49,7 +50,14 @@ IMPORTS = {  # upstream's import line -> the compat copy's (each must occur exac
     "from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer\n":
         "from unidist.compat.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer\n",
 }
-TOLERANCE = {"SGD": 1e-5, "Adam": 1e-4}
+# max |difference| of the final weights: the issue's 1e-5 (SGD) / 1e-4 (Adam) would be weak here, SGD at lr 1e-5
+# moves a weight by 3e-5 at most over the run (Adam 2.4e-3). Measured against real DeepSpeed: 0 (compat under the
+# deepspeed launcher, which is DeepSpeed; horovodrun against torchrun too), 1.2e-10 / 2.2e-8 (SGD / Adam, torchrun
+# and mpiexec: float order of the reduction), 3.7e-9 / 5.7e-8 (python, one rank: a 16-sample mean instead of the
+# mean of two 8-sample means). The bounds leave ~20x room and stay 100x under the distance trained.
+TOLERANCE = {"SGD": 1e-7, "Adam": 1e-6}
+LOSS_TOLERANCE = 2e-6  # per step; measured <= 3.6e-7 (1.5 float32 ulps of a loss near 2.3: the batch mean's order)
+NORM_TOLERANCE = 1e-6  # DeepSpeed's reported global gradient norm (~0.3); measured <= 6.3e-8
 LR = {"SGD": 1e-5, "Adam": 1e-4}  # harness.LR
 STEPS, WARMUP, BATCH = 24, 8, 16  # cifar_data.TRAIN_SIZE / BATCH, harness.WARMUP_STEPS, the script's train_batch_size
 
@@ -142,10 +150,13 @@ def compare(got: dict[int, dict[str, Any]], want: dict[int, dict[str, Any]], tol
         pairs = [(s["loss"], m) for s, m in zip(got[0]["steps"], mean, strict=True)]
     assert len(pairs) == len(got) * STEPS, f"{len(pairs) // len(got)} steps recorded per rank, not {STEPS}"
     dloss = max(abs(x - y) for x, y in pairs)
-    for r in got:  # the lr each step used: the same WarmupLR on every launcher
+    for r in got:  # the lr after each step (the same WarmupLR everywhere) and the norm where both report one
         for s, t in zip(got[r]["steps"], want[min(r, len(want) - 1)]["steps"], strict=True):
             assert s["lr"] == pytest.approx(t["lr"], rel=1e-12, abs=0), (r, s, t)
-    assert dw <= tol and dloss <= tol, f"max |dw| = {dw:.3g}, max |dloss| = {dloss:.3g} > {tol:g}"
+            if s.get("grad_norm") is not None and t.get("grad_norm") is not None:
+                assert abs(s["grad_norm"] - t["grad_norm"]) <= NORM_TOLERANCE, (r, s, t)
+    assert dw <= tol, f"max |dw| = {dw:.3g} > {tol:g}"
+    assert dloss <= LOSS_TOLERANCE, f"max |dloss| = {dloss:.3g} > {LOSS_TOLERANCE:g}"
     return dw, dloss
 
 
@@ -153,7 +164,7 @@ def _moved(record: dict[int, dict[str, Any]], tol: float) -> float:
     """How far training moved the weights from the seeded start (must dwarf the tolerance)."""
     start = _net()[1]
     moved = _max_diff(record[0]["weights"], start)
-    assert moved > 10 * tol, f"the weights moved only {moved:.3g}: the comparison would be trivial"
+    assert moved > 100 * tol, f"the weights moved only {moved:.3g}: the comparison would be trivial"
     return moved
 
 
@@ -231,7 +242,8 @@ def test_reference_is_deepspeeds_math(tmp_path_factory: pytest.TempPathFactory) 
         if case.startswith("0-"):
             assert reported == [None] * STEPS
         else:
-            assert max(abs(a - b) for a, b in zip(reported, want["norms"], strict=True)) < 1e-5, (reported, want)
+            assert max(abs(a - b) for a, b in zip(reported, want["norms"], strict=True)) <= NORM_TOLERANCE, \
+                (reported, want["norms"])
         clipping = float(case.split("-")[2])
         clipped = sum(n > clipping for n in want["norms"])
         assert (0 < clipped < STEPS) if clipping < 1 else clipped == 0, (case, want["norms"])
