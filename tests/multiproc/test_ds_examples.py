@@ -30,6 +30,7 @@ some steps and not others.
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ IMPORTS = {  # upstream's import line -> the compat copy's (each must occur exac
 # mean of two 8-sample means). The bounds leave ~20x room and stay 100x under the distance trained.
 TOLERANCE = {"SGD": 1e-7, "Adam": 1e-6}
 LOSS_TOLERANCE = 2e-6  # per step; measured <= 3.6e-7 (1.5 float32 ulps of a loss near 2.3: the batch mean's order)
+SCRIPT_LINE = re.compile(r"^(Finished Training|Accuracy .*)$")  # what the script prints (not DeepSpeed's logs)
 NORM_TOLERANCE = 1e-6  # DeepSpeed's reported global gradient norm (~0.3); measured <= 6.3e-8
 LR = {"SGD": 1e-5, "Adam": 1e-4}  # harness.LR
 STEPS, WARMUP, BATCH = 24, 8, 16  # cifar_data.TRAIN_SIZE / BATCH, harness.WARMUP_STEPS, the script's train_batch_size
@@ -155,6 +157,11 @@ def compare(got: dict[int, dict[str, Any]], want: dict[int, dict[str, Any]], tol
             assert s["lr"] == pytest.approx(t["lr"], rel=1e-12, abs=0), (r, s, t)
             if s.get("grad_norm") is not None and t.get("grad_norm") is not None:
                 assert abs(s["grad_norm"] - t["grad_norm"]) <= NORM_TOLERANCE, (r, s, t)
+    for r in (r for r in got if "printed" in got[r]):  # (the plain-torch replay prints nothing)
+        # "Finished Training" on every rank, then the test accuracies on local rank 0
+        printed = [line for line in got[r]["printed"] if SCRIPT_LINE.match(line)]
+        assert printed == [line for line in want[r]["printed"] if SCRIPT_LINE.match(line)], (r, printed)
+        assert printed[:1] == ["Finished Training"] and (r > 0 or len(printed) == 12), (r, got[r]["printed"])
     assert dw <= tol, f"max |dw| = {dw:.3g} > {tol:g}"
     assert dloss <= LOSS_TOLERANCE, f"max |dloss| = {dloss:.3g} > {LOSS_TOLERANCE:g}"
     return dw, dloss

@@ -4,16 +4,20 @@ The script calls ``step(loss, model_engine)`` after each ``model_engine.step()``
 the end (its two marked ``(5)`` lines); ``finish`` writes ``$DS_EXAMPLE_OUT/rank<r>.pt`` and forgets the steps, so
 the harness can run the script again in the same process. Nothing is written when DS_EXAMPLE_OUT is unset.
 
-Per step it keeps the rank's loss (its micro batch's mean), the engine's lr and ``get_global_grad_norm()``
-(DeepSpeed reports it from its ZeRO optimizers and None at stage 0 in fp32; the test computes the norm itself
-too). The weights are read as one process would hold them: under ZeRO stage 3 each rank keeps only a shard, so
-they are gathered first, through whichever engine partitioned them (real DeepSpeed's GatheredParameters, or the
-running unidist Manager's gathered_parameters): this is the test reading the result, not the script's API.
+It also keeps what the script prints (its "Finished Training" and test accuracy lines: a tee on stdout from the
+first import on), so the test can compare those too. Per step it keeps the rank's loss (its micro batch's mean),
+the engine's lr and ``get_global_grad_norm()`` (DeepSpeed reports it from its ZeRO optimizers and None at stage 0
+in fp32; the test computes the norm itself too).
+
+The weights are read as one process would hold them: under ZeRO stage 3 each rank keeps only a shard, so they are
+gathered first, through whichever engine partitioned them (real DeepSpeed's GatheredParameters, or the running
+unidist Manager's gathered_parameters): this is the test reading the result, not the script's API.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 from typing import Any
@@ -23,6 +27,29 @@ import torch
 OUT_ENV = "DS_EXAMPLE_OUT"
 
 _steps: list[dict[str, Any]] = []
+_printed: list[str] = []
+
+
+class _Tee(io.TextIOBase):
+    """Stdout that also keeps each completed line (launchers prefix or interleave ranks; this is the rank's own)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._line = ""
+
+    def write(self, text: str) -> int:
+        self._stream.write(text)
+        self._line += text
+        *done, self._line = self._line.split("\n")
+        _printed.extend(done)
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+if not isinstance(sys.stdout, _Tee):
+    sys.stdout = _Tee(sys.stdout)
 
 
 def _number(value: Any) -> float | None:
@@ -63,6 +90,8 @@ def finish(engine: Any) -> None:
     out = os.environ.get(OUT_ENV)
     if out:
         os.makedirs(out, exist_ok=True)
-        torch.save({"weights": weights, "steps": list(_steps), "rank": rank, "world_size": world},
+        torch.save({"weights": weights, "steps": list(_steps), "printed": list(_printed), "rank": rank,
+                    "world_size": world},
                    os.path.join(out, f"rank{rank}.pt"))
     _steps.clear()
+    _printed.clear()
