@@ -107,14 +107,17 @@ def _copy(tmp: Path, compat: bool) -> Path:
 
 def launch_cases(tmp: Path, launch: Launch, cases: tuple[str, ...], compat: bool) -> Outcome:
     """Run ``cases`` in one launch of the harness under ``launch`` (the deepspeed launcher's --local_rank=N goes
-    through the harness to the script, whose argparse takes it, as upstream runs it)."""
+    through the harness to the script, whose argparse takes it, as upstream runs it). Real DeepSpeed's runs skip
+    the JIT build of its shared-memory inference op (harness.skip_shm_comm_build: 74 s on a clean machine), as
+    unidist's deepspeed backend does for the compat copy."""
     import torch
 
     harness = _copy(tmp, compat)
     out = tmp / "out"
     start = time.monotonic()
-    proc = run(launch.command(str(harness), "--out", str(out), "--cases", ",".join(cases)), env=launch.env,
-               cwd=tmp, timeout=600)
+    extra = [] if compat else ["--no-shm-comm"]
+    proc = run(launch.command(str(harness), "--out", str(out), "--cases", ",".join(cases), *extra),
+               env=launch.env, cwd=tmp, timeout=600)
     seconds = time.monotonic() - start
     records = {case: {r: torch.load(out / case / f"rank{r}.pt") for r in range(launch.size)
                       if (out / case / f"rank{r}.pt").exists()} for case in cases}

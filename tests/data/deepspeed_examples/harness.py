@@ -6,7 +6,7 @@ cifar10_deepspeed.py <case's flags>`` would (runpy with the case's sys.argv, ``_
 case writing to its own directory (example_record.OUT_ENV). Whatever this process was given beyond its own
 options (the deepspeed launcher's ``--local_rank=N``) goes on to every case, as it would to the script.
 
-    python harness.py --out DIR --cases 0-SGD-1.0,3-Adam-0.3 [--script cifar10_deepspeed.py]
+    python harness.py --out DIR --cases 0-SGD-1.0,3-Adam-0.3 [--script cifar10_deepspeed.py] [--no-shm-comm]
 
 A case is ``<stage>-<optimizer>-<gradient clipping>``; the lr is the test's for that optimizer (SGD 1e-5, Adam
 1e-4). Every case trains one epoch in fp32 with an 8-step warmup.
@@ -41,12 +41,28 @@ def case_argv(script: str, case: str, passthrough: list[str]) -> list[str]:
             *(["--torch-adam"] if optimizer == "Adam" and TORCH_ADAM else []), *passthrough]
 
 
+def skip_shm_comm_build() -> None:
+    """Mark real DeepSpeed's CPU shared-memory comm op unavailable, as unidist's deepspeed manager does
+    (unidist/managers/deepspeed.py). deepspeed.init_distributed JIT-compiles it on first use (measured here: 74 s
+    on a clean extensions cache, as on every fresh CI machine), and only DeepSpeed's inference_all_reduce uses it
+    (deepspeed/comm/torch.py build_shm_op / inference_all_reduce): training's collectives are torch.distributed's
+    either way, so the script's math is unchanged."""
+    import deepspeed
+
+    compatible = getattr(getattr(deepspeed, "ops", None), "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="each case writes <out>/<case>/rank<r>.pt")
     parser.add_argument("--cases", required=True, help="comma-separated <stage>-<optimizer>-<clipping>")
     parser.add_argument("--script", default=str(Path(__file__).with_name("cifar10_deepspeed.py")))
+    parser.add_argument("--no-shm-comm", action="store_true", help="real DeepSpeed: skip the shm op's JIT build")
     args, passthrough = parser.parse_known_args()
+    if args.no_shm_comm:
+        skip_shm_comm_build()
     for case in args.cases.split(","):
         os.environ[example_record.OUT_ENV] = os.path.join(args.out, case)
         sys.argv = case_argv(args.script, case, passthrough)
