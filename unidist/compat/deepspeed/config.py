@@ -34,8 +34,8 @@ _PYDANTIC = ("fp16", "bf16", "zero_optimization")  # DeepSpeed drops "auto" valu
 class DSConfig:
     """A parsed config: the batch triple as DeepSpeed infers it and the keys the engine needs, defaults filled.
 
-    ``values`` has every KEYS row's value (the user's, or DeepSpeed's default) by dotted name; ``get(name)``
-    reads it."""
+    ``values`` has every KEYS row's value (the user's, or DeepSpeed's default; the batch triple as inferred) by
+    dotted name; ``get(name)`` reads it."""
 
     raw: Mapping[str, Any]
     train_batch_size: int
@@ -296,6 +296,7 @@ def parse(raw: Mapping[str, Any], world_size: int, *, on_deepspeed: bool) -> DSC
     if values["scheduler"] is not None and "type" not in values["scheduler"]:
         raise DeepSpeedConfigError("the scheduler section needs a \"type\" (e.g. \"WarmupLR\")")
     tb, mb, gas = _batch(values, world_size)
+    values.update(train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas)
     return DSConfig(
         raw=raw, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas,
         gradient_clipping=float(values["gradient_clipping"]), zero_stage=values["zero_optimization.stage"],

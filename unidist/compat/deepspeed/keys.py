@@ -200,7 +200,7 @@ _ROWS: list[Key] = [
     Key("log_level", None, IGNORED, _LOG, "any"),
     Key("autotuning", None, IGNORED, "accepted and ignored (read by DeepSpeed's launcher, not the engine)", "dict"),
     Key("vocabulary_size", None, IGNORED, "accepted and ignored (DeepSpeed only warns about its alignment)", "any"),
-    Key("disable_python_gc", None, IGNORED, "accepted and ignored (a DeepSpeed performance knob)", "any"),
+    Key("disable_python_gc", False, IGNORED, "accepted and ignored (a DeepSpeed performance knob)", "bool"),
     Key("activation_checkpointing", None, IGNORED,
         "accepted and ignored (configures deepspeed.checkpointing, which scripts call themselves)", "dict"),
 ]
