@@ -72,8 +72,9 @@ def _warmup_type(kind: str) -> str:
 
 
 def _warmup_fraction(it: int, steps: int, kind: str) -> float:
-    """How far warmup is at iteration ``it`` (< steps): log(it+1)/log(steps) or it/steps."""
-    return math.log(it + 1) / math.log(steps) if kind == LOG else it / steps
+    """How far warmup is at iteration ``it`` (< steps): log(it+1)/log(steps) or it/steps (the log one as
+    DeepSpeed rounds it: log(it+1) times a precomputed 1/log(steps), lr_schedules.py:753,796)."""
+    return (1.0 / math.log(steps)) * math.log(it + 1) if kind == LOG else it / steps
 
 
 class _Schedule:
@@ -266,7 +267,8 @@ class OneCycle(_Schedule):
             return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs, strict=False)]
         if self.skip_lr_decay:
             return list(self.min_lrs)
-        factor = 1 + self.decay_lr_rate * (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
+        # 1 + rate * (k / size): DeepSpeed's rounding order (lr_schedules.py:664-666)
+        factor = 1 + self.decay_lr_rate * ((self.last_batch_iteration - self.total_size + 1) / self.decay_step_size)
         return [lo / factor for lo in self.min_lrs]
 
     def get_mom(self) -> list[tuple[float, float]] | None:
@@ -278,7 +280,7 @@ class OneCycle(_Schedule):
             return [(hi[0] - (hi[0] - lo[0]) * scale, lo[1]) for lo, hi in pairs]
         if self.skip_mom_decay:
             return list(self.max_moms)
-        factor = 1 + self.decay_mom_rate * (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
+        factor = 1 + self.decay_mom_rate * ((self.last_batch_iteration - self.total_size + 1) / self.decay_step_size)
         return [(b0 * factor, b1) for b0, b1 in self.max_moms]
 
     def step(self, batch_iteration: int | None = None) -> None:  # DeepSpeed's argument name differs here
