@@ -17,7 +17,7 @@ import pytest
 
 from unidist.compat.deepspeed import config as dsc
 from unidist.compat.deepspeed.exceptions import DeepSpeedConfigError, DeepSpeedUnsupportedError
-from unidist.compat.deepspeed.keys import DS_ONLY, IGNORED, KEYS, REMOVED, Key
+from unidist.compat.deepspeed.keys import DS_ONLY, IGNORED, KEYS, REMOVED, Key, markdown
 from unidist.errors import ConfigError
 
 BASE: Mapping[str, Any] = {"train_batch_size": 8}
@@ -46,6 +46,8 @@ def test_table_rows_are_unique_and_well_formed() -> None:
     for row in KEYS:
         assert row.where in ("every backend", DS_ONLY, IGNORED, REMOVED) and row.here
         assert (row.fine is not None) == (row.where == DS_ONLY), row.name
+    table = markdown().splitlines()  # the docs' table: one line per row
+    assert all(f"| `{k.name}` |" in line for k, line in zip(KEYS, table[2:], strict=True))
 
 
 @pytest.mark.parametrize("row", [k for k in KEYS if k.where != REMOVED], ids=lambda k: k.name)

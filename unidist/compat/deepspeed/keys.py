@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DS_ONLY", "EVERY", "IGNORED", "KEYS", "REMOVED", "SECTIONS", "SYNONYMS", "Key", "by_name"]
+__all__ = ["DS_ONLY", "EVERY", "IGNORED", "KEYS", "REMOVED", "SECTIONS", "SYNONYMS", "Key", "by_name", "markdown"]
 
 EVERY, DS_ONLY, IGNORED, REMOVED = "every backend", "deepspeed only", "ignored (logging)", "removed"
 
@@ -231,3 +231,13 @@ _BY_NAME: Mapping[str, Key] = {k.name: k for k in KEYS}
 def by_name(name: str) -> Key:
     """The row for dotted ``name`` (a synonym resolves to its row); KeyError when unknown."""
     return _BY_NAME[SYNONYMS.get(name, name)]
+
+
+def markdown() -> str:
+    """KEYS as a Markdown table (key, DeepSpeed's default, where it works, what it does off DeepSpeed), for the
+    "Coming from DeepSpeed" docs, so they list exactly what the parser does."""
+    lines = ["| key | DeepSpeed default | where | off DeepSpeed |", "|---|---|---|---|"]
+    for row in KEYS:
+        default = "-" if row.default is None else f"`{row.default!r}`"
+        lines.append(f"| `{row.name}` | {default} | {row.where} | {row.here.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
