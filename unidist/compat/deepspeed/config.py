@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unidist.compat.deepspeed.exceptions import DeepSpeedConfigError, DeepSpeedUnsupportedError
-from unidist.compat.deepspeed.keys import DS_ONLY, KEYS, REMOVED, SECTIONS, SYNONYMS, Key, by_name
+from unidist.compat.deepspeed.keys import DS_ONLY, KEYS, REFUSED, REMOVED, SECTIONS, SYNONYMS, Key, by_name
 
 __all__ = ["KEYS", "DSConfig", "load_source", "parse"]
 
@@ -277,10 +277,10 @@ def parse(raw: Mapping[str, Any], world_size: int, *, on_deepspeed: bool) -> DSC
         if row.where == DS_ONLY and not (row.fine is not None and row.fine(value)):
             ds_only[name] = value
     if ds_only and not on_deepspeed:
-        raise DeepSpeedUnsupportedError(
-            f"DeepSpeed config key(s) {', '.join(sorted(ds_only))} ask for what only DeepSpeed's engine does "
-            f"({'; '.join(by_name(n).here for n in sorted(ds_only))}); run under the deepspeed launcher, or remove "
-            "them to train with unidist's engine on this backend")
+        named = ", ".join(f"{n} {by_name(n).here.removeprefix(REFUSED).strip()}".strip() for n in sorted(ds_only))
+        raise DeepSpeedUnsupportedError(f"DeepSpeed config key(s) {named}: only DeepSpeed's engine does that; run "
+                                        "under the deepspeed launcher, or remove them to train with unidist's engine "
+                                        "on this backend")
     fp16 = {k.name.split(".", 1)[1]: values[k.name] for k in KEYS if k.name.startswith("fp16.")}
     if fp16["enabled"] and values["bf16.enabled"]:
         raise DeepSpeedConfigError("bfloat16 and fp16 modes cannot be simultaneously enabled")

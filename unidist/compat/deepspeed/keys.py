@@ -20,7 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DS_ONLY", "EVERY", "IGNORED", "KEYS", "REMOVED", "SECTIONS", "SYNONYMS", "Key", "by_name", "markdown"]
+__all__ = ["DS_ONLY", "EVERY", "IGNORED", "KEYS", "REFUSED", "REMOVED", "SECTIONS", "SYNONYMS", "Key", "by_name",
+           "markdown"]
 
 EVERY, DS_ONLY, IGNORED, REMOVED = "every backend", "deepspeed only", "ignored (logging)", "removed"
 
@@ -57,7 +58,7 @@ def _eq(default: Any) -> Callable[[Any], bool]:
 
 _NO_MATH = "accepted; a DeepSpeed tuning knob with no effect on the result (unidist's own ZeRO ignores it)"
 _LOG = "accepted and ignored (DeepSpeed's logging/profiling)"
-_REFUSED = "refused off the deepspeed backend: only DeepSpeed's engine has it"
+REFUSED = "refused off the deepspeed backend: only DeepSpeed's engine has it"
 
 _ROWS: list[Key] = [
     # -- batch arithmetic (config.py:607-651) and the training math
@@ -93,16 +94,16 @@ _ROWS: list[Key] = [
     Key("fp16.hysteresis", 2, EVERY, "overflows tolerated before the scale halves", "int"),
     Key("fp16.consecutive_hysteresis", False, EVERY, "refill hysteresis on every good step", "bool"),
     Key("fp16.min_loss_scale", 1, EVERY, "the dynamic scale's floor (> 0 when dynamic)", "num>=0"),
-    Key("fp16.auto_cast", False, DS_ONLY, _REFUSED + " (casting inputs to fp16)", "bool", _off),
-    Key("fp16.fp16_master_weights_and_grads", False, DS_ONLY, _REFUSED + " (fp16 master weights)", "bool", _off),
+    Key("fp16.auto_cast", False, DS_ONLY, REFUSED + " (casting inputs to fp16)", "bool", _off),
+    Key("fp16.fp16_master_weights_and_grads", False, DS_ONLY, REFUSED + " (fp16 master weights)", "bool", _off),
     Key("bf16", {}, EVERY, "DeepSpeed's bf16 section (old name: bfloat16)", "dict"),
     Key("bf16.enabled", False, EVERY, "bf16 training", "bool"),
     Key("bf16.immediate_grad_update", False, EVERY, _NO_MATH, "bool"),
     Key("bf16.check_grad_overflow", True, EVERY, "accepted (DeepSpeed skips bf16 steps with inf/nan gradients)",
         "bool"),
-    Key("bf16.bf16_master_weights_and_grads", False, DS_ONLY, _REFUSED + " (bf16 master weights)", "bool", _off),
-    Key("bf16.bf16_optimizer_states", False, DS_ONLY, _REFUSED + " (bf16 optimizer states)", "bool", _off),
-    Key("torch_autocast", {}, DS_ONLY, _REFUSED + " (its autocast section); enabled false is accepted", "dict",
+    Key("bf16.bf16_master_weights_and_grads", False, DS_ONLY, REFUSED + " (bf16 master weights)", "bool", _off),
+    Key("bf16.bf16_optimizer_states", False, DS_ONLY, REFUSED + " (bf16 optimizer states)", "bool", _off),
+    Key("torch_autocast", {}, DS_ONLY, REFUSED + " (its autocast section); enabled false is accepted", "dict",
         _disabled),
     # -- ZeRO (zero/config.py)
     Key("zero_optimization", {}, EVERY, "DeepSpeed's ZeRO section", "dict"),
@@ -139,52 +140,52 @@ _ROWS: list[Key] = [
         "accepted; checkpoints hold full fp32 weights anyway", "bool"),
     Key("zero_optimization.stage3_gather_fp16_weights_on_model_save", False, EVERY,
         "accepted (deprecated name of stage3_gather_16bit_weights_on_model_save)", "bool"),
-    Key("zero_optimization.offload_optimizer", None, DS_ONLY, _REFUSED + " (optimizer offload to cpu/nvme)",
+    Key("zero_optimization.offload_optimizer", None, DS_ONLY, REFUSED + " (optimizer offload to cpu/nvme)",
         "any", _no_device),
-    Key("zero_optimization.offload_param", None, DS_ONLY, _REFUSED + " (parameter offload to cpu/nvme)", "any",
+    Key("zero_optimization.offload_param", None, DS_ONLY, REFUSED + " (parameter offload to cpu/nvme)", "any",
         _no_device),
-    Key("zero_optimization.cpu_offload", None, DS_ONLY, _REFUSED + " (deprecated optimizer offload); false is "
+    Key("zero_optimization.cpu_offload", None, DS_ONLY, REFUSED + " (deprecated optimizer offload); false is "
         "accepted", "any", _off),
-    Key("zero_optimization.cpu_offload_param", None, DS_ONLY, _REFUSED + " (deprecated parameter offload)", "any",
+    Key("zero_optimization.cpu_offload_param", None, DS_ONLY, REFUSED + " (deprecated parameter offload)", "any",
         _off),
-    Key("zero_optimization.cpu_offload_use_pin_memory", None, DS_ONLY, _REFUSED + " (deprecated offload option)",
+    Key("zero_optimization.cpu_offload_use_pin_memory", None, DS_ONLY, REFUSED + " (deprecated offload option)",
         "any", _off),
-    Key("zero_optimization.zenflow", None, DS_ONLY, _REFUSED + " (ZenFlow offload)", "any", _off),
-    Key("zero_optimization.zero_hpz_partition_size", 1, DS_ONLY, _REFUSED + " (ZeRO++ hierarchical partitions)",
+    Key("zero_optimization.zenflow", None, DS_ONLY, REFUSED + " (ZenFlow offload)", "any", _off),
+    Key("zero_optimization.zero_hpz_partition_size", 1, DS_ONLY, REFUSED + " (ZeRO++ hierarchical partitions)",
         "int>0", _eq(1)),
-    Key("zero_optimization.zero_quantized_weights", False, DS_ONLY, _REFUSED + " (ZeRO++ quantized weights)", "bool",
+    Key("zero_optimization.zero_quantized_weights", False, DS_ONLY, REFUSED + " (ZeRO++ quantized weights)", "bool",
         _off),
-    Key("zero_optimization.zero_quantized_nontrainable_weights", False, DS_ONLY, _REFUSED + " (ZeRO++)", "bool",
+    Key("zero_optimization.zero_quantized_nontrainable_weights", False, DS_ONLY, REFUSED + " (ZeRO++)", "bool",
         _off),
-    Key("zero_optimization.zero_quantized_gradients", False, DS_ONLY, _REFUSED + " (ZeRO++ quantized gradients)",
+    Key("zero_optimization.zero_quantized_gradients", False, DS_ONLY, REFUSED + " (ZeRO++ quantized gradients)",
         "bool", _off),
-    Key("zero_optimization.legacy_stage1", False, DS_ONLY, _REFUSED + " (legacy stage 1)", "bool", _off),
-    Key("zero_optimization.leaf_module", None, DS_ONLY, _REFUSED + " (ZeRO-3 leaf modules)", "any", _off),
+    Key("zero_optimization.legacy_stage1", False, DS_ONLY, REFUSED + " (legacy stage 1)", "bool", _off),
+    Key("zero_optimization.leaf_module", None, DS_ONLY, REFUSED + " (ZeRO-3 leaf modules)", "any", _off),
     # -- DeepSpeed-only top-level features (research 1.7)
-    Key("zero_force_ds_cpu_optimizer", True, DS_ONLY, _REFUSED + " (only matters with offload); true is accepted",
+    Key("zero_force_ds_cpu_optimizer", True, DS_ONLY, REFUSED + " (only matters with offload); true is accepted",
         "bool", _eq(True)),
-    Key("gradient_allreduce_op", "mean", DS_ONLY, _REFUSED + " (summed gradients); \"mean\" is accepted", "any",
+    Key("gradient_allreduce_op", "mean", DS_ONLY, REFUSED + " (summed gradients); \"mean\" is accepted", "any",
         lambda v: isinstance(v, str) and v.lower() == "mean"),
-    Key("communication_data_type", None, DS_ONLY, _REFUSED + " (low-precision allreduce); fp32 is accepted", "any",
+    Key("communication_data_type", None, DS_ONLY, REFUSED + " (low-precision allreduce); fp32 is accepted", "any",
         lambda v: v is None or (isinstance(v, str) and v.lower() == "fp32")),
-    Key("seq_parallel_communication_data_type", "fp32", DS_ONLY, _REFUSED, "any",
+    Key("seq_parallel_communication_data_type", "fp32", DS_ONLY, REFUSED, "any",
         lambda v: isinstance(v, str) and v.lower() == "fp32"),
-    Key("managed_gradient_accumulation", True, DS_ONLY, _REFUSED + " (script-managed boundaries)", "bool",
+    Key("managed_gradient_accumulation", True, DS_ONLY, REFUSED + " (script-managed boundaries)", "bool",
         _eq(True)),
-    Key("disable_allgather", False, DS_ONLY, _REFUSED, "bool", _off),
-    Key("aio", None, DS_ONLY, _REFUSED + " (NVMe async I/O)", "dict", _off),
-    Key("pipeline", None, DS_ONLY, _REFUSED + " (pipeline parallelism)", "dict", _off),
-    Key("tensor_parallel", None, DS_ONLY, _REFUSED + " (tensor parallelism)", "dict", _off),
-    Key("sequence_parallel_size", 1, DS_ONLY, _REFUSED + " (sequence parallelism)", "int>0", _eq(1)),
-    Key("expert_parallel", None, DS_ONLY, _REFUSED + " (MoE expert parallelism)", "dict", _off),
-    Key("use_data_before_expert_parallelism", False, DS_ONLY, _REFUSED + " (MoE topology)", "bool", _off),
-    Key("hybrid_engine", None, DS_ONLY, _REFUSED + " (RLHF hybrid engine)", "dict", _disabled),
-    Key("data_efficiency", None, DS_ONLY, _REFUSED + " (curriculum data sampling, random-LTD)", "dict", _disabled),
-    Key("weight_quantization", None, DS_ONLY, _REFUSED + " (weight quantization)", "dict", _off),
-    Key("compile", None, DS_ONLY, _REFUSED + " (DeepCompile)", "dict", _off),
-    Key("data_types", None, DS_ONLY, _REFUSED + " (grad-accumulation/param dtypes)", "dict", _off),
-    Key("checkpoint", None, DS_ONLY, _REFUSED + " (DeepSpeed checkpoint engine options)", "dict", _off),
-    Key("datastates_ckpt", None, DS_ONLY, _REFUSED + " (DataStates checkpointing)", "dict", _off),
+    Key("disable_allgather", False, DS_ONLY, REFUSED, "bool", _off),
+    Key("aio", None, DS_ONLY, REFUSED + " (NVMe async I/O)", "dict", _off),
+    Key("pipeline", None, DS_ONLY, REFUSED + " (pipeline parallelism)", "dict", _off),
+    Key("tensor_parallel", None, DS_ONLY, REFUSED + " (tensor parallelism)", "dict", _off),
+    Key("sequence_parallel_size", 1, DS_ONLY, REFUSED + " (sequence parallelism)", "int>0", _eq(1)),
+    Key("expert_parallel", None, DS_ONLY, REFUSED + " (MoE expert parallelism)", "dict", _off),
+    Key("use_data_before_expert_parallelism", False, DS_ONLY, REFUSED + " (MoE topology)", "bool", _off),
+    Key("hybrid_engine", None, DS_ONLY, REFUSED + " (RLHF hybrid engine)", "dict", _disabled),
+    Key("data_efficiency", None, DS_ONLY, REFUSED + " (curriculum data sampling, random-LTD)", "dict", _disabled),
+    Key("weight_quantization", None, DS_ONLY, REFUSED + " (weight quantization)", "dict", _off),
+    Key("compile", None, DS_ONLY, REFUSED + " (DeepCompile)", "dict", _off),
+    Key("data_types", None, DS_ONLY, REFUSED + " (grad-accumulation/param dtypes)", "dict", _off),
+    Key("checkpoint", None, DS_ONLY, REFUSED + " (DeepSpeed checkpoint engine options)", "dict", _off),
+    Key("datastates_ckpt", None, DS_ONLY, REFUSED + " (DataStates checkpointing)", "dict", _off),
     # -- logging / profiling: accepted, ignored off DeepSpeed
     Key("steps_per_print", None, IGNORED, _LOG, "any"),
     Key("wall_clock_breakdown", False, IGNORED, _LOG, "bool"),
