@@ -120,7 +120,8 @@ def test_deepspeed_only_key_refused_off_deepspeed_and_listed_on_it(row: Key) -> 
     with pytest.raises(DeepSpeedUnsupportedError, match=f"{row.name}.*deepspeed launcher") as err:
         parse(nest(row.name, value))
     assert isinstance(err.value, NotImplementedError)
-    assert parse(nest(row.name, value), on_deepspeed=True).deepspeed_only() == {row.name: value}
+    on_ds = parse(nest(row.name, value), on_deepspeed=True)
+    assert on_ds.ds_only == {row.name: value} and on_ds.deepspeed_only() == nest(row.name, value, {})
 
 
 @pytest.mark.parametrize(("name", "value"), [

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import difflib
 import json
 import math
@@ -62,9 +63,15 @@ class DSConfig:
         return "bf16-mixed" if self.bf16_enabled else "32"
 
     def deepspeed_only(self) -> dict[str, Any]:
-        """The user's keys only real DeepSpeed honours, dotted name -> value ({} when none). Only non-empty under
-        ``parse(on_deepspeed=True)``: elsewhere such a key is an error."""
-        return dict(self.ds_only)
+        """The user's keys only real DeepSpeed honours, as a DeepSpeed config to merge into the one the deepspeed
+        backend hands ``deepspeed.initialize`` (``{"zero_optimization": {"offload_optimizer": {...}}, "aio":
+        {...}}``); {} when none. Only non-empty under ``parse(on_deepspeed=True)``: elsewhere such a key is an
+        error. ``ds_only`` has the same keys by dotted name."""
+        out: dict[str, Any] = {}
+        for name, value in self.ds_only.items():
+            section, _, leaf = name.rpartition(".")
+            (out.setdefault(section, {}) if section else out)[leaf] = copy.deepcopy(value)
+        return out
 
     def get(self, name: str) -> Any:
         """The value of dotted ``name`` (a KEYS row): the user's, or DeepSpeed's default."""
