@@ -17,7 +17,6 @@ engine), ``checkpoint`` (tags and ``latest``), ``dataloader``, ``dist`` (``init_
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from unidist.compat.deepspeed import accelerator, comm, moe, pipe, runtime, utils, zero
 from unidist.compat.deepspeed.dist import init_distributed
