@@ -159,7 +159,8 @@ def test_same_scales_and_skips_as_deepspeed(ds: Any, name: str, pattern: str, st
     assert _loss_scaler_run(options, flags) == want
     if pattern != "clean":
         assert _loss_scaler_run(options, flags, resume_at=len(flags) // 3) == want
-    assert _agreed_run(options, flags[:300], resume_at=150) == want[:300]
+    if pattern == "bursty":  # (each step a backward: one pattern is enough)
+        assert _agreed_run(options, flags[:240], resume_at=120) == want[:240]
     if "static" not in name and pattern != "clean":
         assert len(set(want) - {"raise"}) > 2, "the scale moved both ways"
 

@@ -20,7 +20,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
     at stage 0, ``optimizer.torch_autocast_gradscaler`` under ZeRO); this one replaces it right after
     ``deepspeed.initialize`` and differs in three ways:
 
-    - its parameters are ``prepare(loss_scaling=...)``'s;
+    - its parameters are ``prepare(loss_scaling=...)``'s, DeepSpeed's scaler's included (hysteresis, floor,
+      growth count, static scale: ``next_scale`` in train/precision.py moves the scale then);
     - the skip is agreed: each rank's found-inf is max-allreduced over the data-parallel group before the step
       (under ZeRO a rank unscales only its partition, so ranks could otherwise skip different steps and their
       scales drift apart: pytorch/pytorch#76282);

@@ -24,6 +24,7 @@ rank holds a shard (ZeRO).
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -180,8 +181,8 @@ def next_scale(o: ScalerOptions, scale: float, tracker: int, hysteresis: int, fo
 
 
 def _f32(x: float) -> float:
-    """``x`` as the float32 scale tensor holds it."""
-    return float(torch.tensor(x, dtype=torch.float32))
+    """``x`` as the float32 scale tensor holds it (inf beyond float32's range)."""
+    return array("f", [x])[0]
 
 
 class LossScaler:

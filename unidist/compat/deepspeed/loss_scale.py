@@ -15,7 +15,11 @@ DeepSpeed 0.19.8 has two fp16 scalers, and which one runs depends on the ZeRO st
 
 Either way a step with inf/nan gradients is skipped, and ``loss_scale`` > 0 is a static scale that never moves
 (overflowing steps are still skipped). ``loss_scaling`` gives unidist's ``ScalerOptions`` (train/precision.py)
-for the one the given stage runs.
+for the one the given stage runs; tests/unit/test_ds_loss_scale.py drives both against DeepSpeed's own classes.
+
+Differences: DeepSpeed's scale is a Python float and grows without bound; unidist's is GradScaler's float32
+tensor, which does not grow past float32's largest power of two (2**127, reached only after 100+ growths without
+an overflow). At the floor, ZeRO's bare ``Exception`` is unidist's ``LossScaleFloorError`` (a RuntimeError).
 """
 
 from __future__ import annotations
