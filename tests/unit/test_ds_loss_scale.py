@@ -166,6 +166,34 @@ def test_same_scales_and_skips_as_deepspeed(ds: Any, name: str, pattern: str, st
 
 
 @pytest.mark.deepspeed
+@pytest.mark.parametrize("name", ["consecutive", "window-3"])
+def test_a_checkpoint_moves_between_backends(ds: Any, name: str) -> None:
+    """A scale saved by LossScaler (mpi/torch/horovod/local) resumes in AgreedGradScaler (deepspeed) mid-pattern,
+    hysteresis left and growth count included, and DeepSpeed's sequence goes on."""
+    flags = PATTERNS["bursty"][:200]
+    want = _deepspeed_run(SECTIONS[name], flags, 1)
+    options = ScalerOptions.parse(loss_scaling(SECTIONS[name]))
+    ours = LossScaler(options, CPU)
+    for flag in flags[:101]:
+        ours.update(torch.tensor([float(flag)]))
+    state = ours.state_dict()
+    assert state["scale"] == want[100]
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.0)
+    agreed = AgreedGradScaler(options, CPU, None)
+    agreed.load_state_dict(state)
+    for step in range(101, 200):
+        opt.zero_grad()
+        agreed.scale(p.sum() * (float("inf") if flags[step] else 1.0)).backward()
+        agreed.begin_step()
+        agreed.step(opt)
+        agreed.update()
+        agreed.end_step(engine_skipped=False)
+        assert agreed.scale_value == want[step], step
+    assert agreed.skipped_steps == sum(flags)
+
+
+@pytest.mark.deepspeed
 def test_the_patterns_reach_what_they_test(ds: Any) -> None:
     """Growth after window + 1 good steps, hysteresis absorbing overflows, the floor's error: all happen."""
     assert _deepspeed_run(SECTIONS["window-3"], [False] * 4, 1) == [256.0, 256.0, 256.0, 512.0]
