@@ -183,9 +183,9 @@ class DistributedOptimizer(WindowedOptimizer):
             self._no_sync = previous
 
     # ------------------------------------------------------------------ optimizer protocol (window.py)
-    def _clip(self, max_norm: float) -> None:
+    def _clip(self, max_norm: float) -> float:
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     def checkpoint_layout(self, model: torch.nn.Module) -> FullLayout:
         """Every member of the data-parallel communicator holds the whole state: each writes an even slice."""

@@ -75,6 +75,13 @@ class EngineOptimizer(OptimizerView):
         return int(getattr(self.engine, "skipped_steps", 0))
 
     @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm DeepSpeed measured at the last step (None where it measures none: fp32 stage 0
+        without clipping)."""
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    @property
     def backward_passes_per_step(self) -> int:
         """The engine's gradient_accumulation_steps (a user DeepSpeed config may have set it)."""
         return int(self.engine.gradient_accumulation_steps())

@@ -32,6 +32,7 @@ class WindowedOptimizer(OptimizerView):
 
     backward_passes_per_step: int = 1
     clip_grad_norm: float | None = None
+    last_grad_norm: float | None = None  # the global L2 norm the last clip measured (before clipping)
     _calls = 0  # step() calls: the pass index within the accumulation window
     _synced = False  # synchronize() already ran for this step
     _no_sync = False  # inside no_sync(): nothing reduces, steps or clears
@@ -46,7 +47,8 @@ class WindowedOptimizer(OptimizerView):
     def synchronize(self) -> None:
         raise NotImplementedError
 
-    def _clip(self, max_norm: float) -> None:
+    def _clip(self, max_norm: float) -> float:
+        """Clip the reduced gradients to ``max_norm``; returns their global L2 norm before clipping."""
         raise NotImplementedError
 
     def _scaled_grads(self) -> list[torch.Tensor]:
@@ -100,7 +102,7 @@ class WindowedOptimizer(OptimizerView):
         found = None if self.scaler is None else self._agree_found_inf(self.scaler.unscale(self._scaled_grads()))
         if found is None or not bool(found):  # no loss scaling, or no inf/nan anywhere
             if self.clip_grad_norm is not None:
-                self._clip(self.clip_grad_norm)
+                self.last_grad_norm = self._clip(self.clip_grad_norm)
             self.optimizer.step()
             self._after_step()
         if self.scaler is not None and found is not None:

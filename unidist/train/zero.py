@@ -250,7 +250,7 @@ class ZeroOptimizer(WindowedOptimizer):
         for unit in self.units:
             unit.refresh()
 
-    def _clip(self, max_norm: float) -> None:
+    def _clip(self, max_norm: float) -> float:
         """torch.nn.utils.clip_grad_norm_ over the whole model: the shards' squared norms summed over ranks."""
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
         local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
@@ -259,6 +259,7 @@ class ZeroOptimizer(WindowedOptimizer):
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
+        return total
 
     _holding = False  # inside accumulate(): stage 3 keeps the full parameters, so no forward fetches them
 

@@ -1,0 +1,102 @@
+"""``engine.save_checkpoint`` / ``engine.load_checkpoint`` with DeepSpeed's directory protocol, unidist's files.
+
+DeepSpeed's protocol is kept: ``save_dir/<tag>/`` per checkpoint (tag default ``global_step{N}``), ``save_dir/latest``
+holding the newest tag (no newline), ``load_checkpoint(dir)`` reading it and returning ``(path, client_state)``, or
+``(None, None)`` with a warning when there is none. The files inside the tag directory are unidist's (the format
+``mgr.save_checkpoint`` writes: per-parameter slices and a manifest), not DeepSpeed's ``mp_rank_00_model_states.pt``
+and ZeRO partition files: that is what lets a checkpoint written under one launcher, world size and ZeRO stage
+resume under any other, the deepspeed launcher included (there unidist consolidates DeepSpeed's partitions with
+DeepSpeed's own calls). The engine's counters and the scheduler's state travel in the checkpoint's ``extra``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from unidist.compat.deepspeed.exceptions import DeepSpeedUnsupportedError
+from unidist.errors import CheckpointError, InvalidArgumentError
+
+__all__ = ["LATEST", "load", "save"]
+
+LATEST = "latest"
+_KEY = "deepspeed_compat"  # the extra entry holding the engine's part
+_log = logging.getLogger("unidist.compat.deepspeed")
+
+
+def save(engine: Any, save_dir: str | os.PathLike[str], tag: Any, client_state: dict[str, Any] | None,
+         save_latest: bool, exclude_frozen_parameters: bool) -> bool:
+    """``engine.save_checkpoint`` (see there)."""
+    if not save_dir:
+        raise InvalidArgumentError("engine.save_checkpoint(save_dir=...) needs a directory")
+    if exclude_frozen_parameters:
+        raise DeepSpeedUnsupportedError("save_checkpoint(exclude_frozen_parameters=True) is not supported by "
+                                        "unidist.compat.deepspeed: every parameter is saved")
+    if client_state is not None and not isinstance(client_state, dict):
+        raise InvalidArgumentError(f"save_checkpoint(client_state=...) takes a dict, got {type(client_state).__name__}")
+    mgr = engine.manager
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    _check_same_tag(mgr, tag)
+    scheduler = engine.lr_scheduler
+    part = {"client_state": dict(client_state or {}), "counters": engine.counters(),
+            "lr_scheduler": scheduler.state_dict() if scheduler is not None else None}
+    directory = Path(save_dir)
+    if mgr.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    mgr.save_checkpoint(directory / tag, engine.prepared_model, engine.optimizer, **{_KEY: part})
+    if save_latest and mgr.rank == 0:
+        tmp = directory / f".{LATEST}.tmp"
+        tmp.write_text(tag)  # DeepSpeed writes the bare tag
+        os.replace(tmp, directory / LATEST)
+    mgr.barrier()
+    return True
+
+
+def load(engine: Any, load_dir: str | os.PathLike[str], tag: Any, load_module_strict: bool,
+         load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool,
+         custom_load_fn: Any) -> tuple[Any, Any]:
+    """``engine.load_checkpoint`` (see there)."""
+    if custom_load_fn is not None:
+        raise DeepSpeedUnsupportedError("load_checkpoint(custom_load_fn=...) is not supported by "
+                                        "unidist.compat.deepspeed")
+    if not load_module_strict:
+        raise DeepSpeedUnsupportedError("load_checkpoint(load_module_strict=False) is not supported by "
+                                        "unidist.compat.deepspeed: every parameter must match")
+    directory = Path(load_dir)
+    if tag is None:
+        latest = directory / LATEST
+        if not latest.is_file():
+            _log.warning("Unable to find latest file at %s, if trying to load latest checkpoint please ensure this "
+                         "file exists or pass an explicit checkpoint tag when loading a checkpoint.", latest)
+            return None, None
+        tag = latest.read_text().strip()
+    path = directory / str(tag)
+    if not path.is_dir():
+        raise CheckpointError(f"engine.load_checkpoint: no checkpoint {str(path)!r} (tag {tag!r}); the tags in "
+                              f"{str(directory)!r} are {sorted(p.name for p in directory.iterdir() if p.is_dir())}"
+                              if directory.is_dir() else f"engine.load_checkpoint: {str(directory)!r} does not exist")
+    mgr = engine.manager
+    with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    extra = mgr.load_checkpoint(path, engine.prepared_model, engine.optimizer if with_optimizer else None)
+    part = extra.get(_KEY)
+    if part is None:  # a checkpoint mgr.save_checkpoint wrote directly: weights (and optimizer) only
+        return str(path), {}
+    if not load_module_only:
+        engine.restore_counters(part["counters"])
+        saved = part.get("lr_scheduler")
+        if load_lr_scheduler_states and saved is not None and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(saved)
+    return str(path), dict(part["client_state"])
+
+
+def _check_same_tag(mgr: Any, tag: str) -> None:
+    """Every rank must save under the same tag (DeepSpeed checks this too): else each would write half a
+    checkpoint into a different directory."""
+    if mgr.size == 1:
+        return
+    tags = mgr.allgather_object(tag)
+    if len(set(tags)) != 1:
+        raise InvalidArgumentError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag "
+                                   "on every rank")
