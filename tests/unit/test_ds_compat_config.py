@@ -170,6 +170,7 @@ def test_unknown_key_refused_with_a_suggestion(raw: Mapping[str, Any], key: str,
     ("zero_optimization.stage", 4, "a ZeRO stage: 0, 1, 2 or 3"), ("zero_optimization.stage", True, "an integer"),
     ("zero_optimization.reduce_bucket_size", 0, "an integer > 0"), ("fp16.enabled", "yes", "true or false"),
     ("train_batch_size", 8.5, "an integer"), ("optimizer", "Adam", "a JSON object"),
+    ("gradient_accumulation_steps", "auto", r"an integer, got 'auto' \(\"auto\" is filled in by Hugging Face"),
 ])
 def test_bad_value_names_the_key(name: str, value: Any, expected: str) -> None:
     with pytest.raises(DeepSpeedConfigError, match=f"'{name}' must be {expected}"):

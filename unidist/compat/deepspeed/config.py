@@ -150,7 +150,9 @@ def _check(row: Key, name: str, value: Any) -> Any:
     kind = row.kind
 
     def bad(expected: str) -> DeepSpeedConfigError:
-        return DeepSpeedConfigError(f"DeepSpeed config key {name!r} must be {expected}, got {value!r}")
+        hint = " (\"auto\" is filled in by Hugging Face's Trainer/Accelerate, not by DeepSpeed: give the value)" \
+            if value == "auto" else ""
+        return DeepSpeedConfigError(f"DeepSpeed config key {name!r} must be {expected}, got {value!r}{hint}")
 
     if kind == "any":
         return value
