@@ -69,9 +69,15 @@ def main() -> None:
         data, target = test[list(mine)]
         counts = torch.tensor([float((engine(data.to(device)).argmax(1) == target.to(device)).sum()), len(mine)])
     dist.all_reduce(counts)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # whole even under ZeRO-3
+        weights = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
+    low, high = weights.clone(), weights.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         print(f"deepspeed_digits: size={dist.get_world_size()} steps={engine.global_steps} "
-              f"test accuracy {float(counts[0] / counts[1]):.4f}")
+              f"test accuracy {float(counts[0] / counts[1]):.4f} max parameter difference across ranks "
+              f"{float((high - low).abs().max())}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ measures nothing), and so it is under the deepspeed launcher; elsewhere the engi
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,8 @@ def _compared(runs: dict[str, Got]) -> list[tuple[str, int, str, dict[str, Any],
             for key, case in cases.items():
                 if key.startswith("_"):
                     continue
-                rows.append((launch_id, rank, key, case, ref[key.replace("resume/", "train/Adam/")]))
+                if not key.startswith("fp16/"):  # compared among the compat launches (below)
+                    rows.append((launch_id, rank, key, case, ref[key.replace("resume/", "train/Adam/")]))
     return rows
 
 
@@ -172,3 +174,31 @@ def test_checkpoint_resumes_across_launchers_and_stages(env: str, request: pytes
         assert case["missing"] == [None, None]  # no `latest` file: DeepSpeed's (None, None)
     saver = next(got for got in runs.values() if any("latest" in c for c in got[0].values() if isinstance(c, dict)))
     assert next(c["latest"] for c in saver[0].values() if isinstance(c, dict) and "latest" in c) == "global_step4"
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_fp16_section_skips_the_overflowing_steps_on_every_launcher(env: str, request: pytest.FixtureRequest) -> None:
+    """DeepSpeed's fp16 section (compat only: real DeepSpeed refuses fp16 on a CPU; the scale arithmetic is compared
+    with DeepSpeed's own scaler classes in tests/unit/test_ds_loss_scale.py). Micro-steps 3, 6, 7 and 10 are made to
+    overflow: optimizer steps 1, 3 and 5 are skipped, counted, leave the scheduler alone, and the scale sequence is
+    the same on every launcher and rank."""
+    runs = request.getfixturevalue(env)
+    anchor = runs["local-1" if "local-1" in runs and env == "deepspeed_env" else "real"][0]
+    seen = 0
+    for launch_id, got in runs.items():
+        for rank, cases in got.items():
+            for key, case in cases.items():
+                if not key.startswith("fp16/"):
+                    continue
+                seen += 1
+                assert case["applied"] == [i not in (1, 3, 5) for i in range(8)], (launch_id, rank, key)
+                assert case["skipped"] == [0, 1, 1, 2, 2, 3, 3, 3] and case["global_steps"] == 8
+                lrs = [lr[0] for lr in case["lr"]]
+                for i in (1, 3, 5):
+                    assert lrs[i] == lrs[i - 1]  # not stepped on a skipped step
+                assert lrs[-1] > lrs[0]
+                scales = case["scale"]
+                assert all(b in (a, a / 2) for a, b in itertools.pairwise(scales)), scales  # backs off
+                assert scales[-1] < scales[0]
+                assert case == anchor[key], (launch_id, rank, key)
+    assert seen

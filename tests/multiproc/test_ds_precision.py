@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from helpers import WORKERS, Run, deepspeed, require, run
-from workers.ds_precision import INF_STEPS, STEPS, cases
+from workers.ds_precision import DS_INF_STEPS, INF_STEPS, STEPS, cases
 
 pytestmark = pytest.mark.deepspeed
 
@@ -105,3 +105,16 @@ def test_the_scale_resumes_from_a_checkpoint(reports: Reports) -> None:
     for g in _case(reports, "fp16-resume/stage2"):
         assert g["loaded"] == g["saved"] and g["saved"][1] == 1, g  # one skipped step, a scale unlike the initial
         assert g["saved"][0] != g["fresh_scale"] and g["weights"] == 0.0, g
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_deepspeed_fp16_section_follows_deepspeeds_scaler(reports: Reports, stage: int) -> None:
+    """compat.deepspeed's loss_scaling on DeepSpeed's engine: DeepSpeed's own scaler's sequence (hysteresis at
+    ZeRO, none at stage 0), the same on both ranks, overflow steps skipped."""
+    r0, r1 = _case(reports, f"fp16-ds-section/stage{stage}")
+    for g in (r0, r1):
+        assert g["scales"] == g["ref_scales"], g
+        assert [i for i, s in enumerate(g["skipped"]) if s] == list(DS_INF_STEPS), g
+        assert g["spread"] == 0.0
+    assert r0["scales"] == r1["scales"]
+    assert (r0["scales"][1] == r0["scales"][0]) == (stage > 0)  # the first overflow absorbed by hysteresis

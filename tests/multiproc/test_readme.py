@@ -56,6 +56,13 @@ def test_readme_command(cmd: str) -> None:
                       proc.stdout)
         assert m, proc.describe()
         assert int(m.group(1)) == n and float(m.group(2)) >= 0.9 and float(m.group(3)) == 0.0, m.group(0)
+    elif "deepspeed_digits" in cmd:
+        m = re.search(r"deepspeed_digits: size=(\d) steps=(\d+) test accuracy ([\d.]+) max parameter difference "
+                      r"across ranks (\S+)", proc.stdout)
+        assert m, proc.describe()
+        # 1437 rows in micro-batches of 64/2/n per rank: 45 a epoch; an optimizer step every 2 of them (across epochs)
+        assert int(m.group(1)) == n and int(m.group(2)) == 3 * 45 // 2, m.group(0)
+        assert float(m.group(3)) >= 0.9 and float(m.group(4)) == 0.0, m.group(0)
     elif "train_digits" in cmd:
         m = re.search(r"backend=(\w+) ranks=(\d) final test accuracy ([\d.]+) .* max parameter difference across "
                       r"ranks (\S+)", proc.stdout)

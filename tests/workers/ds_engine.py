@@ -131,6 +131,38 @@ def resume(stage: int, load: str) -> dict[str, Any]:
     return rec
 
 
+FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 3, "hysteresis": 2, "min_loss_scale": 1}
+OVERFLOW_MICRO_STEPS = {3, 6, 7, 10}  # micro-steps whose loss is made inf/nan (optimizer steps 1, 3 and 5)
+
+
+def fp16(stage: int) -> dict[str, Any]:
+    """DeepSpeed's fp16 section: which steps are skipped, the loss scale after each, the scheduler not stepped on
+    skipped steps. Compat only: real DeepSpeed refuses fp16 on a CPU ("Type fp16 is not supported on your
+    device"); tests/unit/test_ds_loss_scale.py compares the scale arithmetic with DeepSpeed's own scaler classes."""
+    model, data = model_and_data()
+    cfg = {**config("Adam", stage), "fp16": FP16}
+    engine, _, loader, _ = deepspeed.initialize(model=model, training_data=data, config=cfg)
+    rec: dict[str, Any] = {"applied": [], "scale": [], "lr": [], "skipped": []}
+    micro = 0
+    for _ in range(2):
+        for x, y in loader:
+            x = x.half() if engine.fp16_enabled() else x  # as DeepSpeedExamples' scripts do
+            loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+            if micro in OVERFLOW_MICRO_STEPS:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            engine.step()
+            micro += 1
+            if engine.is_gradient_accumulation_boundary():  # the step just taken was a window's first micro-step
+                continue
+            rec["applied"].append(engine.was_step_applied())
+            rec["scale"].append(float(engine.loss_scale))
+            rec["lr"].append(engine.get_lr())
+            rec["skipped"].append(engine.skipped_steps)
+    rec["global_steps"] = engine.global_steps
+    return rec
+
+
 def nosync(stage: int) -> dict[str, Any]:
     model, data = model_and_data()
     engine, _, _, _ = deepspeed.initialize(model=model, config=config("SGD", stage, gas=1))
@@ -155,6 +187,8 @@ def main() -> None:
             out[f"train/{opt}/s{stage}"] = train(opt, stage, save=save)
         if stage < 2:
             out[f"nosync/s{stage}"] = nosync(stage)
+        if stage in (0, 2) and not args.real:
+            out[f"fp16/s{stage}"] = fp16(stage)
         if args.load is not None:
             out[f"resume/s{stage}"] = resume(stage, args.load)
     Path(args.out, f"rank{RANK}.json").write_text(json.dumps(out))

@@ -14,6 +14,9 @@ pinned off by unidist). Cases, every one in this one launch:
   must back off (DeepSpeed alone skips them without ever lowering the scale).
 - ``bf16-true/stage0``: a bfloat16 model against one process's bfloat16 model; ``bf16-true/stage2`` must be
   refused with an InvalidArgumentError.
+- ``fp16-ds-section/stage{0,2}``: a DeepSpeed fp16 section (hysteresis 2, window 2) through
+  ``compat.deepspeed.loss_scale.loss_scaling``; the reference is DeepSpeed's own scaler for that stage on the
+  same overflow flags (stage 2 with the partial inf: the agreed skip must use hysteresis alike on both ranks).
 
 Writes ``<out>/rank<R>.json``.
 """
@@ -163,6 +166,38 @@ def resume(mgr: Any, path: Path) -> dict[str, Any]:
     return {"saved": saved, "loaded": before, "weights": diff, "fresh_scale": SCALING["init_scale"]}
 
 
+DS_SECTION = {"initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2}
+DS_INF_STEPS = (1, 2, 3, 7)  # 1 and 7 absorbed by hysteresis at ZeRO, a growth at 6 refills it
+
+
+def ds_section(mgr: Any, stage: int) -> dict[str, Any]:
+    """A DeepSpeed fp16 section's scaling on DeepSpeed's engine, and DeepSpeed's own scaler on the same flags."""
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, LossScaleConfig, LossScaleProfile
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+
+    from unidist.compat.deepspeed.loss_scale import loss_scaling
+
+    got = train(mgr, "fp16-mixed", stage, loss_scaling(DS_SECTION, zero_stage=stage), DS_INF_STEPS,
+                partial=stage > 0)
+    cfg = DeepSpeedFP16Config(enabled=True, **DS_SECTION)
+    if stage:  # ZeRO's scaler (zero/stage_1_and_2.py:722)
+        theirs = CreateLossScaler(torch.half, cfg.loss_scale, True, cfg.dynamic_loss_scale_args())
+        update, read = theirs.update_scale, lambda: theirs.cur_scale
+    else:  # stage 0's fp16 optimizer (engine.py:2555-2609)
+        lsc = LossScaleConfig(torch.float16, True, cfg.loss_scale, cfg.dynamic_loss_scale_args(),
+                              profile=LossScaleProfile.UNFUSED)
+        fp16 = FP16_UnfusedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2, dtype=torch.half))], lr=0.1),
+                                     loss_scale_config=lsc, low_precision_dtype=torch.float16, verbose=False)
+        update, read = fp16._update_scale, lambda: fp16.loss_scale
+    ref = []
+    for step in range(STEPS):
+        update(step in DS_INF_STEPS)
+        ref.append(float(read()))
+    return {"scales": got["scales"], "skipped": got["skipped"], "counts": got["counts"], "spread": got["spread"],
+            "ref_scales": ref}
+
+
 @dataclass(frozen=True)
 class Case:
     precision: str
@@ -222,6 +257,12 @@ def main() -> int:
         except Exception as err:
             traceback.print_exc()
             results["fp16-resume/stage2"] = {"error": f"{type(err).__name__}: {err}"}
+        for stage in (0, 2):
+            try:
+                results[f"fp16-ds-section/stage{stage}"] = ds_section(mgr, stage)
+            except Exception as err:
+                traceback.print_exc()
+                results[f"fp16-ds-section/stage{stage}"] = {"error": f"{type(err).__name__}: {err}"}
         try:
             train(mgr, "bf16-true", 2, None, ())
             results["bf16-true/stage2"] = {"error": None}

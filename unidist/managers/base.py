@@ -328,7 +328,9 @@ class Manager(Communicator):
                 inf/nan gradients is skipped on every rank, see ``opt.last_step_skipped`` and ``opt.loss_scale``)
                 or ``"bf16-true"`` (a bfloat16 model). Outputs come back as float32.
             loss_scaling: fp16's dynamic loss scaling, with ``torch.amp.GradScaler``'s parameters and defaults:
-                ``{"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}``.
+                ``{"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}``,
+                and DeepSpeed's (``dynamic``, ``hysteresis``, ``consecutive_hysteresis``, ``min_scale``,
+                ``growth_rule``, ``raise_at_min_scale``: ``unidist.train.precision.ScalerOptions``).
         """
         return self._training().prepare(  # type: ignore[no-any-return]
             model, optimizer, zero_stage=zero_stage, clip_grad_norm=clip_grad_norm, op=op, compression=compression,

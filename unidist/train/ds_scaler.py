@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from unidist.train.precision import ScalerOptions
+from unidist.train.precision import ScalerOptions, next_scale
 
 __all__ = ["AgreedGradScaler"]
 
@@ -20,7 +20,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
     at stage 0, ``optimizer.torch_autocast_gradscaler`` under ZeRO); this one replaces it right after
     ``deepspeed.initialize`` and differs in three ways:
 
-    - its parameters are ``prepare(loss_scaling=...)``'s;
+    - its parameters are ``prepare(loss_scaling=...)``'s, DeepSpeed's scaler's included (hysteresis, floor,
+      growth count, static scale: ``next_scale`` in train/precision.py moves the scale then);
     - the skip is agreed: each rank's found-inf is max-allreduced over the data-parallel group before the step
       (under ZeRO a rank unscales only its partition, so ranks could otherwise skip different steps and their
       scales drift apart: pytorch/pytorch#76282);
@@ -40,6 +41,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
         super().__init__(device.type, init_scale=options.init_scale, growth_factor=options.growth_factor,
                          backoff_factor=options.backoff_factor, growth_interval=options.growth_interval)
         self.options, self.group = options, group
+        self._init_growth_tracker = options.start_tracker  # -1 under DeepSpeed's growth rule (precision.py)
+        self.hysteresis = options.hysteresis  # overflows left before a back-off (DeepSpeed's hysteresis)
         self.skipped_steps = 0
         self.last_step_skipped = False
         self._in_step = False  # inside EngineOptimizer.step: update() waits for end_step
@@ -68,6 +71,14 @@ class AgreedGradScaler(torch.amp.GradScaler):
         return optimizer.step(*args, **kwargs)
 
     def update(self, new_scale: Any = None) -> None:
+        if not self._in_step and new_scale is None and not self.options.gradscaler and self._scale is not None:
+            found = [f for state in self._per_optimizer_states.values()
+                     for f in state["found_inf_per_device"].values()]
+            if not found:
+                raise RuntimeError("No inf checks were recorded prior to update.")  # GradScaler's text
+            self._per_optimizer_states.clear()
+            self._move(any(bool(f) for f in found))
+            return
         if not self._in_step or new_scale is not None:
             super().update(new_scale)
             return
@@ -86,19 +97,33 @@ class AgreedGradScaler(torch.amp.GradScaler):
         self.skipped_steps += int(found)
         if self._scale is None or self._growth_tracker is None:  # no scale() yet: nothing was scaled
             return
+        self._move(found)
+
+    def _move(self, found: bool) -> None:
+        """One update of the scale: GradScaler's kernel, or ``next_scale`` with DeepSpeed's options."""
         o = self.options
-        torch._amp_update_scale_(self._scale, self._growth_tracker,
-                                 torch.full((), float(found), dtype=torch.float32, device=self._scale.device),
-                                 o.growth_factor, o.backoff_factor, o.growth_interval)
+        if self._scale is None or self._growth_tracker is None:
+            return
+        if o.gradscaler:
+            torch._amp_update_scale_(self._scale, self._growth_tracker,
+                                     torch.full((), float(found), dtype=torch.float32, device=self._scale.device),
+                                     o.growth_factor, o.backoff_factor, o.growth_interval)
+            return
+        scale, tracker, self.hysteresis = next_scale(o, float(self._scale), int(self._growth_tracker),
+                                                     self.hysteresis, found)
+        self._scale.fill_(scale)
+        self._growth_tracker.fill_(tracker)
 
     def state_dict(self) -> dict[str, Any]:
         """GradScaler's keys and the skipped-step count: LossScaler's (train/precision.py) layout, so an fp16
         checkpoint resumes on any backend."""
-        return {**super().state_dict(), "skipped_steps": self.skipped_steps}
+        return {**super().state_dict(), "skipped_steps": self.skipped_steps, "hysteresis": self.hysteresis}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict)
         self.skipped_steps = int(state.pop("skipped_steps", 0))
+        self.hysteresis = int(state.pop("hysteresis", self.options.hysteresis))
+        state.setdefault("_growth_tracker", self.options.start_tracker)
         # the factors and interval stay those this run was prepared with (as LossScaler does)
         o = self.options
         state.update(growth_factor=o.growth_factor, backoff_factor=o.backoff_factor, growth_interval=o.growth_interval)

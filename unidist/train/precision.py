@@ -13,15 +13,18 @@ The modes are Lightning's names, because users arrive knowing them:
 fp16's range is narrow, so ``"fp16-mixed"`` adds dynamic loss scaling with torch ``GradScaler``'s parameters
 and arithmetic (``LossScaler``): the loss is multiplied by the scale before backward, the reduced gradients
 are unscaled (and checked for inf/nan) before clipping and the step, a step whose gradients are not finite
-is skipped and the scale backs off, and after ``growth_interval`` good steps it grows. The skip decision
-must be the same on every rank, or the replicas part ways (pytorch/pytorch#76282); the optimizers make it
-from gradients every rank holds identically, or agree on it with one collective where each rank holds a
-shard (ZeRO).
+is skipped and the scale backs off, and after ``growth_interval`` good steps it grows. Optional fields give
+DeepSpeed's dynamic loss scaler too (hysteresis, a floor, its growth count, a static scale), so a DeepSpeed
+``fp16`` section skips the same steps with the same scales off DeepSpeed (compat/deepspeed/loss_scale.py).
+The skip decision must be the same on every rank, or the replicas part ways (pytorch/pytorch#76282); the
+optimizers make it from gradients every rank holds identically, or agree on it with one collective where each
+rank holds a shard (ZeRO).
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -29,9 +32,10 @@ from typing import Any
 import torch
 
 from unidist.config import PRECISIONS
-from unidist.errors import InvalidArgumentError
+from unidist.errors import InvalidArgumentError, UnidistError
 
-__all__ = ["PRECISIONS", "LossScaler", "Precision", "ScalerOptions", "cast_floats"]
+__all__ = ["GROWTH_RULES", "PRECISIONS", "LossScaleFloorError", "LossScaler", "Precision", "ScalerOptions",
+           "cast_floats", "next_scale"]
 
 # what each of config.PRECISIONS (the names) means: (autocast dtype, parameter dtype, loss scaling)
 _MODES: Mapping[str, tuple[torch.dtype | None, torch.dtype | None, bool]] = dict(zip(PRECISIONS, [
@@ -42,18 +46,62 @@ _MODES: Mapping[str, tuple[torch.dtype | None, torch.dtype | None, bool]] = dict
 ], strict=True))
 
 
+GROWTH_RULES = ("torch", "deepspeed")  # ScalerOptions.growth_rule
+
+
+class LossScaleFloorError(UnidistError, RuntimeError):
+    """An overflow that would back off a scale already at ``min_scale``, with ``raise_at_min_scale`` (DeepSpeed's
+    ZeRO optimizers stop the run there: deepspeed/runtime/fp16/loss_scaler.py:261-263)."""
+
+
 @dataclass(frozen=True)
 class ScalerOptions:
-    """Dynamic loss scaling, with ``torch.amp.GradScaler``'s parameters and defaults."""
+    """Dynamic loss scaling, with ``torch.amp.GradScaler``'s parameters and defaults.
+
+    The fields after ``growth_interval`` express DeepSpeed's scalers (deepspeed/runtime/fp16/loss_scaler.py
+    ``DynamicLossScaler``); at their defaults the scale is GradScaler's bit for bit:
+
+    - ``dynamic``: False is a static scale (DeepSpeed's ``fp16.loss_scale`` > 0): it never moves, and a step with
+      inf/nan gradients is still skipped.
+    - ``hysteresis``: overflows it takes to back off (DeepSpeed's ``hysteresis``, ``delayed_shift``): each overflow
+      before that is a skipped step that only uses one up. Once used up, every overflow backs off until a growth
+      (or, with ``consecutive_hysteresis``, any good step) refills it.
+    - ``min_scale``: the back-off's floor (DeepSpeed's ``min_loss_scale``); 0 is none.
+    - ``growth_rule``: ``"torch"`` grows after ``growth_interval`` good steps in a row (GradScaler's count);
+      ``"deepspeed"`` grows when the good steps since the last overflow (or the start), minus one, are a positive
+      multiple of ``growth_interval``: the first growth after ``growth_interval + 1`` good steps, then every
+      ``growth_interval`` (loss_scaler.py:282-286 ``stable_interval``).
+    - ``raise_at_min_scale``: an overflow that would back off a scale already at ``min_scale`` raises
+      ``LossScaleFloorError`` (DeepSpeed's ZeRO optimizers raise there; its stage-0 fp16 optimizers do not).
+    """
 
     init_scale: float = 2.0**16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    dynamic: bool = True
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    min_scale: float = 0.0
+    growth_rule: str = "torch"
+    raise_at_min_scale: bool = False
+
+    @property
+    def gradscaler(self) -> bool:
+        """Whether this is plain GradScaler (then torch's own update kernel moves the scale)."""
+        return (self.dynamic and self.hysteresis == 1 and self.min_scale == 0.0 and self.growth_rule == "torch"
+                and not self.raise_at_min_scale)
+
+    @property
+    def start_tracker(self) -> int:
+        """The growth tracker at the start and after an overflow: -1 under DeepSpeed's rule, whose first growth
+        after an overflow takes one good step more."""
+        return -1 if self.growth_rule == "deepspeed" else 0
 
     @classmethod
     def parse(cls, given: Mapping[str, Any] | None, where: str = "prepare") -> ScalerOptions:
-        """``prepare(loss_scaling={...})``: GradScaler's keyword names; anything else is an error."""
+        """``prepare(loss_scaling={...})``: GradScaler's keyword names (and the DeepSpeed ones above); anything
+        else is an error."""
         if given is None:
             return cls()
         if not isinstance(given, Mapping):
@@ -63,7 +111,8 @@ class ScalerOptions:
         unknown = sorted(set(given) - names)
         if unknown:
             raise InvalidArgumentError(f"{where}(loss_scaling=...) got unknown key(s) {unknown}; it accepts "
-                                       f"{', '.join(sorted(names))} (torch.amp.GradScaler's parameters)")
+                                       f"{', '.join(sorted(names))} (torch.amp.GradScaler's parameters, and "
+                                       "DeepSpeed's scaler's)")
         opts = cls(**given)
         checks = {"init_scale": opts.init_scale > 0, "growth_factor": opts.growth_factor > 1,
                   "backoff_factor": 0 < opts.backoff_factor < 1,
@@ -74,7 +123,66 @@ class ScalerOptions:
                 raise InvalidArgumentError(f"{where}(loss_scaling={{{name!r}: {value!r}}}): need init_scale > 0, "
                                            "growth_factor > 1, 0 < backoff_factor < 1 and an int growth_interval "
                                            ">= 1")
+        _check_deepspeed_fields(opts, where)
         return opts
+
+
+def _check_deepspeed_fields(opts: ScalerOptions, where: str) -> None:
+    """The fields beyond GradScaler's, each with what it needs."""
+    h, floor = opts.hysteresis, opts.min_scale
+    needs = {
+        "dynamic": (isinstance(opts.dynamic, bool), "True or False (False: a static scale)"),
+        "hysteresis": (isinstance(h, int) and not isinstance(h, bool) and h >= 1,
+                       "an int >= 1 (the overflows it takes to back off; 1 backs off on every overflow)"),
+        "consecutive_hysteresis": (isinstance(opts.consecutive_hysteresis, bool), "True or False"),
+        "min_scale": (isinstance(floor, (int, float)) and not isinstance(floor, bool) and math.isfinite(floor)
+                      and floor >= 0, "a finite number >= 0 (the back-off's floor; 0 is none)"),
+        "growth_rule": (opts.growth_rule in GROWTH_RULES, f"one of {', '.join(map(repr, GROWTH_RULES))}"),
+        "raise_at_min_scale": (isinstance(opts.raise_at_min_scale, bool), "True or False"),
+    }
+    for name, (ok, need) in needs.items():
+        if not ok:
+            raise InvalidArgumentError(f"{where}(loss_scaling={{{name!r}: {getattr(opts, name)!r}}}): "
+                                       f"{name} must be {need}")
+
+
+def next_scale(o: ScalerOptions, scale: float, tracker: int, hysteresis: int, found_inf: bool
+               ) -> tuple[float, int, int]:
+    """One update of the scale beyond GradScaler's: ``(scale, tracker, hysteresis left)`` after a step.
+
+    DeepSpeed's rule (loss_scaler.py:255-290): an overflow backs off only when hysteresis is 1 (the option or
+    what is left), else uses one up; either way it restarts the growth count. A good step refills hysteresis
+    with ``consecutive_hysteresis``, and grows when the count reaches ``growth_interval`` (refilling hysteresis
+    too). The arithmetic is float64 as DeepSpeed's (exact for its powers of two); a growth that would leave
+    float32's range is not taken, as GradScaler's kernel does not."""
+    if not o.dynamic:
+        return scale, tracker, hysteresis
+    f32 = _f32(scale)
+    if found_inf:
+        if o.hysteresis == 1 or hysteresis <= 1:
+            if o.raise_at_min_scale and f32 == _f32(o.min_scale):
+                raise LossScaleFloorError(f"fp16 overflow with the loss scale already at min_scale={o.min_scale}: "
+                                          "it cannot back off further (DeepSpeed stops the run here too); lower "
+                                          "min_loss_scale or find what makes the gradients inf/nan")
+            scale = max(scale * o.backoff_factor, o.min_scale)
+        else:
+            hysteresis -= 1
+        return _f32(scale), o.start_tracker, hysteresis
+    if o.consecutive_hysteresis:
+        hysteresis = o.hysteresis
+    tracker += 1
+    if tracker >= o.growth_interval:
+        grown = _f32(scale * o.growth_factor)
+        if math.isfinite(grown):
+            scale = grown
+        tracker = 0
+        hysteresis = o.hysteresis
+    return _f32(scale), tracker, hysteresis
+
+
+def _f32(x: float) -> float:
+    """``x`` as the float32 scale tensor holds it (inf beyond float32's range)."""
+    return array("f", [x])[0]
 
 
 class LossScaler:
@@ -82,13 +190,15 @@ class LossScaler:
 
     The scale is a float32 tensor updated with torch's own ``_amp_update_scale_`` and gradients are unscaled with
     ``_amp_foreach_non_finite_check_and_unscale_``, so the scale sequence and the unscaled gradients are GradScaler's
-    bit for bit. Its ``state_dict`` has GradScaler's keys, so either can load the other's.
+    bit for bit. Its ``state_dict`` has GradScaler's keys, so either can load the other's. With DeepSpeed's
+    options (``ScalerOptions``) the scale moves by ``next_scale`` instead.
     """
 
     def __init__(self, options: ScalerOptions, device: torch.device) -> None:
         self.options = options
         self._scale = torch.full((), options.init_scale, dtype=torch.float32, device=device)
-        self._tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self._tracker = torch.full((), options.start_tracker, dtype=torch.int32, device=device)
+        self.hysteresis = options.hysteresis  # overflows left before a back-off
         self.skipped_steps = 0
         self.last_step_skipped = False
 
@@ -119,20 +229,28 @@ class LossScaler:
         o = self.options
         self.last_step_skipped = bool(found_inf)
         self.skipped_steps += self.last_step_skipped
-        torch._amp_update_scale_(self._scale, self._tracker, found_inf.to(self._scale.device).reshape(()),
-                                 o.growth_factor, o.backoff_factor, o.growth_interval)
+        if o.gradscaler:
+            torch._amp_update_scale_(self._scale, self._tracker, found_inf.to(self._scale.device).reshape(()),
+                                     o.growth_factor, o.backoff_factor, o.growth_interval)
+            return
+        scale, tracker, self.hysteresis = next_scale(o, self.scale_value, int(self._tracker), self.hysteresis,
+                                                     self.last_step_skipped)
+        self._scale.fill_(scale)
+        self._tracker.fill_(tracker)
 
     def state_dict(self) -> dict[str, Any]:
-        """GradScaler's keys (and the skipped-step count)."""
+        """GradScaler's keys (and the skipped-step count, and the hysteresis left)."""
         return {"scale": self.scale_value, "growth_factor": self.options.growth_factor,
                 "backoff_factor": self.options.backoff_factor, "growth_interval": self.options.growth_interval,
-                "_growth_tracker": int(self._tracker), "skipped_steps": self.skipped_steps}
+                "_growth_tracker": int(self._tracker), "skipped_steps": self.skipped_steps,
+                "hysteresis": self.hysteresis}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume a scale (the factors and interval stay those this run was prepared with)."""
         self._scale.fill_(float(state["scale"]))
-        self._tracker.fill_(int(state.get("_growth_tracker", 0)))
+        self._tracker.fill_(int(state.get("_growth_tracker", self.options.start_tracker)))
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.hysteresis = int(state.get("hysteresis", self.options.hysteresis))
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,15 @@ engine), ``checkpoint`` (tags and ``latest``), ``dataloader``, ``dist`` (``init_
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
+from unidist.compat.deepspeed import accelerator, comm, moe, pipe, runtime, utils, zero
 from unidist.compat.deepspeed.dist import init_distributed
 from unidist.compat.deepspeed.exceptions import DeepSpeedConfigError, DeepSpeedUnsupportedError
 from unidist.compat.deepspeed.initialize import initialize
 
 __version__ = "0.19.8"  # the DeepSpeed release whose behaviour this layer follows
-__all__ = ["DeepSpeedConfigError", "DeepSpeedUnsupportedError", "__version__", "add_config_arguments",
-           "init_distributed", "initialize"]
+__all__ = ["DeepSpeedConfigError", "DeepSpeedUnsupportedError", "__version__", "accelerator", "add_config_arguments",
+           "comm", "init_distributed", "initialize", "moe", "pipe", "runtime", "utils", "zero"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -44,12 +44,3 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--deepscale_config", default=None, type=str,
                        help="Deprecated DeepSpeed json configuration file.")
     return parser
-
-
-def __getattr__(name: str) -> Any:
-    """``deepspeed.comm``, ``deepspeed.accelerator`` ... as attributes, imported when first used."""
-    import importlib
-
-    if name in ("comm", "accelerator", "moe", "pipe", "runtime", "utils", "ops", "zero"):
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -79,7 +79,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         clip_grad_norm=cfg.gradient_clipping if cfg.gradient_clipping > 0 else None,
         backward_passes_per_step=cfg.gradient_accumulation_steps,
         bucket_mb=max(cfg.reduce_bucket_size * 4 / 2**20, 1.0),
-        precision=precision, loss_scaling=loss_scaling(cfg.fp16) if precision == "fp16-mixed" else None,
+        precision=precision,
+        loss_scaling=loss_scaling(cfg.fp16, zero_stage=cfg.zero_stage) if precision == "fp16-mixed" else None,
         deepspeed_config=passthrough or None)
     scheduler = _scheduler(lr_scheduler, prepared_opt, cfg) if prepared_opt is not None else None
     loader = None
