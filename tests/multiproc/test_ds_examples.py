@@ -18,8 +18,10 @@ and Horovod only in the horovod env.
   math), then compat under deepspeed-2, torchrun-2, mpiexec-2 and python against the reference. Each launch runs
   four cases, every stage once, both optimizers, both clipping thresholds.
 - horovod env: compat under horovodrun-gloo-2 against compat under torchrun-2 for the cases torchrun-2 runs
-  against real DeepSpeed in the deepspeed env (both run unidist's own ZeRO on a gloo process group), so
-  horovodrun-2 == torchrun-2 == real DeepSpeed.
+  against real DeepSpeed in the deepspeed env (on horovodrun, Horovod's DistributedOptimizer at stage 0 and
+  unidist's ZeRO over Horovod's collectives at 1-3; measured bit-identical to torchrun's), so horovodrun-2 ==
+  torchrun-2 == real DeepSpeed. (Measured offline with both installed: horovodrun-2 against real DeepSpeed
+  directly gives the torchrun figures.)
 
 The script's gradient_clipping of 1.0 never acts here: its small CNN at PyTorch's initialization has a global
 gradient norm of 0.2-0.5 on CIFAR-shaped data (measured on these data; per-sample norms are ~1.3, a 16-sample
