@@ -8,7 +8,8 @@ is resumed by another launch at another ZeRO stage and world size.
 Real DeepSpeed exists only in the deepspeed tox env and horovodrun only in the horovod env, so the chain is:
 
 - deepspeed env: real DeepSpeed under ``deepspeed --num_gpus 2`` (the reference) against compat under the deepspeed
-  launcher (stages 0 and 3) and python (one process, every stage, resuming the deepspeed launch's checkpoint);
+  launcher (stages 0 and 3, and stage 2 with ``offload_optimizer``, which only DeepSpeed's engine does) and python
+  (one process, every stage, resuming the deepspeed launch's checkpoint);
 - py env: compat under python (every stage) against compat under mpiexec-2 (every stage, resuming python's
   checkpoint); torch env: the same with torchrun-2 (stages 1 and 2); horovod env: the same with horovodrun --gloo
   (stages 0 and 3).
@@ -51,7 +52,8 @@ def deepspeed_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Got]:
     tmp = tmp_path_factory.mktemp("ds-engine")
     ck = tmp / "ck"
     return {"real": _launch(LAUNCHES["deepspeed-2"], tmp / "real", "--real", "--stages", ALL),
-            "deepspeed-2": _launch(LAUNCHES["deepspeed-2"], tmp / "ds", "--stages", "0,3", "--save", str(ck)),
+            "deepspeed-2": _launch(LAUNCHES["deepspeed-2"], tmp / "ds", "--stages", "0,3", "--save", str(ck),
+                                   "--offload"),
             "local-1": _launch(LAUNCHES["local-1"], tmp / "l1", "--stages", ALL, "--load", str(ck))}
 
 
@@ -104,7 +106,8 @@ def _compared(runs: dict[str, Got]) -> list[tuple[str, int, str, dict[str, Any],
                 if key.startswith("_"):
                     continue
                 if not key.startswith("fp16/"):  # compared among the compat launches (below)
-                    rows.append((launch_id, rank, key, case, ref[key.replace("resume/", "train/Adam/")]))
+                    ref_key = key.replace("resume/", "train/Adam/").replace("offload/", "train/Adam/")
+                    rows.append((launch_id, rank, key, case, ref[ref_key]))
     return rows
 
 
@@ -119,7 +122,7 @@ def test_weights_and_losses_equal_real_deepspeed(env: str, request: pytest.Fixtu
             continue
         moved = max(abs(w) for w in case["weights"]["0.weight"])
         assert moved > 0
-        ref_key = key.replace("resume/", "train/Adam/")
+        ref_key = key.replace("resume/", "train/Adam/").replace("offload/", "train/Adam/")
         n = len(case["losses"])
         if runs[launch_id][0]["_meta"]["size"] == runs["real"][0]["_meta"]["size"]:
             want, mine = runs["real"][rank][ref_key]["losses"][-n:], case["losses"]
@@ -127,13 +130,14 @@ def test_weights_and_losses_equal_real_deepspeed(env: str, request: pytest.Fixtu
             want, mine = _mean_losses(runs["real"], ref_key, n), _mean_losses(runs[launch_id], key, n)
         assert max(abs(a - b) for a, b in zip(mine, want, strict=True)) <= LOSS_TOL, (launch_id, rank, key)
     assert {"train", "nosync", "resume"} <= seen
+    assert ("offload" in seen) == (env == "deepspeed_env")
 
 
 @pytest.mark.parametrize("env", ENVS)
 def test_counters_schedule_and_clipping_follow_deepspeed(env: str, request: pytest.FixtureRequest) -> None:
     runs = request.getfixturevalue(env)
     for launch_id, rank, key, case, ref in _compared(runs):
-        if not key.startswith("train/"):
+        if not key.startswith(("train/", "offload/")):
             continue
         assert case["boundary"] == ref["boundary"] == [False, True] * 8, (launch_id, key)
         assert case["applied"] == ref["applied"], (launch_id, key)
@@ -158,7 +162,8 @@ def test_counters_schedule_and_clipping_follow_deepspeed(env: str, request: pyte
         assert (q["global_rank"], q["world_size"], q["local_rank"]) == (rank, size, rank)
         assert q["fp16"] is q["bf16"] is False and q["is_module"] and q["has_optimizer"] and q["has_scheduler"]
         if size == runs["real"][0]["_meta"]["size"]:
-            assert case["first_labels"] == runs["real"][rank][key]["first_labels"]  # DistributedSampler's order
+            theirs = runs["real"][rank][key.replace("offload/", "train/Adam/")]
+            assert case["first_labels"] == theirs["first_labels"]  # DistributedSampler's order
 
 
 @pytest.mark.parametrize("env", ENVS)

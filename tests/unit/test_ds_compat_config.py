@@ -360,3 +360,9 @@ def test_section_defaults_match_deepspeeds_models() -> None:
     rows = {k.name.partition(".")[2] for k in KEYS if k.name.partition(".")[0] in models}
     assert [alias for _, alias in declared if alias not in rows] == []  # every DeepSpeed field is a row
     assert checked == len(declared) - 1
+
+
+def test_docs_key_table_is_the_parsers_table() -> None:
+    """docs/deepspeed_config_keys.md lists exactly the keys the parser knows (regenerate it from keys.markdown())."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "deepspeed_config_keys.md").read_text()
+    assert doc.endswith(markdown()), "docs/deepspeed_config_keys.md is stale: regenerate its table from keys.markdown()"

@@ -27,6 +27,7 @@ p.add_argument("--real", action="store_true")
 p.add_argument("--stages", default="0,1,2,3")
 p.add_argument("--save", default=None)
 p.add_argument("--load", default=None)
+p.add_argument("--offload", action="store_true", help="also offload/s2: ZeRO-2 with offload_optimizer (deepspeed only)")
 p.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher appends it
 args = p.parse_args()
 
@@ -88,10 +89,12 @@ def epoch(engine: Any, loader: Any, rec: dict[str, Any]) -> None:
             rec["norms"].append(norm(engine))
 
 
-def train(opt: str, stage: int, epochs: int = 2, save: str | None = None) -> dict[str, Any]:
+def train(opt: str, stage: int, epochs: int = 2, save: str | None = None, offload: bool = False) -> dict[str, Any]:
     model, data = model_and_data()
-    engine, optimizer, loader, sched = deepspeed.initialize(model=model, training_data=data,
-                                                            config=config(opt, stage))
+    cfg = config(opt, stage)
+    if offload:  # a key only DeepSpeed's engine honours, handed to it under the deepspeed launcher
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, optimizer, loader, sched = deepspeed.initialize(model=model, training_data=data, config=cfg)
     rec: dict[str, Any] = {"boundary": [], "losses": [], "applied": [], "lr": [], "norms": [], "scaled_loss": []}
     rec["queries"] = {
         "train_batch_size": engine.train_batch_size(), "micro": engine.train_micro_batch_size_per_gpu(),
@@ -191,6 +194,8 @@ def main() -> None:
             out[f"fp16/s{stage}"] = fp16(stage)
         if args.load is not None:
             out[f"resume/s{stage}"] = resume(stage, args.load)
+    if args.offload:
+        out["offload/s2"] = train("Adam", 2, offload=True)
     Path(args.out, f"rank{RANK}.json").write_text(json.dumps(out))
 
 

@@ -52,6 +52,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.micro_steps = 0
         self._step_applied = False
         self._in_no_sync = False
+        self._pending: Any = None  # an accumulate block a no_sync opened, closed by the next backward outside
 
     # ----------------------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -76,6 +77,8 @@ class DeepSpeedEngine(torch.nn.Module):
         gas = self.gradient_accumulation_steps()
         # mgr.backward divides by the accumulation steps itself; undo that when the script asks for no scaling
         self._mgr.backward(loss if scale_wrt_gas else loss * gas)
+        if not self._in_no_sync:
+            self._close_pending()  # DeepSpeed reduces the no_sync gradients with this backward's
         return loss / gas if scale_wrt_gas else loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
@@ -84,6 +87,7 @@ class DeepSpeedEngine(torch.nn.Module):
         if self._in_no_sync:
             raise InvalidArgumentError("engine.step() inside engine.no_sync(): leave the no_sync block first "
                                        "(DeepSpeed refuses it too)")
+        self._close_pending()
         boundary = self.is_gradient_accumulation_boundary()
         opt = self.optimizer
         if opt is not None:
@@ -107,7 +111,11 @@ class DeepSpeedEngine(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally and communicate nothing; the next backward outside
-        (or leaving the block) averages them. DeepSpeed refuses it with ZeRO stage 2 or 3, and so does this."""
+        averages them together with its own (or ``step()`` does, if none comes). DeepSpeed refuses it with ZeRO
+        stage 2 or 3, and so does this.
+
+        It is ``mgr.accumulate`` kept open past the ``with`` until that backward: the gradients are reduced once,
+        as DeepSpeed does, on every backend's optimizer."""
         if self.zero_optimization_stage() >= 2:
             raise InvalidArgumentError(f"engine.no_sync() is incompatible with ZeRO stage "
                                        f"{self.zero_optimization_stage()} (gradients are partitioned); DeepSpeed "
@@ -117,12 +125,25 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.gradient_accumulation_steps() != 1:
             raise InvalidArgumentError("engine.no_sync() with gradient_accumulation_steps > 1 is not supported by "
                                        "unidist.compat.deepspeed: use one of the two ways to accumulate")
+        if self._pending is None:
+            block = self._mgr.accumulate(self._prepared[0])
+            block.__enter__()
+            self._pending = block
         self._in_no_sync = True
         try:
-            with self._mgr.accumulate(self._prepared[0]):
-                yield
+            yield
+        except BaseException as exc:
+            block, self._pending = self._pending, None
+            block.__exit__(type(exc), exc, exc.__traceback__)
+            raise
         finally:
             self._in_no_sync = False
+
+    def _close_pending(self) -> None:
+        """Leave the accumulate block a ``no_sync`` opened: its gradients (and a backward's since) reduce once."""
+        block, self._pending = self._pending, None
+        if block is not None:
+            block.__exit__(None, None, None)
 
     # --------------------------------------------------------------------------------------- queries
     def train_batch_size(self) -> int:

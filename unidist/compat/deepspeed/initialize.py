@@ -74,6 +74,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     opt = _optimizer(optimizer, params, cfg)
     precision = cfg.precision()
     passthrough = cfg.deepspeed_only() if mgr.backend == "deepspeed" else {}
+    if _offloads(passthrough) and "zero_force_ds_cpu_optimizer" not in cfg.raw:
+        # the step runs the config's optimizer as torch builds it (the same math as DeepSpeedCPUAdam, slower):
+        # DeepSpeed refuses a torch optimizer with offload unless told this is meant
+        passthrough["zero_force_ds_cpu_optimizer"] = False
     prepared, prepared_opt = mgr.prepare(
         model, opt, zero_stage=cfg.zero_stage,
         clip_grad_norm=cfg.gradient_clipping if cfg.gradient_clipping > 0 else None,
@@ -119,6 +123,12 @@ def _scheduler(client: Any, optimizer: Any, cfg: config_mod.DSConfig) -> Any:
     if cfg.scheduler is None:
         return None
     return build_scheduler(cfg.scheduler, optimizer)
+
+
+def _offloads(passthrough: dict[str, Any]) -> bool:
+    zero = passthrough.get("zero_optimization", {})
+    return any(isinstance(zero.get(k), dict) and str(zero[k].get("device", "none")).lower() != "none"
+               for k in ("offload_optimizer", "offload_param"))
 
 
 def _check_local_rank(args: Any, mgr: Any) -> None:
