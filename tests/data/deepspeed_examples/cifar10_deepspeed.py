@@ -13,6 +13,7 @@
 # (4) torch.manual_seed(0) before Net(args): upstream's initial weights are unseeded, so two runs differ.
 # (5) example_record.step / finish: each step's loss, lr and grad norm, and the final weights, per rank.
 # (6) --torch-adam adds "torch_adam": true to Adam's params (torch's AdamW, not a JIT-compiled FusedAdam).
+# Line endings are LF here (upstream's file is CRLF).
 import argparse
 import os
 
@@ -162,7 +163,7 @@ def get_ds_config(args):
             },
         },
         # unidist-test: (3) DeepSpeed refuses a non-Adam optimizer at ZeRO >= 1 unless this is set
-        "zero_allow_untested_optimizer": args.optimizer != "Adam",
+        "zero_allow_untested_optimizer": args.optimizer != "Adam",  # unidist-test: (3)
         "gradient_clipping": args.gradient_clipping,  # unidist-test: (3) upstream 1.0
         "prescale_gradients": False,
         "bf16": {"enabled": args.dtype == "bf16"},
