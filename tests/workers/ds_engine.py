@@ -33,6 +33,10 @@ args = p.parse_args()
 
 if args.real:
     import deepspeed
+
+    # as unidist's deepspeed manager does: init_distributed would JIT-compile DeepSpeed's CPU shared-memory op
+    # (74 s on a clean machine) that only its inference_all_reduce uses; training's collectives are torch's
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 else:
     import unidist.compat.deepspeed as deepspeed  # type: ignore[no-redef]
 
