@@ -48,7 +48,7 @@ def _launch(launch: Launch, out: Path, *args: str) -> Got:
 
 @pytest.fixture(scope="module")
 def deepspeed_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Got]:
-    """Real DeepSpeed and compat on the deepspeed launcher, torchrun and python (one module-wide set of runs)."""
+    """Real DeepSpeed and compat on the deepspeed launcher and python (one module-wide set of runs)."""
     tmp = tmp_path_factory.mktemp("ds-engine")
     ck = tmp / "ck"
     return {"real": _launch(LAUNCHES["deepspeed-2"], tmp / "real", "--real", "--stages", ALL),
