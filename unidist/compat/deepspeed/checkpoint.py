@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +44,17 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: Any, client_state: 
     part = {"client_state": dict(client_state or {}), "counters": engine.counters(),
             "lr_scheduler": scheduler.state_dict() if scheduler is not None else None}
     directory = Path(save_dir)
-    if mgr.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
+    _agree(mgr, lambda: directory.mkdir(parents=True, exist_ok=True), "save_checkpoint: cannot create")
     mgr.save_checkpoint(directory / tag, engine.prepared_model, engine.optimizer, **{_KEY: part})
-    if save_latest and mgr.rank == 0:
-        tmp = directory / f".{LATEST}.tmp"
-        tmp.write_text(tag)  # DeepSpeed writes the bare tag
-        os.replace(tmp, directory / LATEST)
-    mgr.barrier()
+    if save_latest:
+        def write_latest() -> None:
+            tmp = directory / f".{LATEST}.tmp"
+            tmp.write_text(tag)  # DeepSpeed writes the bare tag
+            os.replace(tmp, directory / LATEST)
+
+        _agree(mgr, write_latest, "save_checkpoint: cannot write the latest file in")
+    else:
+        mgr.barrier()
     return True
 
 
@@ -64,20 +68,23 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: Any, load_module_st
     if not load_module_strict:
         raise DeepSpeedUnsupportedError("load_checkpoint(load_module_strict=False) is not supported by "
                                         "unidist.compat.deepspeed: every parameter must match")
-    directory = Path(load_dir)
-    if tag is None:
-        latest = directory / LATEST
-        if not latest.is_file():
-            _log.warning("Unable to find latest file at %s, if trying to load latest checkpoint please ensure this "
-                         "file exists or pass an explicit checkpoint tag when loading a checkpoint.", latest)
-            return None, None
-        tag = latest.read_text().strip()
-    path = directory / str(tag)
-    if not path.is_dir():
-        raise CheckpointError(f"engine.load_checkpoint: no checkpoint {str(path)!r} (tag {tag!r}); the tags in "
-                              f"{str(directory)!r} are {sorted(p.name for p in directory.iterdir() if p.is_dir())}"
-                              if directory.is_dir() else f"engine.load_checkpoint: {str(directory)!r} does not exist")
     mgr = engine.manager
+    directory = Path(load_dir)
+    # rank 0 resolves the tag and every rank follows its answer: ranks that saw different files would otherwise
+    # part ways here, some returning or raising while the others wait in the load's collectives
+    found: tuple[str, str] | None = _resolve(directory, tag) if mgr.rank == 0 else None
+    if mgr.size > 1:
+        found = mgr.broadcast_object(found, 0)
+    if found is None:  # cannot happen: rank 0 always resolves; a typed error rather than an unpacking one
+        raise CheckpointError("engine.load_checkpoint: rank 0's view of the checkpoint did not arrive")
+    kind, value = found
+    if kind == "missing":
+        _log.warning("Unable to find latest file at %s, if trying to load latest checkpoint please ensure this file "
+                     "exists or pass an explicit checkpoint tag when loading a checkpoint.", value)
+        return None, None
+    if kind == "error":
+        raise CheckpointError(value)
+    path = directory / value
     with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
     extra = mgr.load_checkpoint(path, engine.prepared_model, engine.optimizer if with_optimizer else None)
     part = extra.get(_KEY)
@@ -89,6 +96,37 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: Any, load_module_st
         if load_lr_scheduler_states and saved is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(saved)
     return str(path), dict(part["client_state"])
+
+
+def _resolve(directory: Path, tag: Any) -> tuple[str, str]:
+    """("ok", tag), ("missing", the latest file's path) or ("error", a message): rank 0's view of ``directory``."""
+    if tag is None:
+        latest = directory / LATEST
+        if not latest.is_file():
+            return "missing", str(latest)
+        tag = latest.read_text().strip()
+    path = directory / str(tag)
+    if path.is_dir():
+        return "ok", str(tag)
+    if not directory.is_dir():
+        return "error", f"engine.load_checkpoint: {str(directory)!r} does not exist"
+    tags = sorted(p.name for p in directory.iterdir() if p.is_dir())
+    return "error", f"engine.load_checkpoint: no checkpoint {str(path)!r} (tag {tag!r}); the tags there are {tags}"
+
+
+def _agree(mgr: Any, work: Callable[[], None], what: str) -> None:
+    """Rank 0 does ``work`` (a file operation); every rank learns whether it failed and raises the same error, so
+    no rank is left waiting in a barrier the failed one never reaches."""
+    error = None
+    if mgr.rank == 0:
+        try:
+            work()
+        except OSError as err:
+            error = f"{what} {err.filename!r}: {err.strerror or err}"
+    if mgr.size > 1:
+        error = mgr.broadcast_object(error, 0)
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def _check_same_tag(mgr: Any, tag: str) -> None:

@@ -91,7 +91,9 @@ class DeepSpeedEngine(torch.nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         opt = self.optimizer
         if opt is not None:
-            opt.step()  # prepared with the accumulation steps: it acts on the boundary call only
+            # prepared with backward_passes_per_step = the accumulation steps, so step() and zero_grad() act on the
+            # boundary call only (unidist's contract for prepared optimizers, on every backend)
+            opt.step()
             opt.zero_grad()
         self._step_applied = False
         if boundary:
@@ -174,11 +176,11 @@ class DeepSpeedEngine(torch.nn.Module):
     def gradient_clipping(self) -> float:
         return self._config.gradient_clipping
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[Any]:
         """Every parameter group's learning rate ([] without an optimizer)."""
         if self.optimizer is None:
             return []
-        return [float(g.get("lr", 0.0)) for g in self.optimizer.param_groups]
+        return [g.get("lr", 0.0) for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
         """The global L2 norm of the averaged gradients at the last step, before clipping; None when nothing

@@ -119,7 +119,7 @@ def _optimizer(client: Any, params: list[Any], cfg: config_mod.DSConfig) -> Any:
 def _scheduler(client: Any, optimizer: Any, cfg: config_mod.DSConfig) -> Any:
     """The script's scheduler (instance, or callable on the optimizer) wins over the config's section."""
     if client is not None:
-        return client(optimizer) if callable(client) and not hasattr(client, "step") else client
+        return client(optimizer) if callable(client) else client  # DeepSpeed calls anything callable
     if cfg.scheduler is None:
         return None
     return build_scheduler(cfg.scheduler, optimizer)

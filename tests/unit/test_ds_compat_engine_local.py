@@ -1,0 +1,89 @@
+"""``unidist.compat.deepspeed``'s engine in one process (the local backend): what it refuses and how, the
+checkpoint protocol's edges, and DeepSpeed's precedence of a script's own optimizer and scheduler. The numbers
+against real DeepSpeed are tests/multiproc/test_ds_engine.py's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import unidist.compat.deepspeed as deepspeed
+from unidist.compat.deepspeed.exceptions import DeepSpeedConfigError, DeepSpeedUnsupportedError
+from unidist.errors import CheckpointError, InvalidArgumentError
+
+pytestmark = pytest.mark.local
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _config(stage: int = 0, **extra: Any) -> dict[str, Any]:
+    return {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, **extra}
+
+
+def _step(engine: Any) -> None:
+    x = torch.randn(4, 4)
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+
+
+def test_initialize_refuses_what_it_cannot_do() -> None:
+    with pytest.raises(InvalidArgumentError, match="requires a model"):
+        deepspeed.initialize(config=_config())
+    with pytest.raises(DeepSpeedUnsupportedError, match="mpu"):
+        deepspeed.initialize(model=_model(), config=_config(), mpu=object())
+    with pytest.raises(DeepSpeedConfigError, match="gradient_clipping"):
+        deepspeed.initialize(model=_model(), config=_config(gradient_cliping=1.0))
+    with pytest.raises(DeepSpeedUnsupportedError, match="offload_optimizer"):
+        deepspeed.initialize(model=_model(), config=_config(2) | {"zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "cpu"}}})
+
+
+def test_script_optimizer_and_scheduler_win_over_the_config() -> None:
+    model = _model()
+    mine = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine, _, _, sched = deepspeed.initialize(
+        model=model, optimizer=mine, config=_config(scheduler={"type": "WarmupLR", "params": {}}),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5 ** step))
+    assert isinstance(sched, torch.optim.lr_scheduler.LambdaLR)  # the callable was called on the optimizer
+    assert engine.get_lr() == [0.5]  # the script's optimizer's lr, not the config's 0.1
+    _step(engine)
+    assert engine.get_lr() == [0.25] and engine.global_steps == 1 and engine.was_step_applied()
+
+
+def test_engine_refuses_unsupported_calls() -> None:
+    engine, _, _, _ = deepspeed.initialize(model=_model(), config=_config(2))
+    with pytest.raises(InvalidArgumentError, match="ZeRO stage 2"), engine.no_sync():
+        pass
+    with pytest.raises(DeepSpeedUnsupportedError, match="retain_graph"):
+        engine.backward(engine(torch.randn(4, 4)).sum(), retain_graph=True)
+    engine0, _, _, _ = deepspeed.initialize(model=_model(), config=_config(0))
+    with pytest.raises(InvalidArgumentError, match="inside engine.no_sync"), engine0.no_sync():
+        engine0.step()
+
+
+def test_checkpoint_protocol_edges(tmp_path: Path) -> None:
+    engine, _, _, _ = deepspeed.initialize(model=_model(), config=_config(1))
+    _step(engine)
+    assert engine.save_checkpoint(str(tmp_path), client_state={"epoch": 3})
+    assert (tmp_path / "latest").read_text() == "global_step1"  # DeepSpeed's bare tag, no newline
+    engine.save_checkpoint(str(tmp_path), tag="named", save_latest=False)
+    assert (tmp_path / "latest").read_text() == "global_step1"
+    fresh, _, _, _ = deepspeed.initialize(model=_model(), config=_config(3))
+    path, client = fresh.load_checkpoint(str(tmp_path))
+    assert Path(path).name == "global_step1" and client == {"epoch": 3} and fresh.global_steps == 1
+    with pytest.raises(CheckpointError, match=r"no checkpoint .*'nope'.*\['global_step1', 'named'\]"):
+        fresh.load_checkpoint(str(tmp_path), tag="nope")
+    assert fresh.load_checkpoint(str(tmp_path / "empty")) == (None, None)  # no latest file: DeepSpeed's answer
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    with pytest.raises(CheckpointError, match="cannot create"):
+        engine.save_checkpoint(str(blocked / "sub"))
+    with pytest.raises(InvalidArgumentError, match="client_state"):
+        engine.save_checkpoint(str(tmp_path), client_state=[1, 2])  # type: ignore[arg-type]
