@@ -64,7 +64,7 @@ def test_engine_refuses_unsupported_calls() -> None:
     with pytest.raises(DeepSpeedUnsupportedError, match="retain_graph"):
         engine.backward(engine(torch.randn(4, 4)).sum(), retain_graph=True)
     engine0, _, _, _ = deepspeed.initialize(model=_model(), config=_config(0))
-    with pytest.raises(InvalidArgumentError, match="inside engine.no_sync"), engine0.no_sync():
+    with pytest.raises(InvalidArgumentError, match=r"inside engine\.no_sync"), engine0.no_sync():
         engine0.step()
 
 
