@@ -4,17 +4,36 @@ against real DeepSpeed are tests/multiproc/test_ds_engine.py's."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import unidist
 import unidist.compat.deepspeed as deepspeed
 from unidist.compat.deepspeed.exceptions import DeepSpeedConfigError, DeepSpeedUnsupportedError
 from unidist.errors import CheckpointError, InvalidArgumentError
 
 pytestmark = pytest.mark.local
+
+
+@pytest.fixture(autouse=True)
+def manager(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Each test inside its own ``with unidist.init()`` block on the local backend (the compat layer uses it), with
+    the variables init_distributed sets restored and its process group gone afterwards: nothing leaks into the
+    next test module."""
+    monkeypatch.setenv("UNIDIST_BACKEND", "local")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with unidist.init() as mgr:
+        try:
+            yield mgr
+        finally:
+            if deepspeed.comm.is_initialized():
+                deepspeed.comm.destroy_process_group()
+    assert not torch.distributed.is_initialized()
 
 
 def _model() -> torch.nn.Module:
