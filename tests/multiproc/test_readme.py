@@ -16,8 +16,11 @@ COMMANDS = [line.split("  #")[0].strip() for block in BLOCKS for line in block.s
 
 
 def _engine(cmd: str) -> str | None:
+    """The engine the command's launcher (or UNIDIST_BACKEND) needs; script names and options do not count
+    (``horovodrun ... examples/deepspeed_digits.py --deepspeed_config ...`` needs Horovod, not DeepSpeed)."""
+    launcher = " ".join(t for t in cmd.split() if not t.startswith(("examples/", "--")))
     for word, engine in (("deepspeed", "deepspeed"), ("horovod", "horovod"), ("mpiexec", "mpi4py")):
-        if word in cmd:
+        if word in launcher:
             return engine
     return None
 
