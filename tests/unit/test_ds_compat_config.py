@@ -288,6 +288,10 @@ def ds_world() -> Iterator[Any]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     td.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # as unidist's deepspeed manager does: init_distributed would JIT-compile DeepSpeed's CPU shared-memory op
+    # (44-74 s on a clean machine) that only its inference_all_reduce uses
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     dcomm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, dist_init_required=False)
     try:
         yield lambda raw, world: DeepSpeedConfig(dict(raw), mpu=_Mpu(world))
