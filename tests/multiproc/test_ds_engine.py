@@ -10,8 +10,8 @@ Real DeepSpeed exists only in the deepspeed tox env and horovodrun only in the h
 - deepspeed env: real DeepSpeed under ``deepspeed --num_gpus 2`` (the reference) against compat under the deepspeed
   launcher (stages 0 and 3, and stage 2 with ``offload_optimizer``, which only DeepSpeed's engine does) and python
   (one process, every stage, resuming the deepspeed launch's checkpoint);
-- py env: compat under python (every stage) against compat under mpiexec-2 (every stage, resuming python's
-  checkpoint); horovod env: the same with horovodrun --gloo (stages 0 and 3). torchrun is left to
+- py env: compat under python against compat under mpiexec-2 (every stage, resuming python's checkpoint);
+  horovod env: the same with horovodrun --gloo (stages 0 and 3). torchrun is left to
   test_ds_examples.py (DeepSpeedExamples' script under torchrun-2 against real DeepSpeed) to keep CI short.
 
 python's run is the anchor the three envs share. Tolerances (measured: weights 3e-8, losses 1.9e-6 at |loss| ~ 20,
@@ -59,7 +59,7 @@ def deepspeed_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Got]:
 
 def _anchor_and(launch_id: str, stages: str, tmp: Path) -> dict[str, Got]:
     ck = tmp / "ck"
-    anchor = _launch(LAUNCHES["local-1"], tmp / "l1", "--stages", ALL, "--save", str(ck))
+    anchor = _launch(LAUNCHES["local-1"], tmp / "l1", "--stages", stages, "--save", str(ck))
     return {"real": anchor, launch_id: _launch(LAUNCHES[launch_id], tmp / "other", "--stages", stages,
                                                 "--load", str(ck))}
 
