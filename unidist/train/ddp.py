@@ -183,9 +183,9 @@ class DistributedOptimizer(WindowedOptimizer):
             self._no_sync = previous
 
     # ------------------------------------------------------------------ optimizer protocol (window.py)
-    def _clip(self, max_norm: float) -> float:
+    def _clip(self, max_norm: float) -> torch.Tensor:
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def checkpoint_layout(self, model: torch.nn.Module) -> FullLayout:
         """Every member of the data-parallel communicator holds the whole state: each writes an even slice."""

@@ -108,7 +108,7 @@ class HorovodOptimizer(OptimizerView):
     """
 
     scaler: LossScaler | None = None
-    last_grad_norm: float | None = None  # the global L2 norm the last clip measured (before clipping)
+    last_grad_norm: torch.Tensor | None = None  # the norm the last clip measured (window.py: kept unsynchronized)
     hooks: list[Any]
 
     def __init__(self, hvd_optimizer: Any, k: int, clip_grad_norm: float | None, world: Any) -> None:
@@ -148,7 +148,7 @@ class HorovodOptimizer(OptimizerView):
         if self.clip_grad_norm is not None:
             if not self._synced:
                 self.synchronize()
-            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm))
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
             self._synced = True
         try:
             if self._synced:

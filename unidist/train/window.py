@@ -32,7 +32,9 @@ class WindowedOptimizer(OptimizerView):
 
     backward_passes_per_step: int = 1
     clip_grad_norm: float | None = None
-    last_grad_norm: float | None = None  # the global L2 norm the last clip measured (before clipping)
+    # the global L2 norm the last clip measured (before clipping); kept as the clip returned it (a 0-d tensor on the
+    # gradients' device for DDP) so the step never waits for the device: readers convert when they need a number
+    last_grad_norm: torch.Tensor | float | None = None
     _calls = 0  # step() calls: the pass index within the accumulation window
     _synced = False  # synchronize() already ran for this step
     _no_sync = False  # inside no_sync(): nothing reduces, steps or clears
@@ -47,7 +49,7 @@ class WindowedOptimizer(OptimizerView):
     def synchronize(self) -> None:
         raise NotImplementedError
 
-    def _clip(self, max_norm: float) -> float:
+    def _clip(self, max_norm: float) -> torch.Tensor | float:
         """Clip the reduced gradients to ``max_norm``; returns their global L2 norm before clipping."""
         raise NotImplementedError
 

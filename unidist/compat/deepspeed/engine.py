@@ -185,7 +185,8 @@ class DeepSpeedEngine(torch.nn.Module):
     def get_global_grad_norm(self) -> float | None:
         """The global L2 norm of the averaged gradients at the last step, before clipping; None when nothing
         measured it (clipping off, as DeepSpeed's fp32 stage 0 reports None)."""
-        return getattr(self.optimizer, "last_grad_norm", None)
+        norm = getattr(self.optimizer, "last_grad_norm", None)
+        return None if norm is None else float(norm)
 
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` updated the weights (False between boundaries and on fp16 overflow)."""
