@@ -265,6 +265,15 @@ def test_reference_is_deepspeeds_math(tmp_path_factory: pytest.TempPathFactory) 
               f"{clipped}/{STEPS} steps, moved {_moved(got, tol):.3g}")
 
 
+def _compare_cases(launch_id: str, cases: tuple[str, ...], got: Outcome, want: Outcome, against: str) -> None:
+    """Every case of ``got`` within its optimizer's tolerance of ``want`` (and the figures printed)."""
+    for case in cases:
+        tol = TOLERANCE[case.split("-")[1]]
+        dw, dloss = compare(got.ranks(case), want.ranks(case), tol)
+        print(f"{launch_id} {case} vs {against}: max|dw|={dw:.3g} max|dloss|={dloss:.3g} "
+              f"(moved {_moved(got.ranks(case), tol):.3g})")
+
+
 @pytest.mark.parametrize("launch_id", [pytest.param(k, marks=MARKS["deepspeed"], id=k) for k in DEEPSPEED_ENV])
 def test_compat_equals_real_deepspeed(launch_id: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     launch, cases = LAUNCHES[launch_id], DEEPSPEED_ENV[launch_id]
@@ -272,11 +281,7 @@ def test_compat_equals_real_deepspeed(launch_id: str, tmp_path_factory: pytest.T
     real = reference(tmp_path_factory)
     got = launch_cases(tmp_path_factory.mktemp(f"compat-{launch_id}"), launch, cases, compat=True)
     print(f"\ncompat under {launch_id}: {got.seconds:.1f} s for {len(cases)} cases (reference {real.seconds:.1f} s)")
-    for case in cases:
-        tol = TOLERANCE[case.split("-")[1]]
-        dw, dloss = compare(got.ranks(case), real.ranks(case), tol)
-        print(f"{launch_id} {case} vs real DeepSpeed: max|dw|={dw:.3g} max|dloss|={dloss:.3g} "
-              f"(moved {_moved(got.ranks(case), tol):.3g})")
+    _compare_cases(launch_id, cases, got, real, "real DeepSpeed")
 
 
 @pytest.mark.parametrize("launch_id", [pytest.param(k, marks=MARKS["horovod"], id=k) for k in HOROVOD_ENV])
@@ -286,8 +291,4 @@ def test_compat_under_horovodrun_equals_torchrun(launch_id: str, tmp_path_factor
     want = launch_cases(tmp_path_factory.mktemp("compat-torchrun-2"), LAUNCHES["torchrun-2"], cases, compat=True)
     got = launch_cases(tmp_path_factory.mktemp(f"compat-{launch_id}"), launch, cases, compat=True)
     print(f"\ncompat under {launch_id}: {got.seconds:.1f} s, under torchrun-2: {want.seconds:.1f} s")
-    for case in cases:
-        tol = TOLERANCE[case.split("-")[1]]
-        dw, dloss = compare(got.ranks(case), want.ranks(case), tol)
-        print(f"{launch_id} {case} vs compat under torchrun-2: max|dw|={dw:.3g} max|dloss|={dloss:.3g} "
-              f"(moved {_moved(got.ranks(case), tol):.3g})")
+    _compare_cases(launch_id, cases, got, want, "compat under torchrun-2")
