@@ -30,8 +30,8 @@ FAULTS = ("kill", "stop", "raise", "exit0", "sum_max", "kind")
 
 # what names the culprit: the last rank (1) and, where the rank is alive to say so, its call
 CULPRIT = {
-    "kill": r"rank 1 is not responding|local_rank: 1|rank 1\]|KILLED BY SIGNAL: 9|return code = -9|exit code: -9|"
-            r"signal 9|\[1\]<stderr>:Killed|exitcode\s*: -9",
+    "kill": r"rank 1 is not responding|rank 1 has died|local_rank: 1|rank 1\]|KILLED BY SIGNAL: 9|return code = -9|"
+            r"exit code: -9|signal 9|\[1\]<stderr>:Killed|exitcode\s*: -9",
     # or, when the healthy rank is stuck in C holding the GIL (Horovod's enqueue), the faulthandler backstop
     "stop": r"rank 1 is not responding \(stopped|^(\[0\]<stderr>:)?Timeout \(0:00:\d\d\)!",
     "raise": r"deliberate failure on rank 1",

@@ -65,3 +65,48 @@ def test_a_timeout_ends_the_job_through_the_engine(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(watchdog, "ABORT_GRACE", 0.0)
     watchdog.end_job(inner.abort, watchdog.TIMEOUT_EXIT_CODE)
     assert inner.aborted == exits == [watchdog.TIMEOUT_EXIT_CODE]
+
+
+class _Lost(_Pair):
+    """An engine whose allreduce fails as gloo's does when the peer was killed (a reset connection)."""
+
+    def allreduce(self, *args: object) -> None:
+        raise RuntimeError("Read error [127.0.0.1]:1: Connection reset by peer")
+
+    def broadcast(self, *args: object) -> None:
+        raise unidist.errors.InvalidArgumentError("bad root")
+
+
+def test_a_failed_call_names_the_peer_that_died(tmp_path: object, capfd: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's error names no rank; the watchdog names the one whose process is gone (a real process,
+    killed), and says nothing when the peer lives or when unidist raised a typed error on purpose."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(watchdog, "_HEARTBEATS", str(tmp_path))
+    engine = watchdog.watch(_Lost())
+    t = torch.ones(2)
+    watchdog.start(60.0, 0, 2, "job", lambda code: None)
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        beat = os.path.join(str(tmp_path), "unidist-job", "1")
+        os.makedirs(os.path.dirname(beat), exist_ok=True)
+        with open(beat, "w") as f:
+            f.write(f"{__import__('time').time():.3f} {watchdog._identity(peer.pid)} at call #7 computing")
+        with pytest.raises(RuntimeError, match="reset"):
+            engine.allreduce(t, t, ReduceOp.SUM)
+        assert "failed" not in capfd.readouterr().err  # the peer lives: the engine's error stands alone
+        peer.kill()
+        peer.wait()
+        with pytest.raises(unidist.errors.InvalidArgumentError):
+            engine.broadcast(t, 0)
+        assert "failed" not in capfd.readouterr().err
+        with pytest.raises(RuntimeError, match="reset"):
+            engine.allreduce(t, t, ReduceOp.SUM)
+        err = capfd.readouterr().err
+        assert "rank 0 of 2: call #" in err and "allreduce(float32[2], float32[2], op=sum) failed (RuntimeError)" \
+            in err and "rank 1 has died" in err and "last seen at call #7 computing" in err, err
+    finally:
+        peer.kill()
+        watchdog.stop()

@@ -15,7 +15,10 @@ current call) in a file of the job's directory on this host. When the main threa
 longer than the timeout, it prints which call on which rank (call number, call, shapes), what every rank on
 this host was last seen doing (a stale heartbeat is a stopped or dead rank; a rank that left is named) and
 ends the job: with the engine's ``abort`` where it has one (MPI_Abort: mpiexec takes every rank down), then
-``os._exit``, so torchrun, the deepspeed launcher and horovodrun see a failed worker and stop the others. Call
+``os._exit``, so torchrun, the deepspeed launcher and horovodrun see a failed worker and stop the others. When
+a watched call raises instead (gloo's "Connection reset by peer" after a peer was killed), it names the ranks on
+this host whose process is gone, which the engine's error does not (the deepspeed launcher may report the
+error of the rank that saw the reset, exit code 1, rather than the killed one's -9). Call
 numbers count the watched engine calls, which every rank makes in the same order: the rank with the lower
 number is the one behind.
 """
@@ -39,6 +42,7 @@ from typing import Any, cast
 import torch
 
 from unidist.comm.engine import Engine
+from unidist.errors import UnidistError
 
 __all__ = ["LEAVING", "TIMEOUT_EXIT_CODE", "describe_args", "engine_timeout", "start", "stop", "watch", "watching"]
 
@@ -119,7 +123,9 @@ class _Dog:
                 age = now - float(stamp)
             except (OSError, ValueError):
                 continue  # on another host, or never started its watchdog
-            if age > 3 * self.period + 1:
+            if not _alive(pid):
+                out.append(f"rank {r} has died (its process ended without leaving unidist): last seen {doing}")
+            elif age > 3 * self.period + 1:
                 out.append(f"rank {r} is not responding (stopped, hung in C or dead): last heartbeat {age:.1f} s "
                            f"ago, {doing}")
                 stuck.append(pid)
@@ -138,6 +144,19 @@ class _Dog:
             _kill_sibling(pid)
         end_job(self.abort, TIMEOUT_EXIT_CODE)
 
+    def failed(self, calls: int, what: str, args: tuple[Any, ...], exc: BaseException) -> None:
+        """A watched call raised. When a peer was killed, the engine's error names no rank (gloo: "Connection
+        reset by peer", MPI: a lost connection), so say which rank on this host died or stopped responding.
+        The peer's process may still be exiting when its closed socket reaches us: look a few times."""
+        for attempt in range(FAILED_LOOKS):
+            peers = [p for p in self.peers()[0] if " is alive " not in p]
+            if peers:
+                print(f"unidist: rank {self.rank} of {self.size}: call #{calls} {what}{describe_args(args)} failed "
+                      f"({type(exc).__name__}): {'; '.join(peers)}.", file=sys.stderr, flush=True)
+                return
+            if attempt + 1 < FAILED_LOOKS:
+                time.sleep(0.1)
+
     def leave(self) -> None:
         self.stopped.set()
         self.thread.join(timeout=5)
@@ -151,6 +170,20 @@ def _identity(pid: int | str) -> str:
     """``pid:start-time``: names one process for good (a pid alone can be reused once it exits)."""
     with open(f"/proc/{pid}/stat") as f:
         return f"{pid}:{f.read().rpartition(')')[2].split()[19]}"
+
+
+def _alive(identity: str) -> bool:
+    """Whether the process ``pid:start-time`` still runs (neither gone nor a zombie awaiting its launcher).
+    Without /proc, every process counts as alive."""
+    pid = identity.partition(":")[0]
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return f"{pid}:{fields[19]}" == identity and fields[0] not in "ZX"
 
 
 def _kill_sibling(identity: str) -> None:
@@ -207,6 +240,8 @@ def stop() -> None:
 # has not yet forwarded when MPI_Abort arrives, so under load the line naming the culprit was lost (CI, stop
 # 28: 2 of 8 runs on a loaded 2-core machine). A pause this long before the abort let every run keep it.
 ABORT_GRACE = 1.0
+# times, 0.1 s apart, a failed watched call looks for a dead peer (see _Dog.failed): only errors pay for it
+FAILED_LOOKS = 5
 
 
 def calls() -> int:
@@ -242,10 +277,21 @@ def watching(what: str, *args: Any) -> Iterator[None]:
     st.depth += 1
     try:
         yield
+    except Exception as exc:
+        if outer:
+            _explain(exc)
+        raise
     finally:
         st.depth -= 1
         if outer:
             st.since, st.args = 0.0, ()
+
+
+def _explain(exc: Exception) -> None:
+    """An engine error left the outermost watched region: name the peers that died, unless unidist raised it
+    on purpose (a typed error: bad input, a detected mismatch), which says what it needs to."""
+    if _dog is not None and not isinstance(exc, UnidistError):
+        _dog.failed(_state.calls, _state.what, _state.args, exc)
 
 
 def _watched(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
@@ -260,6 +306,9 @@ def _watched(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
         st.depth = 1
         try:
             return fn(*args)
+        except Exception as exc:
+            _explain(exc)
+            raise
         finally:
             st.depth, st.since, st.args = 0, 0.0, ()
     return call
