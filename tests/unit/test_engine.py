@@ -93,12 +93,15 @@ def test_a_failed_call_names_the_peer_that_died(tmp_path: object, capfd: pytest.
         beat = os.path.join(str(tmp_path), "unidist-job", "1")
         os.makedirs(os.path.dirname(beat), exist_ok=True)
         with open(beat, "w") as f:
-            f.write(f"{__import__('time').time():.3f} {watchdog._identity(peer.pid)} at call #7 computing")
+            f.write(f"{__import__('time').time():.3f} {watchdog._identity(peer.pid)} hostA at call #7 computing")
         with pytest.raises(RuntimeError, match="reset"):
             engine.allreduce(t, t, ReduceOp.SUM)
         assert "failed" not in capfd.readouterr().err  # the peer lives: the engine's error stands alone
+        identity = watchdog._identity(peer.pid)
         peer.kill()
         peer.wait()
+        # a pid read on another host (a heartbeat directory several hosts share) says nothing here
+        assert not watchdog._alive(identity) and watchdog._alive(identity.replace("@", "@elsewhere-"))
         with pytest.raises(unidist.errors.InvalidArgumentError):
             engine.broadcast(t, 0)
         assert "failed" not in capfd.readouterr().err
@@ -106,7 +109,8 @@ def test_a_failed_call_names_the_peer_that_died(tmp_path: object, capfd: pytest.
             engine.allreduce(t, t, ReduceOp.SUM)
         err = capfd.readouterr().err
         assert "rank 0 of 2: call #" in err and "allreduce(float32[2], float32[2], op=sum) failed (RuntimeError)" \
-            in err and "rank 1 has died" in err and "last seen at call #7 computing" in err, err
+            in err and "rank 1 has died" in err and "on host hostA" in err, err
+        assert "last seen at call #7 computing" in err, err
     finally:
         peer.kill()
         watchdog.stop()

@@ -31,6 +31,7 @@ import faulthandler
 import functools
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -83,7 +84,8 @@ class _Dog:
         try:
             self.me = _identity(os.getpid())
         except OSError:  # no /proc: heartbeats still say what each rank does; nobody gets killed
-            self.me = f"{os.getpid()}:?"
+            self.me = f"{os.getpid()}:?@?"
+        self.host = socket.gethostname().split(".")[0] or "?"
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.run, name="unidist-watchdog", daemon=True)
 
@@ -108,7 +110,7 @@ class _Dog:
         path = os.path.join(self.dir, str(self.rank))
         with _quiet():
             with open(path + ".tmp", "w") as f:
-                f.write(f"{time.time():.3f} {self.me} {doing}")
+                f.write(f"{time.time():.3f} {self.me} {self.host} {doing}")
             os.replace(path + ".tmp", path)
 
     def peers(self) -> tuple[list[str], list[str]]:
@@ -119,15 +121,16 @@ class _Dog:
                 continue
             try:
                 with open(os.path.join(self.dir, str(r))) as f:
-                    stamp, pid, doing = f.read().split(" ", 2)
+                    stamp, pid, host, doing = f.read().split(" ", 3)
                 age = now - float(stamp)
             except (OSError, ValueError):
                 continue  # on another host, or never started its watchdog
             if not _alive(pid):
-                out.append(f"rank {r} has died (its process ended without leaving unidist): last seen {doing}")
+                out.append(f"rank {r} has died (its process ended without leaving unidist) on host {host}: last "
+                           f"seen {doing}")
             elif age > 3 * self.period + 1:
-                out.append(f"rank {r} is not responding (stopped, hung in C or dead): last heartbeat {age:.1f} s "
-                           f"ago, {doing}")
+                out.append(f"rank {r} is not responding (stopped, hung in C or dead) on host {host}: last "
+                           f"heartbeat {age:.1f} s ago, {doing}")
                 stuck.append(pid)
             else:
                 out.append(f"rank {r} is alive {doing}")
@@ -166,16 +169,31 @@ class _Dog:
             os.rmdir(self.dir)  # the last rank out removes the directory
 
 
+@functools.cache
+def _machine() -> str:
+    """Which process table this process sees: its boot id and PID namespace. Heartbeats can sit in a directory
+    several hosts share (mpiexec hands the launching host's TMPDIR to every rank; a TMPDIR on NFS), and a pid
+    means something only in the table it came from."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return "?"
+
+
 def _identity(pid: int | str) -> str:
-    """``pid:start-time``: names one process for good (a pid alone can be reused once it exits)."""
+    """``pid:start-time@machine``: names one process for good (a pid alone can be reused once it exits, and
+    means another process on another host)."""
     with open(f"/proc/{pid}/stat") as f:
-        return f"{pid}:{f.read().rpartition(')')[2].split()[19]}"
+        return f"{pid}:{f.read().rpartition(')')[2].split()[19]}@{_machine()}"
 
 
 def _alive(identity: str) -> bool:
-    """Whether the process ``pid:start-time`` still runs (neither gone nor a zombie awaiting its launcher).
-    Without /proc, every process counts as alive."""
-    pid = identity.partition(":")[0]
+    """Whether the process ``identity`` still runs (neither gone nor a zombie awaiting its launcher). A process
+    of another host, or any without /proc, counts as alive: only its heartbeat's age tells."""
+    pid, _, rest = identity.partition(":")
+    if rest.partition("@")[2] != _machine():
+        return True
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()
@@ -183,13 +201,13 @@ def _alive(identity: str) -> bool:
         return False
     except OSError:
         return True
-    return f"{pid}:{fields[19]}" == identity and fields[0] not in "ZX"
+    return f"{pid}:{fields[19]}@{_machine()}" == identity and fields[0] not in "ZX"
 
 
 def _kill_sibling(identity: str) -> None:
     """SIGKILL a rank of this job that stopped responding: a stopped process ignores the SIGTERM that
     torchrun, horovodrun and the deepspeed launcher send first (torchrun then waits 30 s before SIGKILL).
-    Only the very process that wrote the heartbeat is touched (pid and start time must both match)."""
+    Only the very process that wrote the heartbeat is touched (pid, start time and machine must all match)."""
     with _quiet():
         pid = identity.partition(":")[0]
         if _identity(pid) == identity:
