@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -58,6 +59,15 @@ def why_unavailable() -> str | None:
     return None
 
 
+def sweep() -> None:
+    """Remove what clusters of processes that no longer exist left behind (a test run killed mid-way)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in listed:
+        m = re.fullmatch(r"ud(\d+)x[0-9a-f]{4}-(sw|h\d+)", name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 @dataclass
 class Host:
     name: str
@@ -86,7 +96,7 @@ class Cluster:
         if reason:
             raise ClusterUnavailableError(reason)
         self.n = n
-        self.tag = f"ud{os.getpid() % 100000}x{uuid.uuid4().hex[:4]}"  # namespace names: unique per cluster
+        self.tag = f"ud{os.getpid()}x{uuid.uuid4().hex[:4]}"  # namespace names: unique per cluster (see sweep)
         self.dir = Path(tempfile.mkdtemp(prefix=f"unidist-cluster-{self.tag}-", dir=SHARED_ROOT))
         self.bin = self.dir / "bin"
         self.shared = self.dir / "shared"  # seen alike on every host and by the test
@@ -190,18 +200,18 @@ class Cluster:
         """A login environment on ``host``: the profile, then ``extra``."""
         return {**self.profile, **(extra or {})}
 
-    def popen(self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
+    def popen(self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None,
               **kwargs: object) -> subprocess.Popen[str]:
-        """Start ``argv`` on ``host`` in a new session (kill it all with ``os.killpg``)."""
-        return subprocess.Popen([*self.enter(host), "env", "-i", *(f"{k}={v}" for k, v in self.env(host, env).items()),
-                                 *argv], start_new_session=True, text=True, **kwargs)  # type: ignore[call-overload]
+        """Start ``argv`` on ``host`` (in ``cwd``, default the shared directory) in a new session (kill it all
+        with ``os.killpg``)."""
+        return subprocess.Popen([*self.enter(host), "env", "-i", "-C", cwd or str(self.shared),
+                                 *(f"{k}={v}" for k, v in self.env(host, env).items()), *argv],
+                                start_new_session=True, text=True, **kwargs)  # type: ignore[call-overload]
 
     def run(self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 300,
             cwd: str | None = None) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` on ``host`` to its end (or ``timeout``: then the whole session is killed)."""
-        if cwd:
-            argv = ["sh", "-c", 'cd "$0" && exec "$@"', cwd, *argv]
-        proc = self.popen(host, argv, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = self.popen(host, argv, env, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -1,0 +1,108 @@
+"""How a job is started on the simulated cluster, one row per launcher form (issue 23), and running one.
+
+A row turns ``{host: ranks}`` and a script's argv into the processes to start: one (host, argv) for launchers
+that reach the other hosts themselves (mpiexec over the ssh stand-in, horovodrun -H, deepspeed's runner), one
+per host for those started on every node (torchrun, ``deepspeed --no_ssh``, an srun stand-in). Every process
+runs inside its host; the job's exit code is the worst of theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from fakehosts import Cluster
+
+Hosts = Mapping[str, int]  # host name -> ranks on it, in order: the first host is the "login node"
+Starts = list[tuple[str, list[str]]]  # (host, argv) per process to start
+
+
+def _mpiexec(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    spec = ",".join(f"{h}:{n}" for h, n in hosts.items())
+    first = next(iter(hosts))
+    return [(first, ["mpiexec", "-launcher", "ssh", "-launcher-exec", str(cluster.bin / "ssh"), "-hosts", spec,
+                     "-n", str(sum(hosts.values())), sys.executable, *argv])]
+
+
+@dataclass(frozen=True)
+class ClusterLaunch:
+    """One launcher form on several hosts: the backend init() must pick (also the pytest mark), the engines
+    it needs, extra environment, and how it starts."""
+
+    name: str
+    backend: str
+    start: Callable[[Cluster, Hosts, Sequence[str]], Starts]
+    engines: tuple[str, ...] = ("torch",)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def param(self, *more: object, marks: Sequence[pytest.MarkDecorator] = ()) -> object:
+        """A pytest param of this launch (id: its name), marked with its backend."""
+        return pytest.param(self, *more, id=self.name, marks=[getattr(pytest.mark, self.backend), *marks])
+
+
+LAUNCHES = {launch.name: launch for launch in [
+    ClusterLaunch("mpiexec", "mpi", _mpiexec, ("torch", "mpi4py")),
+    ClusterLaunch("torch-under-mpiexec", "torch", _mpiexec, ("torch", "mpi4py"), {"UNIDIST_BACKEND": "torch"}),
+    ClusterLaunch("horovod-under-mpiexec", "horovod", _mpiexec, ("torch", "mpi4py", "horovod"),
+                  {"UNIDIST_BACKEND": "horovod"}),
+]}
+
+
+@dataclass
+class Job:
+    codes: list[int | None]  # per started process; None: killed at the timeout
+    output: str  # every process's stdout and stderr, each block headed by its host
+    seconds: float
+
+    @property
+    def code(self) -> int | None:
+        """The job's exit code: the first non-zero one (None if any process had to be killed)."""
+        if None in self.codes:
+            return None
+        return next((c for c in self.codes if c), 0)
+
+
+def run_job(cluster: Cluster, launch: ClusterLaunch, hosts: Hosts, argv: Sequence[str],
+            env: Mapping[str, str] | None = None, timeout: float = 300) -> Job:
+    """Start ``argv`` (a script and its arguments) on ``hosts`` with ``launch``; wait for every process (or
+    ``timeout``, then kill every process on every host the job touched)."""
+    from helpers import require
+
+    require(*launch.engines)
+    logs = []
+    procs = []
+    t0 = time.monotonic()
+    for host, cmd in launch.start(cluster, hosts, argv):
+        log = cluster.shared / f"job-{os.getpid()}-{len(logs)}-{host}.log"
+        sink = open(log, "w")
+        logs.append((host, log, sink))
+        procs.append(cluster.popen(host, cmd, {**launch.env, **(env or {})}, stdout=sink, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL))
+    codes: list[int | None] = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, timeout - (time.monotonic() - t0))))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    seconds = time.monotonic() - t0
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    if None in codes:
+        for host in hosts:
+            cluster.kill_all(host)
+    text = []
+    for host, log, sink in logs:
+        sink.close()
+        text.append(f"===== {host}: {log.name}\n{log.read_text()}")
+        log.unlink()
+    return Job(codes, "\n".join(text), seconds)

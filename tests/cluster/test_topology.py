@@ -1,0 +1,35 @@
+"""Every launcher form on 2 hosts x 2 ranks: the topology each rank is told (rank, local rank and size, node
+rank, host), one allreduce against numpy, and what every rank listens on: only its host's cluster address or
+loopback, besides the sockets it inherited from its launcher, which are listed, not hidden (issue 23)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from fakehosts import Cluster
+from jobs import LAUNCHES, ClusterLaunch, run_job
+
+WORKER = str(Path(__file__).resolve().parent / "workers" / "topology.py")
+HOSTS = {"h1": 2, "h2": 2}
+
+
+@pytest.mark.parametrize("launch", [launch.param() for launch in LAUNCHES.values()])
+def test_topology_and_listening_sockets(cluster2: Cluster, launch: ClusterLaunch) -> None:
+    out = cluster2.shared / f"topology-{launch.name}.json"
+    job = run_job(cluster2, launch, HOSTS, [WORKER, str(out)], {"UNIDIST_TIMEOUT": "30"}, timeout=120)
+    assert job.code == 0, job.output[-6000:]
+    ranks = json.loads(out.read_text())
+    expect = [(r, r % 2, 2, r // 2, f"h{r // 2 + 1}") for r in range(4)]
+    got = [(x["rank"], x["local_rank"], x["local_size"], x["node_rank"], x["host"]) for x in ranks]
+    assert got == expect, got
+    assert all(x["backend"] == launch.backend and x["size"] == 4 for x in ranks), ranks
+    assert all(x["sum"] == [10.0] * 3 for x in ranks), ranks  # 1 + 2 + 3 + 4, over the network
+    for x in ranks:
+        mine = {"127.0.0.1", "::1", cluster2.hosts[x["host"]].address}
+        stray = [a for a in x["listen"] if a[0] not in mine and a not in x["inherited"]]
+        assert not stray, f"rank {x['rank']} listens on {stray} (own: {mine}; inherited {x['inherited']})"
+    inherited = sorted({tuple(a) for x in ranks for a in x["inherited"]})
+    print(f"{launch.name}: inherited listening sockets (the launcher's own): {inherited}", file=sys.stderr)
