@@ -63,7 +63,7 @@ def sweep() -> None:
     """Remove what clusters of processes that no longer exist left behind (a test run killed mid-way)."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     for name in listed:
-        m = re.fullmatch(r"ud(\d+)x[0-9a-f]{4}-(sw|h\d+)", name)
+        m = re.fullmatch(r"ud(\d+)x[0-9a-f]{4}-\w+", name)
         if m and not Path(f"/proc/{m.group(1)}").exists():
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
@@ -87,15 +87,19 @@ class Cluster:
 
     Args:
         n: how many hosts.
+        names: their host names (default h1 ... hn).
         profile: environment variables every host's login shell has (default: this process's PATH, PYTHONPATH,
             HOME, USER, LANG, OMP_NUM_THREADS and DS_ACCELERATOR).
     """
 
-    def __init__(self, n: int, profile: Mapping[str, str] | None = None) -> None:
+    def __init__(self, n: int, profile: Mapping[str, str] | None = None, names: Sequence[str] | None = None) -> None:
         reason = why_unavailable()
         if reason:
             raise ClusterUnavailableError(reason)
         self.n = n
+        self.names = list(names) if names else [f"h{i + 1}" for i in range(n)]
+        if len(self.names) != n:
+            raise ValueError(f"{n} hosts need {n} names, got {self.names}")
         self.tag = f"ud{os.getpid()}x{uuid.uuid4().hex[:4]}"  # namespace names: unique per cluster (see sweep)
         self.dir = Path(tempfile.mkdtemp(prefix=f"unidist-cluster-{self.tag}-", dir=SHARED_ROOT))
         self.bin = self.dir / "bin"
@@ -134,7 +138,7 @@ class Cluster:
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
-        names = [f"h{i + 1}" for i in range(self.n)]
+        names = self.names
         hosts_file = self.dir / "hosts"
         hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{SUBNET}.{i + 1} {h}\n"
                                                                   for i, h in enumerate(names)))
