@@ -18,14 +18,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakehosts import Cluster, sweep, why_unavailable
 
 
-def _cluster(n: int) -> Iterator[Cluster]:
+def _cluster(n: int, names: tuple[str, ...] | None = None) -> Iterator[Cluster]:
     reason = why_unavailable()
     if reason:
         if os.environ.get("REQUIRE_CLUSTER") == "1":
             pytest.fail(f"{reason}, but REQUIRE_CLUSTER=1 requires the simulated cluster")
         pytest.skip(reason)
     sweep()
-    with Cluster(n) as cluster:
+    with Cluster(n, names=names) as cluster:
         yield cluster
 
 
@@ -37,3 +37,9 @@ def cluster2() -> Iterator[Cluster]:
 @pytest.fixture(scope="module")
 def cluster3() -> Iterator[Cluster]:
     yield from _cluster(3)
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[Cluster]:
+    """node1 and node2: the host names the README's recipes use."""
+    yield from _cluster(2, ("node1", "node2"))

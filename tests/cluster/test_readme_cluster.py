@@ -1,0 +1,75 @@
+"""Every recipe of the README's "Several hosts" section runs as written on a simulated cluster whose hosts
+are named as the README names them (node1, node2).
+
+A recipe is a ``<!-- readme-cluster -->`` bash block of lines ``nodeN$ command  # comment``. Each host runs its
+lines in order in one shell, in a directory where ``examples/`` is the repository's; the hosts run at once
+(torchrun and ``deepspeed --no_ssh`` are started on every node). Every host's shell must exit 0, and the
+script's own output must show every rank on its node: hello_collectives' checks, train_digits' accuracy.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+
+import pytest
+from fakehosts import Cluster
+from helpers import ROOT, require
+
+README = (ROOT / "README.md").read_text()
+RECIPES = re.findall(r"<!-- readme-cluster -->\n```bash\n(.*?)```", README, flags=re.S)
+# the engine a recipe's launcher needs: its pytest mark, and what require() looks for
+ENGINES = (("deepspeed", "deepspeed"), ("horovodrun", "horovod"), ("--backend horovod", "horovod"),
+           ("UNIDIST_BACKEND=horovod", "horovod"), ("torchrun", "torch"), ("--backend torch", "torch"),
+           ("UNIDIST_BACKEND=torch", "torch"), ("mpiexec", "mpi"), ("srun", "mpi"), ("unidist launch", "mpi"))
+REQUIRES = {"mpi": "mpi4py", "torch": "torch", "deepspeed": "deepspeed", "horovod": "horovod"}
+
+
+def _lines(recipe: str) -> list[tuple[str, str]]:
+    out = []
+    for line in recipe.splitlines():
+        m = re.fullmatch(r"(node\d)\$ (.*?)(\s+# .*)?", line.strip())
+        if m:
+            out.append((m.group(1), m.group(2)))
+    return out
+
+
+def _engine(recipe: str) -> str:
+    text = " ".join(cmd for _, cmd in _lines(recipe))
+    return next(engine for word, engine in ENGINES if word in text)
+
+
+def test_recipes_found() -> None:
+    assert len(RECIPES) >= 5 and all(_lines(r) for r in RECIPES), RECIPES
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, id=_lines(r)[-1][1][:70], marks=getattr(pytest.mark, _engine(r)))
+                                    for r in RECIPES])
+def test_recipe(nodes: Cluster, recipe: str) -> None:
+    require(REQUIRES[_engine(recipe)])
+    work = nodes.shared / f"recipe-{abs(hash(recipe))}"
+    work.mkdir()
+    (work / "examples").symlink_to(ROOT / "examples")
+    per_host: dict[str, list[str]] = {}
+    for host, cmd in _lines(recipe):
+        per_host.setdefault(host, []).append(cmd)
+    procs = {host: nodes.popen(host, ["sh", "-ec", "\n".join(cmds)], cwd=str(work), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT) for host, cmds in per_host.items()}
+    outputs = {}
+    for host, proc in procs.items():
+        try:
+            outputs[host] = proc.communicate(timeout=240)[0]
+        except subprocess.TimeoutExpired:
+            for p in procs.values():
+                p.kill()
+            outputs[host] = proc.communicate()[0] + "\n[timed out]"
+    text = "\n".join(f"===== {h}: {shlex.join(per_host[h])}\n{outputs[h]}" for h in outputs)
+    assert all(p.returncode == 0 for p in procs.values()), text[-8000:]
+    if "hello_collectives" in recipe:
+        ranks = re.findall(r"\[rank (\d)/4\] backend=\w+ local_rank=(\d) node=(\d)", text)
+        assert sorted(ranks) == [(str(r), str(r % 2), str(r // 2)) for r in range(4)], text[-8000:]
+        assert "7/7 collectives correct on 4 process(es)" in text, text[-8000:]
+    else:
+        m = re.search(r"ranks=(\d) final test accuracy ([\d.]+) .* max parameter difference across ranks (\S+)", text)
+        assert m and m.group(1) == "4" and float(m.group(2)) >= 0.9 and float(m.group(3)) == 0.0, text[-8000:]
