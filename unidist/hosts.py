@@ -30,9 +30,9 @@ class Host:
     slots: int
 
 
-def _host(name: str, slots: str | None, where: str) -> Host:
+def _host(name: str, slots: str | None, where: str, fix: str = f"write {_FORMATS}") -> Host:
     if not re.fullmatch(_NAME, name):
-        raise HostsError(f"{where}: {name!r} is not a host name; write {_FORMATS}")
+        raise HostsError(f"{where}: {name!r} is not a host name; {fix}")
     count = int(slots) if slots is not None else 1
     if count < 1:
         raise HostsError(f"{where}: {name} has {count} slots; give every host at least 1 (or leave it out)")
@@ -52,13 +52,13 @@ def _checked(hosts: list[Host], source: str) -> list[Host]:
 
 def parse_hosts(spec: str) -> list[Host]:
     """``"h1:2,h2:2"`` (a host without ``:n`` has 1 slot), the ``--hosts`` value."""
+    fix = "write host:slots,host:slots (e.g. --hosts h1:2,h2:2)"
     hosts = []
     for part in spec.split(","):
         m = re.fullmatch(r"\s*([^:\s]*)(?::(\d+))?\s*", part)
         if not m or not m.group(1):
-            raise HostsError(f"--hosts {spec!r}: cannot read {part!r}; write host:slots,host:slots "
-                             "(e.g. --hosts h1:2,h2:2)")
-        hosts.append(_host(m.group(1), m.group(2), f"--hosts {spec!r}"))
+            raise HostsError(f"--hosts {spec!r}: cannot read {part!r}; {fix}")
+        hosts.append(_host(m.group(1), m.group(2), f"--hosts {spec!r}", fix))
     return _checked(hosts, f"--hosts {spec!r}")
 
 
