@@ -1,5 +1,6 @@
-"""``unidist info``: the report to paste into a bug. ``unidist launch``: run a script under a real launcher.
-``unidist bench <benchmark>``: ``python -m unidist.bench <benchmark>`` under the launcher ``launch`` picks.
+"""``unidist info``: the report to paste into a bug. ``unidist launch``: run a script under a real launcher, on
+this host or on several (``--hosts``, ``--hostfile``, a Slurm allocation). ``unidist bench <benchmark>``:
+``python -m unidist.bench <benchmark>`` under the launcher ``launch`` picks.
 
 None of them imports an engine: versions come from package metadata, so ``info`` never starts MPI.
 """
@@ -11,10 +12,14 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +28,12 @@ from unidist import registry
 from unidist.bench import OFFLINE as BENCH_OFFLINE
 from unidist.bench import SUBCOMMANDS as BENCHMARKS
 from unidist.config import ENV_VARS, Config
-from unidist.errors import UnidistError
+from unidist.errors import HostsError, UnidistError
+from unidist.hosts import Host, format_hosts, hostfile_text, parse_hosts, read_hostfile, slurm_hosts
 from unidist.launch import LAUNCHERS, detect, family, script_args
 from unidist.net import free_port
 
-__all__ = ["launch_command", "main"]
+__all__ = ["Plan", "hosts_plan", "launch_command", "main"]
 
 
 def _packages() -> list[str]:
@@ -41,7 +47,7 @@ def _packages() -> list[str]:
 def _programs() -> list[str]:
     """Every launcher program unidist knows (the launcher families' commands), and Slurm's srun."""
     names = [prog for fam in LAUNCHERS if fam.command is not None for prog in fam.command.programs]
-    return [*dict.fromkeys(names), "srun"]
+    return [*dict.fromkeys([*names, "srun"])]
 
 _EXTRA_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_STEP_ID")
@@ -156,24 +162,168 @@ def _default_backend() -> str:
                        "script with python")
 
 
+# what a launcher started over ssh is given (real ssh carries no environment; mpiexec, horovodrun and deepspeed
+# carry their own): unidist's settings and the engines' interface, thread and import-path variables
+_FORWARD = ("UNIDIST_", "GLOO_", "NCCL_", "TORCH_", "OMP_", "MKL_", "DS_", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")
+
+
+@dataclass
+class Plan:
+    """The processes ``unidist launch`` starts here for a job on several hosts: one launcher command, or one
+    ssh per host (``Command.per_host``); ``env``: the variables the launch needs (a backend its launcher does
+    not imply); ``hostfile``: a file written for the launcher (removed after the run)."""
+
+    commands: list[list[str]]
+    env: dict[str, str] = field(default_factory=dict)
+    hostfile: str | None = None
+    stdin: bool = False  # ssh sessions, ended by closing their input (see _remote)
+
+    def lines(self) -> list[str]:
+        """The commands as shell lines (what --dry-run prints), each with the variables it needs."""
+        prefix = [f"{k}={v}" for k, v in self.env.items()] if len(self.commands) == 1 else []
+        return [shlex.join([*prefix, *cmd]) for cmd in self.commands]
+
+
+def hosts_plan(backend: str, hosts: list[Host], script: str, args: Sequence[str], environ: Mapping[str, str],
+               *, slurm: bool = False, nprocs: int | None = None, cwd: str | None = None) -> Plan:
+    """The commands that start ``script`` on ``hosts`` with ``backend``'s launcher's multi-host form (its
+    ``LAUNCHERS`` row), or with srun when ``slurm`` (the hosts are the allocation's). Writes the hostfile a
+    launcher reads (``Plan.hostfile``)."""
+    try:
+        record = registry.get(backend)
+    except UnidistError:
+        raise HostsError(f"`unidist launch` knows no backend {backend!r}; use one of "
+                         f"{', '.join(registry.names())}") from None
+    several = [r.name for r in registry.records() if r.launcher and (f := family(r.launcher)) is not None
+               and f.command is not None and f.command.hosts_args is not None]
+    name = "slurm" if slurm else record.launcher
+    fam = family(name) if name else None
+    if fam is None or fam.command is None or fam.command.hosts_args is None:
+        launcher = record.launcher or "plain python"
+        raise HostsError(f"the {backend} backend's launcher ({launcher}) cannot start processes on several hosts; "
+                         f"use --backend {' or '.join(several)}, or drop --hosts/--hostfile to run here")
+    total = sum(h.slots for h in hosts)
+    n = total if nprocs is None else nprocs
+    if n != total and not slurm:
+        raise HostsError(f"-n {n} but the hosts have {total} slots ({format_hosts(hosts)}); leave out -n, or give "
+                         "each host the number of processes to start on it")
+    cmd = fam.command
+    env = {} if registry.for_launcher(fam.name) == backend else {"UNIDIST_BACKEND": backend}
+    program = _need(*cmd.programs, hint="inside a Slurm allocation unidist launch starts srun; or pass --hosts" if slurm
+                   else record.install)
+    template = " ".join(cmd.hosts_args or ())
+    ssh = _need("ssh", hint="the launcher starts the far processes over ssh") \
+        if cmd.per_host or "{ssh}" in template else ""
+    values = {"n": str(n), "python": sys.executable, "hosts": format_hosts(hosts), "first": hosts[0].name,
+              "nnodes": str(len(hosts)), "ssh": ssh, "port": str(free_port()) if "{port}" in template else "",
+              "run_id": f"unidist-{os.getpid()}-{time.time_ns() % 10**9}", "hostfile": ""}
+    plan = Plan([], env)
+    if cmd.hostfile:
+        fd, plan.hostfile = tempfile.mkstemp(prefix="unidist-hostfile-", suffix=".txt")
+        with os.fdopen(fd, "w") as out:
+            out.write(hostfile_text(hosts, cmd.hostfile))
+        values["hostfile"] = plan.hostfile
+    rest = [script, *args]
+    if not cmd.per_host:
+        plan.commands.append(cmd.hosts_argv(program, values, rest))
+        return plan
+    carry = {k: v for k, v in environ.items() if k.startswith(_FORWARD)} | env
+    setvars = ["env", *(f"{k}={v}" for k, v in sorted(carry.items()))] if carry else []
+    where = cwd or os.getcwd()
+    for host in hosts:
+        inner = cmd.hosts_argv(program, {**values, "slots": str(host.slots)}, rest)
+        plan.commands.append([ssh, host.name, _remote(where, [*setvars, *inner])])
+    plan.stdin = True
+    return plan
+
+
+def _remote(cwd: str, argv: list[str]) -> str:
+    """The shell line run over ssh: ``argv`` in ``cwd``, sent SIGTERM when ssh's input closes (the launcher
+    ended the job, or died), so the remote launcher stops its workers itself; a killed ssh session would leave
+    workers in their own sessions (torchrun starts them so) running."""
+    # (sh gives a background list /dev/null as input: the watcher reads ssh's input through fd 3)
+    return (f"cd {shlex.quote(cwd)} || exit 1; exec 3<&0; {shlex.join(argv)} 3<&- & pid=$!; "
+            "{ cat <&3 >/dev/null; kill -TERM $pid; } >/dev/null 2>&1 & wait $pid")
+
+
+def _run_all(commands: list[list[str]], env: Mapping[str, str], stdin: bool = False) -> int:
+    """Start every command; the first to fail ends the others and its exit code is the job's; 0 when all
+    succeed. With ``stdin`` the commands are ssh sessions (``_remote``) ended by closing their input (SIGTERM
+    after 20 s); otherwise by SIGTERM."""
+    procs = [subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE if stdin else None) for cmd in commands]
+    running = list(procs)
+    code = 0
+    try:
+        while running:
+            for proc in list(running):
+                if proc.poll() is None:
+                    continue
+                running.remove(proc)
+                if proc.returncode:
+                    code = proc.returncode
+                    break
+            if code:
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:  # the terminal sent SIGINT to the launchers too: give them time to end
+        code = -2
+    for proc in procs:
+        if proc.stdin:
+            proc.stdin.close()
+        elif proc.poll() is None and code != -2:
+            proc.terminate()
+    interrupted = code == -2
+    for proc in running:
+        try:
+            rc = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                rc = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+        if interrupted and rc and code == -2:  # interrupted: the launcher's own code, as it reported it
+            code = rc
+    return code if code >= 0 else 128 - code
+
+
+def _hosts(ns: argparse.Namespace, environ: Mapping[str, str]) -> tuple[list[Host] | None, bool]:
+    """The hosts the options name, else the Slurm allocation's (second item True), else None: this host."""
+    if ns.hosts and ns.hostfile:
+        raise HostsError("--hosts and --hostfile both given; name the hosts one way")
+    if ns.hosts:
+        return parse_hosts(ns.hosts), False
+    if ns.hostfile:
+        return read_hostfile(ns.hostfile), False
+    found = slurm_hosts(environ)
+    return found, found is not None
+
+
+def _add_launch_options(p: argparse.ArgumentParser, n_default: int | None) -> None:
+    p.add_argument("-n", "--nprocs", type=int, default=n_default,
+                   help="number of processes (with hosts: their total slots, the default)")
+    p.add_argument("--backend", help=f"{', '.join(registry.names())} (default: the first of these whose "
+                                     "launcher is installed)")
+    p.add_argument("--hosts", help="start on these hosts, e.g. h1:2,h2:2 (host:processes)")
+    p.add_argument("--hostfile", help="start on the hosts of this file (host:n, host slots=n, or host; # comments)")
+    p.add_argument("--dry-run", action="store_true", help="print the command(s) instead of running them")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="unidist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, launcher variables and the backend init() would pick")
     p_info.add_argument("--json", action="store_true", help="machine-readable output")
-    p_launch = sub.add_parser("launch", help="run a script on N processes under a real launcher")
-    p_launch.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
-    p_launch.add_argument("--backend", help=f"{', '.join(registry.names())} (default: the first of these whose "
-                                            "launcher is installed)")
-    p_launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    p_launch = sub.add_parser("launch", help="run a script on N processes under a real launcher, on this host "
+                                             "or on several (--hosts, --hostfile, a Slurm allocation)")
+    _add_launch_options(p_launch, None)
     p_launch.add_argument("script", help="the Python script to run")
     p_launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p_bench = sub.add_parser("bench", help="python -m unidist.bench <benchmark> on N processes under a real "
                                            "launcher (plot and report run here)")
     p_bench.add_argument("benchmark", choices=BENCHMARKS, help="collectives, gradsync, train, all, ...")
-    p_bench.add_argument("-n", "--nprocs", type=int, default=2)
-    p_bench.add_argument("--backend", help="as for launch")
-    p_bench.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    _add_launch_options(p_bench, None)
     p_bench.epilog = "Options for the benchmark go after --: unidist bench collectives -n 2 -- --compare --sizes 8,2M"
     argv = script_args() if argv is None else list(argv)  # without a launcher's --local_rank=N
     bench_args: list[str] = []
@@ -198,26 +348,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print_info(report)
         return 0
 
-    if ns.nprocs < 1:
-        parser.error("-n must be at least 1")
     try:
+        hosts, slurm = _hosts(ns, os.environ)
+        if hosts is None and ns.nprocs is None and ns.command == "bench":
+            ns.nprocs = 2
+        if (ns.nprocs is not None and ns.nprocs < 1) or (hosts is None and ns.nprocs is None):
+            parser.error("-n must be at least 1" if ns.nprocs is not None else "-n is required without --hosts, "
+                         "--hostfile or a Slurm allocation")
         backend = (ns.backend or _default_backend()).lower()
-        cmd = launch_command(backend, ns.nprocs, ns.script, ns.args)
+        if hosts is None:
+            plan = Plan([launch_command(backend, ns.nprocs, ns.script, ns.args)])
+        else:
+            plan = hosts_plan(backend, hosts, ns.script, ns.args, os.environ, slurm=slurm, nprocs=ns.nprocs)
     except UnidistError as err:
         print(f"unidist {ns.command}: {err}", file=sys.stderr)
         return 2
     if ns.dry_run:
-        print(" ".join(cmd))
+        if plan.hostfile:
+            print(f"# {plan.hostfile} (kept for the command below):\n# "
+                  + Path(plan.hostfile).read_text().strip().replace("\n", "\n# "), file=sys.stderr)
+        print("\n".join(plan.lines()))
         return 0
     env = dict(os.environ)
     if ns.backend:
         env["UNIDIST_BACKEND"] = backend
-    proc = subprocess.Popen(cmd, env=env)
+    env.update(plan.env)
     try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        code = proc.wait()
-    return code if code >= 0 else 128 - code
+        return _run_all(plan.commands, env, plan.stdin)
+    finally:
+        if plan.hostfile:
+            os.unlink(plan.hostfile)
 
 
 if __name__ == "__main__":

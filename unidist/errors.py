@@ -13,6 +13,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigError",
+    "HostsError",
     "InvalidArgumentError",
     "LaunchEnvironmentError",
     "NotInitializedError",
@@ -38,6 +39,11 @@ class LaunchEnvironmentError(UnidistError, RuntimeError):
 
 class ConfigError(UnidistError, ValueError):
     """A ``UNIDIST_*`` variable or a Config field has a bad value; names variable, value, allowed values."""
+
+
+class HostsError(UnidistError, ValueError):
+    """A host list (``--hosts``, a hostfile, a Slurm allocation) cannot start a job, or the backend's launcher
+    has no multi-host form; the message says what was read and how to write it."""
 
 
 class InvalidArgumentError(UnidistError, ValueError, TypeError):

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from unidist.errors import LaunchEnvironmentError
+from unidist.errors import HostsError, LaunchEnvironmentError
 
 __all__ = ["LAUNCHERS", "NO_LAUNCHER", "Command", "Family", "LaunchInfo", "detect", "family", "script_args"]
 
@@ -45,18 +45,32 @@ class LaunchInfo:
 
 @dataclass(frozen=True)
 class Command:
-    """How ``unidist launch`` starts N processes with this launcher.
+    """How ``unidist launch`` starts N processes with this launcher, on this host and on several.
 
     ``args`` follow the program and precede the script and its arguments; ``{n}`` is the process count,
-    ``{python}`` this interpreter, ``{port}`` a free TCP port.
+    ``{python}`` this interpreter, ``{port}`` a free TCP port. ``hosts_args`` are the same for the launcher's
+    multi-host form (None: it has none), which may also use ``{hosts}`` (``h1:2,h2:2``), ``{hostfile}`` (a
+    file in the ``hostfile`` style, ``"slots"`` or ``"mpich"``, see ``unidist.hosts.hostfile_text``),
+    ``{first}`` (the first host: rank 0's), ``{nnodes}``, ``{ssh}`` (the ssh program) and, when ``per_host``
+    (the launcher is started once on every host, over ssh), ``{slots}`` (that host's processes) and
+    ``{run_id}`` (one id shared by the job's launchers).
     """
 
     programs: tuple[str, ...]  # the first one found beside the interpreter or on PATH is used
     args: tuple[str, ...]
+    hosts_args: tuple[str, ...] | None = None
+    per_host: bool = False
+    hostfile: str | None = None
 
     def argv(self, program: str, n: int, python: str, port: int | None, rest: list[str]) -> list[str]:
         values = {"n": str(n), "python": python, "port": str(port)}
         return [program, *(a.format(**values) for a in self.args), *rest]
+
+    def hosts_argv(self, program: str, values: Mapping[str, str], rest: list[str]) -> list[str]:
+        """The multi-host form, its placeholders filled from ``values`` (see the class docstring)."""
+        if self.hosts_args is None:
+            raise HostsError(f"{program} has no multi-host form in unidist.launch.LAUNCHERS")
+        return [program, *(a.format(**values) for a in self.hosts_args), *rest]
 
 
 @dataclass(frozen=True)
@@ -83,29 +97,42 @@ LAUNCHERS: tuple[Family, ...] = (
     Family("torchrun", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
            marker=("TORCHELASTIC_RUN_ID",), master_addr="MASTER_ADDR", master_port="MASTER_PORT",
            attempt="TORCHELASTIC_RESTART_COUNT",
-           command=Command(("torchrun",), ("--standalone", "--nproc_per_node", "{n}"))),
+           # on several hosts: one torchrun per host over ssh, one c10d rendezvous on the first host (node ranks
+           # follow torch's sort of the hosts' names)
+           command=Command(("torchrun",), ("--standalone", "--nproc_per_node", "{n}"),
+                           ("--nnodes", "{nnodes}", "--nproc_per_node", "{slots}", "--rdzv_backend", "c10d",
+                            "--rdzv_endpoint", "{first}:{port}", "--rdzv_id", "{run_id}"), per_host=True)),
     # Horovod's gloo controller: horovodrun's MPI mode does not recognise every MPI (the mpich wheel's hydra
     # prints no "MPICH" in its version); for MPI, start with mpiexec and UNIDIST_BACKEND=horovod.
     Family("horovodrun", "HOROVOD_RANK", ("HOROVOD_SIZE",), "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
            "HOROVOD_CROSS_RANK",
-           command=Command(("horovodrun",), ("-np", "{n}", "--gloo", "-H", "localhost:{n}", "{python}"))),
+           command=Command(("horovodrun",), ("-np", "{n}", "--gloo", "-H", "localhost:{n}", "{python}"),
+                           ("-np", "{n}", "--gloo", "-H", "{hosts}", "{python}"))),
     # --num_gpus also sets the process count with DeepSpeed's CPU accelerator; a free port avoids a clash
     # with another job on the default 29500; --no_local_rank keeps the script's argv as given.
     Family("deepspeed", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK",
            marker=("CROSS_RANK",), master_addr="MASTER_ADDR", master_port="MASTER_PORT",
-           command=Command(("deepspeed",), ("--num_gpus", "{n}", "--master_port", "{port}", "--no_local_rank"))),
+           command=Command(("deepspeed",), ("--num_gpus", "{n}", "--master_port", "{port}", "--no_local_rank"),
+                           ("--hostfile", "{hostfile}", "--master_addr", "{first}", "--master_port", "{port}",
+                            "--no_local_rank"), hostfile="slots")),
     Family("openmpi", "OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",), "OMPI_COMM_WORLD_LOCAL_RANK",
            "OMPI_COMM_WORLD_LOCAL_SIZE", mpi_like=True),
-    # `mpiexec -n N` is the MPI standard's spelling, so this row also stands for Open MPI's and MVAPICH's
+    # `mpiexec -n N` is the MPI standard's spelling, so this row also stands for Open MPI's and MVAPICH's;
+    # the multi-host form is Hydra's (MPICH, Intel MPI): its ssh launcher, given the ssh found on PATH
     Family("mpich", "PMI_RANK", ("PMI_SIZE",), "MPI_LOCALRANKID", "MPI_LOCALNRANKS", mpi_like=True,
-           command=Command(("mpiexec", "mpirun"), ("-n", "{n}", "{python}"))),
+           command=Command(("mpiexec", "mpirun"), ("-n", "{n}", "{python}"),
+                           ("-launcher", "ssh", "-launcher-exec", "{ssh}", "-hosts", "{hosts}", "-n", "{n}",
+                            "{python}"))),
     Family("mvapich", "MV2_COMM_WORLD_RANK", ("MV2_COMM_WORLD_SIZE",), "MV2_COMM_WORLD_LOCAL_RANK",
            "MV2_COMM_WORLD_LOCAL_SIZE", mpi_like=True),
     # PMIx exports no world size of its own; the launchers that use it (prterun, srun --mpi=pmix) do.
     Family("pmix", "PMIX_RANK", ("OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), mpi_like=True),
     # Inside an sbatch script SLURM_PROCID/SLURM_NTASKS are set too, but only srun steps set SLURM_STEP_ID.
+    # `unidist launch` inside an allocation starts every backend with srun on the allocation's nodes
     Family("slurm", "SLURM_PROCID", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"), "SLURM_LOCALID",
-           None, "SLURM_NODEID", marker=("SLURM_STEP_ID",), mpi_like=True),
+           None, "SLURM_NODEID", marker=("SLURM_STEP_ID",), mpi_like=True,
+           command=Command(("srun",), ("--ntasks", "{n}", "{python}"),
+                           ("--nodes", "{nnodes}", "--ntasks", "{n}", "--kill-on-bad-exit=1", "{python}"))),
     # plain env:// variables (torch.distributed.launch, a hand-written script): torch's rendezvous
     Family("env", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
            master_addr="MASTER_ADDR", master_port="MASTER_PORT"),
