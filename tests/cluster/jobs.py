@@ -8,6 +8,7 @@ runs inside its host; the job's exit code is the worst of theirs.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -28,6 +29,33 @@ def _mpiexec(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
     first = next(iter(hosts))
     return [(first, ["mpiexec", "-launcher", "ssh", "-launcher-exec", str(cluster.bin / "ssh"), "-hosts", spec,
                      "-n", str(sum(hosts.values())), sys.executable, *argv])]
+
+
+_PORTS = itertools.count(29400 + os.getpid() % 500 * 20)  # rendezvous ports: one per job, never reused by a run
+
+
+def _each_host(hosts: Hosts, launcher: Callable[[int, str, int], list[str]]) -> Starts:
+    return [(host, launcher(i, host, n)) for i, (host, n) in enumerate(hosts.items())]
+
+
+def _torchrun_static(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    first, port = next(iter(hosts)), next(_PORTS)
+    return _each_host(hosts, lambda i, _, n: [
+        "torchrun", "--nnodes", str(len(hosts)), "--node_rank", str(i), "--master_addr", first, "--master_port",
+        str(port), "--nproc_per_node", str(n), *argv])
+
+
+def _torchrun_c10d(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    first, port = next(iter(hosts)), next(_PORTS)  # c10d numbers the nodes by sorted host name: h1 first
+    return _each_host(hosts, lambda i, _, n: [
+        "torchrun", "--nnodes", str(len(hosts)), "--nproc_per_node", str(n), "--rdzv_backend", "c10d",
+        "--rdzv_endpoint", f"{first}:{port}", "--rdzv_id", f"job{port}", *argv])
+
+
+def _horovodrun(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    spec = ",".join(f"{h}:{n}" for h, n in hosts.items())
+    return [(next(iter(hosts)), ["horovodrun", "-np", str(sum(hosts.values())), "-H", spec, "--gloo",
+                                 sys.executable, *argv])]
 
 
 @dataclass(frozen=True)
@@ -51,6 +79,9 @@ LAUNCHES = {launch.name: launch for launch in [
     ClusterLaunch("torch-under-mpiexec", "torch", _mpiexec, ("torch", "mpi4py"), {"UNIDIST_BACKEND": "torch"}),
     ClusterLaunch("horovod-under-mpiexec", "horovod", _mpiexec, ("torch", "mpi4py", "horovod"),
                   {"UNIDIST_BACKEND": "horovod"}),
+    ClusterLaunch("torchrun-static", "torch", _torchrun_static),
+    ClusterLaunch("torchrun-c10d", "torch", _torchrun_c10d),
+    ClusterLaunch("horovodrun-gloo", "horovod", _horovodrun, ("torch", "horovod")),
 ]}
 
 
