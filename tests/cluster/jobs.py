@@ -58,6 +58,27 @@ def _horovodrun(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
                                  sys.executable, *argv])]
 
 
+def _hostfile(cluster: Cluster, hosts: Hosts, port: int) -> str:
+    path = cluster.shared / f"hostfile-{port}"  # DeepSpeed's format; on the shared filesystem, as users keep it
+    path.write_text("".join(f"{h} slots={n}\n" for h, n in hosts.items()))
+    return str(path)
+
+
+def _deepspeed_pdsh(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    """DeepSpeed's own multinode runner (pdsh over ssh); no --master_addr: it asks the first host `hostname -I`."""
+    port = next(_PORTS)
+    return [(next(iter(hosts)), ["deepspeed", "--hostfile", _hostfile(cluster, hosts, port), "--master_port",
+                                 str(port), *argv])]
+
+
+def _deepspeed_no_ssh(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    first, port = next(iter(hosts)), next(_PORTS)
+    hostfile = _hostfile(cluster, hosts, port)
+    return _each_host(hosts, lambda i, _, n: [
+        "deepspeed", "--hostfile", hostfile, "--no_ssh", "--node_rank", str(i), "--master_addr", first,
+        "--master_port", str(port), *argv])
+
+
 @dataclass(frozen=True)
 class ClusterLaunch:
     """One launcher form on several hosts: the backend init() must pick (also the pytest mark), the engines
@@ -82,6 +103,8 @@ LAUNCHES = {launch.name: launch for launch in [
     ClusterLaunch("torchrun-static", "torch", _torchrun_static),
     ClusterLaunch("torchrun-c10d", "torch", _torchrun_c10d),
     ClusterLaunch("horovodrun-gloo", "horovod", _horovodrun, ("torch", "horovod")),
+    ClusterLaunch("deepspeed-pdsh", "deepspeed", _deepspeed_pdsh, ("torch", "deepspeed")),
+    ClusterLaunch("deepspeed-no-ssh", "deepspeed", _deepspeed_no_ssh, ("torch", "deepspeed")),
 ]}
 
 
