@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from fakehosts import Cluster
+from hostlist import compress
 
 Hosts = Mapping[str, int]  # host name -> ranks on it, in order: the first host is the "login node"
 Starts = list[tuple[str, list[str]]]  # (host, argv) per process to start
@@ -79,6 +80,18 @@ def _deepspeed_no_ssh(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> St
         "--master_port", str(port), *argv])
 
 
+def _srun(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    """``srun`` in an allocation of the hosts, as launch_scripts/slurm.sbatch runs it: the variables sbatch gives
+    the batch script on the first host, the MASTER_PORT the recipe exports, then srun on the stand-in."""
+    port, counts = next(_PORTS), list(hosts.values())
+    allocation = {"SLURM_JOB_ID": str(port), "SLURM_JOB_NODELIST": compress(list(hosts)),
+                  "SLURM_JOB_NUM_NODES": str(len(hosts)), "SLURM_NTASKS": str(sum(counts)), "MASTER_PORT": str(port)}
+    if len(set(counts)) == 1:
+        allocation["SLURM_NTASKS_PER_NODE"] = str(counts[0])
+    return [(next(iter(hosts)), ["env", *(f"{k}={v}" for k, v in allocation.items()), "srun", "--kill-on-bad-exit=1",
+                                 sys.executable, *argv])]
+
+
 @dataclass(frozen=True)
 class ClusterLaunch:
     """One launcher form on several hosts: the backend init() must pick (also the pytest mark), the engines
@@ -105,6 +118,8 @@ LAUNCHES = {launch.name: launch for launch in [
     ClusterLaunch("horovodrun-gloo", "horovod", _horovodrun, ("torch", "horovod")),
     ClusterLaunch("deepspeed-pdsh", "deepspeed", _deepspeed_pdsh, ("torch", "deepspeed")),
     ClusterLaunch("deepspeed-no-ssh", "deepspeed", _deepspeed_no_ssh, ("torch", "deepspeed")),
+    # srun without PMI (none is simulated): the MPI backend a Slurm step implies cannot start here
+    ClusterLaunch("srun-torch", "torch", _srun, ("torch",), {"UNIDIST_BACKEND": "torch"}),
 ]}
 
 
