@@ -1,5 +1,6 @@
 """Slurm/pdsh host lists: ``h[1-3,5],login`` <-> ``["h1", "h2", "h3", "h5", "login"]`` (the stand-ins' shared
-notation; only a bracket range at the end of a name, which is all the simulated cluster's names need)."""
+notation; only a bracket range at the end of a name, which is all the simulated cluster's names need), and
+Slurm's tasks-per-node spelling ``2(x2),1``."""
 
 from __future__ import annotations
 
@@ -48,4 +49,17 @@ def compress(hosts: Sequence[str]) -> str:
                     start = b
             out.append(f"{prefix}[{','.join(parts)}]")
         i = j
+    return ",".join(out)
+
+
+def tasks_per_node(counts: list[int]) -> str:
+    """Slurm's spelling: ``2(x2),1``."""
+    out: list[str] = []
+    for c in counts:
+        if out and out[-1].split("(")[0] == str(c):
+            last = out[-1]
+            n = int(last[last.index("x") + 1:-1]) if "(" in last else 1
+            out[-1] = f"{c}(x{n + 1})"
+        else:
+            out.append(str(c))
     return ",".join(out)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from fakehosts import Cluster
-from hostlist import compress
+from hostlist import compress, tasks_per_node
 
 Hosts = Mapping[str, int]  # host name -> ranks on it, in order: the first host is the "login node"
 Starts = list[tuple[str, list[str]]]  # (host, argv) per process to start
@@ -80,15 +80,30 @@ def _deepspeed_no_ssh(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> St
         "--master_port", str(port), *argv])
 
 
-def _srun(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
-    """``srun`` in an allocation of the hosts, as launch_scripts/slurm.sbatch runs it: the variables sbatch gives
-    the batch script on the first host, the MASTER_PORT the recipe exports, then srun on the stand-in."""
-    port, counts = next(_PORTS), list(hosts.values())
-    allocation = {"SLURM_JOB_ID": str(port), "SLURM_JOB_NODELIST": compress(list(hosts)),
-                  "SLURM_JOB_NUM_NODES": str(len(hosts)), "SLURM_NTASKS": str(sum(counts)), "MASTER_PORT": str(port)}
+def _allocation(hosts: Hosts, port: int) -> list[str]:
+    """``env`` words for the variables sbatch gives a batch script on the first host of an allocation of
+    ``hosts``, and the MASTER_PORT launch_scripts/slurm.sbatch exports."""
+    counts = list(hosts.values())
+    nodes = compress(list(hosts))  # sbatch sets both spellings; Hydra reads SLURM_NNODES, SLURM_NODELIST
+    allocation = {"SLURM_JOB_ID": str(port), "SLURM_JOBID": str(port), "SLURM_JOB_NODELIST": nodes,
+                  "SLURM_NODELIST": nodes, "SLURM_JOB_NUM_NODES": str(len(hosts)), "SLURM_NNODES": str(len(hosts)),
+                  "SLURM_NTASKS": str(sum(counts)), "SLURM_NPROCS": str(sum(counts)),
+                  "SLURM_TASKS_PER_NODE": tasks_per_node(counts), "MASTER_PORT": str(port)}
     if len(set(counts)) == 1:
         allocation["SLURM_NTASKS_PER_NODE"] = str(counts[0])
-    return [(next(iter(hosts)), ["env", *(f"{k}={v}" for k, v in allocation.items()), "srun", "--kill-on-bad-exit=1",
+    return ["env", *(f"{k}={v}" for k, v in allocation.items())]
+
+
+def _srun(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    """``srun`` in an allocation of the hosts, as launch_scripts/slurm.sbatch runs it (the srun stand-in)."""
+    return [(next(iter(hosts)), [*_allocation(hosts, next(_PORTS)), "srun", "--kill-on-bad-exit=1",
+                                 sys.executable, *argv])]
+
+
+def _mpiexec_in_allocation(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    """Plain ``mpiexec -n N`` in an allocation: Hydra reads the hosts from Slurm's variables and starts its
+    proxies with ``srun -N 2 -n 2 --input none hydra_pmi_proxy ... --proxy-id -1`` (the srun stand-in)."""
+    return [(next(iter(hosts)), [*_allocation(hosts, next(_PORTS)), "mpiexec", "-n", str(sum(hosts.values())),
                                  sys.executable, *argv])]
 
 
@@ -120,6 +135,7 @@ LAUNCHES = {launch.name: launch for launch in [
     ClusterLaunch("deepspeed-no-ssh", "deepspeed", _deepspeed_no_ssh, ("torch", "deepspeed")),
     # srun without PMI (none is simulated): the MPI backend a Slurm step implies cannot start here
     ClusterLaunch("srun-torch", "torch", _srun, ("torch",), {"UNIDIST_BACKEND": "torch"}),
+    ClusterLaunch("mpiexec-in-allocation", "mpi", _mpiexec_in_allocation, ("torch", "mpi4py")),
 ]}
 
 

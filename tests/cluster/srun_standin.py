@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import IO
 
-from hostlist import compress, expand
+from hostlist import compress, expand, tasks_per_node
 
 VALUED = {"-N": "nodes", "--nodes": "nodes", "-n": "ntasks", "--ntasks": "ntasks", "--ntasks-per-node": "per_node",
           "-w": "nodelist", "--nodelist": "nodelist", "--export": "export", "--mpi": "mpi", "-D": "chdir",
@@ -63,19 +63,6 @@ def layout(nodes: list[str], ntasks: int | None, per_node: int | None) -> list[i
     base, extra = divmod(ntasks, len(nodes))
     counts = [base + (1 if i < extra else 0) for i in range(len(nodes))]
     return [c for c in counts if c]
-
-
-def tasks_per_node(counts: list[int]) -> str:
-    """Slurm's spelling: ``2(x2),1``."""
-    out: list[str] = []
-    for c in counts:
-        if out and out[-1].split("(")[0] == str(c):
-            last = out[-1]
-            n = int(last[last.index("x") + 1:-1]) if "(" in last else 1
-            out[-1] = f"{c}(x{n + 1})"
-        else:
-            out.append(str(c))
-    return ",".join(out)
 
 
 def _relay(stream: IO[bytes], sink: IO[bytes], prefix: bytes, lock: threading.Lock) -> None:

@@ -167,8 +167,8 @@ def test_torch_under_srun_without_pmi_or_port_says_what_to_set() -> None:
     env = clean_env({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
                      "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_STEP_NODELIST": "h[1-2]",
                      "UNIDIST_BACKEND": "torch", "UNIDIST_TIMEOUT": "5"})
-    proc = subprocess.run([sys.executable, "-c", "import unidist; unidist.init().start()"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", "import unidist; unidist.init().start()"], capture_output=True,
+                          text=True, env=env, timeout=120)
     assert proc.returncode != 0
     assert "LaunchEnvironmentError" in proc.stderr and "MASTER_PORT" in proc.stderr, proc.stderr[-2000:]
     assert "invalid literal" not in proc.stderr
