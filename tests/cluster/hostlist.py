@@ -33,10 +33,10 @@ def compress(hosts: Sequence[str]) -> str:
             out.append(hosts[i])
             i += 1
             continue
-        prefix, nums = m.group(1), [int(m.group(2))]
+        prefix, nums, width = m.group(1), [int(m.group(2))], len(m.group(2))  # n08: zero-padded, width kept
         j = i + 1
         while j < len(hosts) and (n := re.fullmatch(re.escape(prefix) + r"(\d+)", hosts[j])) and \
-                int(n.group(1)) > nums[-1]:
+                len(n.group(1)) == width and int(n.group(1)) > nums[-1]:
             nums.append(int(n.group(1)))
             j += 1
         if len(nums) == 1:
@@ -45,7 +45,7 @@ def compress(hosts: Sequence[str]) -> str:
             parts, start = [], nums[0]
             for a, b in zip(nums, [*nums[1:], None], strict=True):
                 if b != a + 1:
-                    parts.append(str(start) if start == a else f"{start}-{a}")
+                    parts.append(f"{start:0{width}d}" if start == a else f"{start:0{width}d}-{a:0{width}d}")
                     start = b
             out.append(f"{prefix}[{','.join(parts)}]")
         i = j
