@@ -66,9 +66,13 @@ def _hostfile(cluster: Cluster, hosts: Hosts, port: int) -> str:
 
 
 def _deepspeed_pdsh(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
-    """DeepSpeed's own multinode runner (pdsh over ssh); no --master_addr: it asks the first host `hostname -I`."""
+    """DeepSpeed's own multinode runner (pdsh over ssh); no --master_addr: it asks the first host `hostname -I`.
+    The runner carries only a few variables (PYTHON*, UCX*, MV2*...) to the nodes, and the others a user puts in
+    a ``.deepspeed_env`` file: the job's UNIDIST_* variables are written to one (DS_ENV_FILE names it)."""
     port = next(_PORTS)
-    return [(next(iter(hosts)), ["deepspeed", "--hostfile", _hostfile(cluster, hosts, port), "--master_port",
+    env_file = cluster.shared / f"deepspeed_env-{port}"
+    return [(next(iter(hosts)), ["sh", "-c", 'env | grep "^UNIDIST_" > "$0"; DS_ENV_FILE="$0" exec deepspeed "$@"',
+                                 str(env_file), "--hostfile", _hostfile(cluster, hosts, port), "--master_port",
                                  str(port), *argv])]
 
 

@@ -22,7 +22,8 @@ with unidist.init() as mgr:
     total = mgr.allreduce(torch.full((3,), float(mgr.rank + 1)))
     mine = {"host": socket.gethostname(), "rank": mgr.rank, "size": mgr.size, "local_rank": mgr.local_rank,
             "local_size": mgr.local_size, "node_rank": mgr.node_rank, "backend": mgr.backend,
-            "sum": total.tolist(), "listen": listening(), "inherited": inherited}
+            "sum": total.tolist(), "listen": listening(), "inherited": inherited,
+            "timeout": mgr.config.timeout}
     ranks = mgr.allgather_object(mine)
     if mgr.rank == 0:
         out.write_text(json.dumps(ranks))
