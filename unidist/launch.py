@@ -128,9 +128,12 @@ LAUNCHERS: tuple[Family, ...] = (
     # PMIx exports no world size of its own; the launchers that use it (prterun, srun --mpi=pmix) do.
     Family("pmix", "PMIX_RANK", ("OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), mpi_like=True),
     # Inside an sbatch script SLURM_PROCID/SLURM_NTASKS are set too, but only srun steps set SLURM_STEP_ID.
-    # `unidist launch` inside an allocation starts every backend with srun on the allocation's nodes
+    # MASTER_ADDR/MASTER_PORT: what an sbatch script exports for torch.distributed (the address defaults to the
+    # step's first node, the port has no default: without it the torch rendezvous needs srun's PMI and mpi4py).
+    # `unidist launch` inside an allocation starts every backend with srun on the allocation's nodes.
     Family("slurm", "SLURM_PROCID", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"), "SLURM_LOCALID",
-           None, "SLURM_NODEID", marker=("SLURM_STEP_ID",), mpi_like=True,
+           None, "SLURM_NODEID", marker=("SLURM_STEP_ID",), master_addr="MASTER_ADDR", master_port="MASTER_PORT",
+           mpi_like=True,
            command=Command(("srun",), ("--ntasks", "{n}", "{python}"),
                            ("--nodes", "{nnodes}", "--ntasks", "{n}", "--kill-on-bad-exit=1", "{python}"))),
     # plain env:// variables (torch.distributed.launch, a hand-written script): torch's rendezvous

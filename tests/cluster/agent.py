@@ -23,9 +23,8 @@ from pathlib import Path
 OPTIONS_WITH_VALUE = set("BbcDEeFIiJLlmOoPpQRSWw")  # ssh(1)'s options that take an argument
 
 
-def parse_ssh(argv: list[str]) -> tuple[str, str]:
-    """``(host, command)`` from an ssh command line; the user part of ``user@host`` is ignored."""
-    i = 0
+def _options(argv: list[str], i: int) -> int:
+    """The index of the first word at or after ``i`` that is not an option or an option's value."""
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
         flags = argv[i][1:]
         for j, flag in enumerate(flags):
@@ -34,11 +33,22 @@ def parse_ssh(argv: list[str]) -> tuple[str, str]:
                     i += 1  # the value is the next word
                 break
         i += 1
+    return i
+
+
+def parse_ssh(argv: list[str]) -> tuple[str, str]:
+    """``(host, command)`` from an ssh command line; the user part of ``user@host`` is ignored. Options may
+    also follow the host, as OpenSSH accepts (horovodrun writes ``ssh -o A h2 -o ConnectTimeout=10 cmd``)."""
+    i = _options(argv, 0)
     if i < len(argv) and argv[i] == "--":
         i += 1
     if i >= len(argv):
         raise ValueError("no host")
-    return argv[i].rpartition("@")[2], " ".join(argv[i + 1:])
+    host = argv[i]
+    i = _options(argv, i + 1)
+    if i < len(argv) and argv[i] == "--":
+        i += 1
+    return host.rpartition("@")[2], " ".join(argv[i:])
 
 
 def serve(conn: socket.socket, hosts: dict[str, dict[str, object]], profile: dict[str, str]) -> None:

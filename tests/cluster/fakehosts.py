@@ -17,6 +17,8 @@ ends every process of the host. Commands enter a host with ``nsenter``. Remote s
 mpiexec, horovodrun, DeepSpeed's runner) go through ``ssh_standin.py``: a sibling PID namespace cannot be
 entered from inside another, so the stand-in asks the cluster's agent (``agent.py``, in the root namespaces)
 over a unix socket to start the command on the named host with the caller's stdin/stdout/stderr, as sshd would.
+``pdsh`` (DeepSpeed's multinode runner) and ``srun`` (a Slurm job step) stand-ins start their commands through
+that ssh stand-in.
 No address outside the namespaces made here is ever a target.
 """
 
@@ -130,10 +132,10 @@ class Cluster:
     def _build(self) -> None:
         self.bin.mkdir()
         self.shared.mkdir()
-        for tool in ("ssh",):
+        # the stand-ins, each handed what it reaches the hosts through: ssh the agent, the others ssh
+        for tool, first in (("ssh", self.dir / "agent.sock"), ("pdsh", self.bin / "ssh"), ("srun", self.bin / "ssh")):
             stub = self.bin / tool
-            stub.write_text(f"#!/bin/sh\nexec {sys.executable} {HERE / 'ssh_standin.py'} {self.dir / 'agent.sock'} "
-                            '"$@"\n')
+            stub.write_text(f"#!/bin/sh\nexec {sys.executable} {HERE / f'{tool}_standin.py'} {first} " '"$@"\n')
             stub.chmod(0o755)
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")

@@ -8,6 +8,7 @@ runs inside its host; the job's exit code is the worst of theirs.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from fakehosts import Cluster
+from hostlist import compress, tasks_per_node
 
 Hosts = Mapping[str, int]  # host name -> ranks on it, in order: the first host is the "login node"
 Starts = list[tuple[str, list[str]]]  # (host, argv) per process to start
@@ -28,6 +30,85 @@ def _mpiexec(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
     first = next(iter(hosts))
     return [(first, ["mpiexec", "-launcher", "ssh", "-launcher-exec", str(cluster.bin / "ssh"), "-hosts", spec,
                      "-n", str(sum(hosts.values())), sys.executable, *argv])]
+
+
+_PORTS = itertools.count(29400 + os.getpid() % 500 * 20)  # rendezvous ports: one per job, never reused by a run
+
+
+def _each_host(hosts: Hosts, launcher: Callable[[int, str, int], list[str]]) -> Starts:
+    return [(host, launcher(i, host, n)) for i, (host, n) in enumerate(hosts.items())]
+
+
+def _torchrun_static(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    first, port = next(iter(hosts)), next(_PORTS)
+    return _each_host(hosts, lambda i, _, n: [
+        "torchrun", "--nnodes", str(len(hosts)), "--node_rank", str(i), "--master_addr", first, "--master_port",
+        str(port), "--nproc_per_node", str(n), *argv])
+
+
+def _torchrun_c10d(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    first, port = next(iter(hosts)), next(_PORTS)  # c10d numbers the nodes by sorted host name: h1 first
+    return _each_host(hosts, lambda i, _, n: [
+        "torchrun", "--nnodes", str(len(hosts)), "--nproc_per_node", str(n), "--rdzv_backend", "c10d",
+        "--rdzv_endpoint", f"{first}:{port}", "--rdzv_id", f"job{port}", *argv])
+
+
+def _horovodrun(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    spec = ",".join(f"{h}:{n}" for h, n in hosts.items())
+    return [(next(iter(hosts)), ["horovodrun", "-np", str(sum(hosts.values())), "-H", spec, "--gloo",
+                                 sys.executable, *argv])]
+
+
+def _hostfile(cluster: Cluster, hosts: Hosts, port: int) -> str:
+    path = cluster.shared / f"hostfile-{port}"  # DeepSpeed's format; on the shared filesystem, as users keep it
+    path.write_text("".join(f"{h} slots={n}\n" for h, n in hosts.items()))
+    return str(path)
+
+
+def _deepspeed_pdsh(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    """DeepSpeed's own multinode runner (pdsh over ssh); no --master_addr: it asks the first host `hostname -I`.
+    The runner carries only a few variables (PYTHON*, UCX*, MV2*...) to the nodes, and the others a user puts in
+    a ``.deepspeed_env`` file: the job's UNIDIST_* variables are written to one (DS_ENV_FILE names it)."""
+    port = next(_PORTS)
+    env_file = cluster.shared / f"deepspeed_env-{port}"
+    return [(next(iter(hosts)), ["sh", "-c", 'env | grep "^UNIDIST_" > "$0"; DS_ENV_FILE="$0" exec deepspeed "$@"',
+                                 str(env_file), "--hostfile", _hostfile(cluster, hosts, port), "--master_port",
+                                 str(port), *argv])]
+
+
+def _deepspeed_no_ssh(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    first, port = next(iter(hosts)), next(_PORTS)
+    hostfile = _hostfile(cluster, hosts, port)
+    return _each_host(hosts, lambda i, _, n: [
+        "deepspeed", "--hostfile", hostfile, "--no_ssh", "--node_rank", str(i), "--master_addr", first,
+        "--master_port", str(port), *argv])
+
+
+def _allocation(hosts: Hosts, port: int) -> list[str]:
+    """``env`` words for the variables sbatch gives a batch script on the first host of an allocation of
+    ``hosts``, and the MASTER_PORT launch_scripts/slurm.sbatch exports."""
+    counts = list(hosts.values())
+    nodes = compress(list(hosts))  # sbatch sets both spellings; Hydra reads SLURM_NNODES, SLURM_NODELIST
+    allocation = {"SLURM_JOB_ID": str(port), "SLURM_JOBID": str(port), "SLURM_JOB_NODELIST": nodes,
+                  "SLURM_NODELIST": nodes, "SLURM_JOB_NUM_NODES": str(len(hosts)), "SLURM_NNODES": str(len(hosts)),
+                  "SLURM_NTASKS": str(sum(counts)), "SLURM_NPROCS": str(sum(counts)),
+                  "SLURM_TASKS_PER_NODE": tasks_per_node(counts), "MASTER_PORT": str(port)}
+    if len(set(counts)) == 1:
+        allocation["SLURM_NTASKS_PER_NODE"] = str(counts[0])
+    return ["env", *(f"{k}={v}" for k, v in allocation.items())]
+
+
+def _srun(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    """``srun`` in an allocation of the hosts, as launch_scripts/slurm.sbatch runs it (the srun stand-in)."""
+    return [(next(iter(hosts)), [*_allocation(hosts, next(_PORTS)), "srun", "--kill-on-bad-exit=1",
+                                 sys.executable, *argv])]
+
+
+def _mpiexec_in_allocation(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    """Plain ``mpiexec -n N`` in an allocation: Hydra reads the hosts from Slurm's variables and starts its
+    proxies with ``srun -N 2 -n 2 --input none hydra_pmi_proxy ... --proxy-id -1`` (the srun stand-in)."""
+    return [(next(iter(hosts)), [*_allocation(hosts, next(_PORTS)), "mpiexec", "-n", str(sum(hosts.values())),
+                                 sys.executable, *argv])]
 
 
 @dataclass(frozen=True)
@@ -51,6 +132,14 @@ LAUNCHES = {launch.name: launch for launch in [
     ClusterLaunch("torch-under-mpiexec", "torch", _mpiexec, ("torch", "mpi4py"), {"UNIDIST_BACKEND": "torch"}),
     ClusterLaunch("horovod-under-mpiexec", "horovod", _mpiexec, ("torch", "mpi4py", "horovod"),
                   {"UNIDIST_BACKEND": "horovod"}),
+    ClusterLaunch("torchrun-static", "torch", _torchrun_static),
+    ClusterLaunch("torchrun-c10d", "torch", _torchrun_c10d),
+    ClusterLaunch("horovodrun-gloo", "horovod", _horovodrun, ("torch", "horovod")),
+    ClusterLaunch("deepspeed-pdsh", "deepspeed", _deepspeed_pdsh, ("torch", "deepspeed")),
+    ClusterLaunch("deepspeed-no-ssh", "deepspeed", _deepspeed_no_ssh, ("torch", "deepspeed")),
+    # srun without PMI (none is simulated): the MPI backend a Slurm step implies cannot start here
+    ClusterLaunch("srun-torch", "torch", _srun, ("torch",), {"UNIDIST_BACKEND": "torch"}),
+    ClusterLaunch("mpiexec-in-allocation", "mpi", _mpiexec_in_allocation, ("torch", "mpi4py")),
 ]}
 
 

@@ -27,6 +27,7 @@ def test_topology_and_listening_sockets(cluster2: Cluster, launch: ClusterLaunch
     assert got == expect, got
     assert all(x["backend"] == launch.backend and x["size"] == 4 for x in ranks), ranks
     assert all(x["sum"] == [10.0] * 3 for x in ranks), ranks  # 1 + 2 + 3 + 4, over the network
+    assert all(x["timeout"] == 30 for x in ranks), ranks  # the job's environment reached the far host's ranks
     for x in ranks:
         mine = {"127.0.0.1", "::1", cluster2.hosts[x["host"]].address}
         stray = [a for a in x["listen"] if a[0] not in mine and a not in x["inherited"]]

@@ -63,6 +63,16 @@ CASES = {
          "SLURM_STEP_ID": "1", "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_JOB_NODELIST": "a1,b2"},
         LaunchInfo(4, 5, 0, 1, 2, "a1", None, "slurm"),
     ),
+    "srun-with-master-port": (  # what an sbatch script exports for torch.distributed (launch_scripts/slurm.sbatch)
+        {"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_STEP_ID": "0",
+         "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "h[1-2]", "MASTER_PORT": "29500"},
+        LaunchInfo(2, 4, 0, 2, 1, "h1", 29500, "slurm"),
+    ),
+    "srun-with-master-addr": (
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_STEP_ID": "0",
+         "SLURM_STEP_NODELIST": "h[1-2]", "MASTER_ADDR": "10.77.0.1", "MASTER_PORT": "29500"},
+        LaunchInfo(0, 2, 0, 2, 0, "10.77.0.1", 29500, "slurm"),
+    ),
     "sbatch-script-without-srun": (
         {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "77", "SLURM_NODEID": "0"},
         LaunchInfo(),
@@ -145,3 +155,20 @@ def test_import_leaves_argv_alone() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "LOCAL_RANK": "0"}).stdout
     assert out.strip() == "['t.py', '--local_rank=0']"
+
+
+def test_torch_under_srun_without_pmi_or_port_says_what_to_set() -> None:
+    """An srun that gives MPI no process manager leaves each task an MPI world of one: the address cannot go
+    over MPI, and the error must say so (it was ``int('')`` on ranks > 0, from an empty broadcast)."""
+    pytest.importorskip("mpi4py")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from helpers import clean_env
+
+    env = clean_env({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
+                     "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_STEP_NODELIST": "h[1-2]",
+                     "UNIDIST_BACKEND": "torch", "UNIDIST_TIMEOUT": "5"})
+    proc = subprocess.run([sys.executable, "-c", "import unidist; unidist.init().start()"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode != 0
+    assert "LaunchEnvironmentError" in proc.stderr and "MASTER_PORT" in proc.stderr, proc.stderr[-2000:]
+    assert "invalid literal" not in proc.stderr

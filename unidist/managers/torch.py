@@ -180,13 +180,14 @@ class TorchManager(Manager):
             addr, port = "127.0.0.1", self._listen.getsockname()[1]
         else:
             fam = family(launch.launcher)
-            shared = _share_address_over_mpi(launch.rank, launch.local_size == launch.size) \
+            shared = _share_address_over_mpi(launch.rank, launch.size, launch.local_size == launch.size) \
                 if fam and fam.mpi_like else None
             if shared is None:
                 raise LaunchEnvironmentError(
                     f"the {self.name} backend needs MASTER_ADDR and MASTER_PORT for a {launch.size}-process run "
-                    f"started by {launch.launcher}; set both (rank 0's host and a free port) or pip install mpi4py "
-                    "so unidist can share them over MPI"
+                    f"started by {launch.launcher}; set both (rank 0's host and a free port), or pip install mpi4py "
+                    "and start with a launcher that gives MPI the job's processes (srun --mpi=pmi2 or pmix, "
+                    "mpiexec) so unidist can share them over MPI"
                 )
             self._over_mpi = True
             addr, port, self._listen = shared
@@ -267,12 +268,16 @@ class TorchManager(Manager):
         stores.leave_in_order(store, self._rank, self._size, self.config.timeout, self._dist.destroy_process_group)
 
 
-def _share_address_over_mpi(rank: int, single_node: bool) -> tuple[str, int, socket.socket | None] | None:
+def _share_address_over_mpi(rank: int, size: int, single_node: bool) -> tuple[str, int, socket.socket | None] | None:
     """Rank 0's address and port, broadcast with mpi4py's buffer Bcast, and on rank 0 the socket already
-    listening there; None without mpi4py."""
+    listening there; None without mpi4py, or when MPI's world is not the launch's: a launcher that gives MPI no
+    process manager (srun without PMI) leaves every process a world of its own, whose broadcast carries nothing
+    (measured on the simulated cluster: ranks > 0 read an empty address and failed on ``int('')``)."""
     try:
         from mpi4py import MPI
     except ImportError:
+        return None
+    if MPI.COMM_WORLD.Get_size() != size:
         return None
     import numpy as np
 
