@@ -90,20 +90,20 @@ def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def save(dirs: list[Path], step: int = 3) -> list[Any]:
+def save(dirs: list[Path], step: int = 3, names: list[str] | None = None) -> list[Any]:
     def one(w: ThreadWorld) -> Path:
         model, opt = trained()
         return ckpt.save(w, dirs[w.rank] / "ck", ckpt.FullLayout(w.rank, w.size, model, opt), keep=1,
                          extra={"step": step})
-    return ranks([d.name for d in dirs], one)
+    return ranks(names or [d.name for d in dirs], one)
 
 
-def load(dirs: list[Path]) -> list[Any]:
+def load(dirs: list[Path], names: list[str] | None = None) -> list[Any]:
     def one(w: ThreadWorld) -> Any:
         model, opt = make()
         extra = ckpt.load(w, dirs[w.rank] / "ck", ckpt.FullLayout(w.rank, w.size, model, opt))
         return extra, model.state_dict(), opt.state_dict()
-    return ranks([d.name for d in dirs], one)
+    return ranks(names or [d.name for d in dirs], one)
 
 
 def same_as_trained(result: Any) -> None:
@@ -148,12 +148,12 @@ def test_each_host_keeps_its_shards_and_one_replicated_manifest(tmp_path: Path) 
 
 def test_one_shared_directory_writes_the_old_format(tmp_path: Path) -> None:
     shared = tmp_path / "nfs"
-    save([shared] * 3)
+    save([shared] * 3, names=["h1", "h2", "h3"])  # three hosts that all see every file
     m = json.loads((shared / "ck" / "manifest.json").read_text())
     assert "storage" not in m and not any("host" in f for f in m["files"])
     assert sorted(p.name for p in (shared / "ck").iterdir()) == [
         "manifest.json", "meta.pt", *(f"shard-0000{r}-of-00003.pt" for r in range(3))]
-    for result in load([shared] * 2):
+    for result in load([shared] * 2, names=["h1", "h2"]):
         same_as_trained(result)
 
 
@@ -185,7 +185,19 @@ def test_hosts_that_completed_different_saves_are_refused(tmp_path: Path) -> Non
 
 
 def test_inconsistent_visibility_is_a_mount_problem() -> None:
-    views = [("h1", "/c", [True, True, False]), ("h1", "/c", [True, True, False]), ("h2", "/c", [True, True, True])]
-    with pytest.raises(CheckpointError, match="rank 2 on h2 sees the shards of ranks 0, 1, 2"):
+    views = [("h1", "/c", [True, False, False]), ("h2", "/c", [False, True, False]), ("h3", "/c", [True, True, True])]
+    with pytest.raises(CheckpointError, match="h1 sees the files of h1; h2 sees the files of h2; h3 sees the files "
+                                              "of h1, h2, h3"):
         hosts.domains(views, Path("/c"))
-    assert hosts.domains([("h1", "/c", [True, False]), ("h2", "/c", [False, True])], Path("/c")) == [[0], [1]]
+    assert hosts.domains([("h1", "/c", [True, False, True]), ("h2", "/c", [False, True, False]),
+                          ("h3", "/c", [True, False, True])], Path("/c")) == [[0, 2], [1]]
+
+
+def test_hosts_sharing_a_filesystem_form_one_domain(tmp_path: Path) -> None:
+    nfs, local = tmp_path / "nfs", tmp_path / "local"
+    save([nfs, nfs, local], names=["h1", "h2", "h3"])  # h1 and h2 mount the same directory, h3 its own disk
+    storage = json.loads((local / "ck" / "manifest.json").read_text())["storage"]
+    assert [(s["hosts"], s["ranks"]) for s in storage] == [(["h1", "h2"], [0, 1]), (["h3"], [2])]
+    assert sorted(p.name for p in (nfs / "ck").glob("shard-*")) == [f"shard-0000{r}-of-00003.pt" for r in (0, 1)]
+    for result in load([nfs, nfs, local], names=["h1", "h2", "h3"]):
+        same_as_trained(result)

@@ -41,7 +41,7 @@ from unidist.checkpoint.files import (
     save_bytes,
     save_tensors,
 )
-from unidist.checkpoint.hosts import agreed_manifest, domains, fetch, host_name, storage, visible
+from unidist.checkpoint.hosts import agreed_manifest, fetch, host_id, host_name, rank_domains, storage
 from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, InvalidArgumentError
 
@@ -99,12 +99,12 @@ def save(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int 
                               for n, st in pieces["optim"].items()}}
         except OSError as err:
             problem = CheckpointError(f"rank {mgr.rank} cannot write {tmp}: {err}")
-        infos = mgr.allgather_object(info if problem is None else None)
+        gathered = mgr.allgather_object((info if problem is None else None, host_id()))
+        infos = [g[0] for g in gathered]
         _agree(mgr, problem if problem is not None else (CheckpointError("a rank failed to write its shard")
                                                          if any(i is None for i in infos) else None))
         # which ranks see which shards: one storage domain (a shared filesystem) or one per host (hosts.py)
-        views = mgr.allgather_object((host_name(), str(final), [visible(tmp / i["file"]) for i in infos]))
-        found = domains(views, final)
+        found, views = rank_domains(mgr, tmp, final, infos, [g[1] for g in gathered])
         if len(found) > 1:
             for info, view in zip(infos, views, strict=True):
                 info["host"] = view[0]

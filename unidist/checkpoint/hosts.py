@@ -39,13 +39,25 @@ from unidist.checkpoint.agree import World, agree
 from unidist.checkpoint.files import MANIFEST, load_bytes, load_tensors, read_manifest
 from unidist.errors import CheckpointError, CheckpointMissingError
 
-__all__ = ["CHUNK", "agreed_manifest", "domains", "fetch", "host_name", "storage", "visible"]
+__all__ = ["CHUNK", "agreed_manifest", "domains", "fetch", "host_id", "host_name", "rank_domains", "storage",
+           "visible"]
 
 CHUNK = 1 << 26  # bytes per broadcast_object when a file is sent: well under MPI's 2 GiB message limit
 
 
 def host_name() -> str:
     return socket.gethostname()
+
+
+def host_id() -> str:
+    """This machine: its name and boot id (containers on different machines may share a name). The ranks of
+    one machine are taken to see the same files, so only its first rank looks at the others' (not N x N
+    opens on a shared filesystem at scale)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{host_name()}/{boot}"
 
 
 def visible(path: Path) -> bool:
@@ -62,19 +74,34 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def domains(views: list[tuple[str, str, list[bool]]], where: Path) -> list[list[int]]:
-    """The storage domains, lowest rank first, from each rank's (host, path, shards it sees by rank); one
-    domain: a shared filesystem. A CheckpointError (the same on every rank) if they do not partition the ranks."""
+    """The storage domains over hosts, lowest first, from each host's (name, path, whether it sees each host's
+    files); one domain: a shared filesystem. A CheckpointError (the same on every rank) if they do not
+    partition the hosts."""
     groups: dict[tuple[bool, ...], list[int]] = {}
-    for rank, (_, _, seen) in enumerate(views):
-        groups.setdefault(tuple(seen), []).append(rank)
+    for host, (_, _, seen) in enumerate(views):
+        groups.setdefault(tuple(seen), []).append(host)
     found = sorted(groups.values(), key=min)
-    if any([r for r, s in enumerate(views[d[0]][2]) if s] != d for d in found):
-        report = "; ".join(f"rank {d[0]} on {views[d[0]][0]} sees the shards of ranks "
-                         f"{_ranks([r for r, s in enumerate(views[d[0]][2]) if s])}" for d in found)
-        raise CheckpointError(f"cannot save {where}: the ranks see each other's files inconsistently ({report}); "
+    if any([h for h, s in enumerate(views[d[0]][2]) if s] != d for d in found):
+        report = "; ".join(f"{views[h][0]} sees the files of "
+                           f"{', '.join(views[o][0] for o, s in enumerate(views[h][2]) if s) or 'no host'}"
+                           for h in range(len(views)))
+        raise CheckpointError(f"cannot save {where}: the hosts see each other's files inconsistently ({report}); "
                               "every host must see either all ranks' files (one shared filesystem) or only its "
                               "own ranks' (a directory of its own): check how the directory is mounted on each host")
     return found
+
+
+def rank_domains(mgr: World, tmp: Path, final: Path, infos: list[dict[str, Any]], keys: list[str]
+                 ) -> tuple[list[list[int]], list[tuple[str, str, Any]]]:
+    """The storage domains as lists of ranks, and each rank's (host name, path, ...): every host's first rank
+    opens every host's first shard in ``tmp`` (a marker per host: written, then looked for after the shards'
+    allgather, the barrier)."""
+    hosts = list(dict.fromkeys(keys))
+    leads = [keys.index(h) for h in hosts]
+    seen = [visible(tmp / infos[r]["file"]) for r in leads] if mgr.rank in leads else None
+    views = mgr.allgather_object((host_name(), str(final), seen))
+    found = domains([views[r] for r in leads], final)
+    return [[r for r, k in enumerate(keys) if hosts.index(k) in d] for d in found], views
 
 
 def storage(found: list[list[int]], views: list[tuple[str, str, list[bool]]],
@@ -164,9 +191,13 @@ def fetch(mgr: World, where: Path, manifest: dict[str, Any], wanted: set[str]) -
     directory, or sent by a rank whose host holds the file. Every rank calls it (collectives inside)."""
     entries = [manifest["meta"], *manifest["files"]]
     names = [e["file"] for e in entries]
-    have = [i for i, n in enumerate(names) if visible(where / n)]
+    keys: list[str] = mgr.allgather_object(host_id())  # a host's first rank looks for the files
+    look = keys.index(keys[mgr.rank]) == mgr.rank
     need = [i for i, n in enumerate(names) if n in wanted]
-    views = mgr.allgather_object((host_name(), have, need))
+    views = mgr.allgather_object((host_name(), [i for i, n in enumerate(names) if visible(where / n)] if look
+                                  else None, need))
+    views = [(v[0], views[keys.index(k)][1], v[2]) for v, k in zip(views, keys, strict=True)]
+    have = views[mgr.rank][1]
     lacking = sorted({i for _, h, n in views for i in n if i not in h})
     holders = {i: [r for r, v in enumerate(views) if i in v[1]] for i in lacking}
     nowhere = [i for i in lacking if not holders[i]]
