@@ -201,3 +201,15 @@ def test_hosts_sharing_a_filesystem_form_one_domain(tmp_path: Path) -> None:
     assert sorted(p.name for p in (nfs / "ck").glob("shard-*")) == [f"shard-0000{r}-of-00003.pt" for r in (0, 1)]
     for result in load([nfs, nfs, local], names=["h1", "h2", "h3"]):
         same_as_trained(result)
+
+
+def test_keep_applies_on_every_host(tmp_path: Path) -> None:
+    h1, h2 = tmp_path / "h1", tmp_path / "h2"
+
+    def one(w: ThreadWorld, step: int) -> Path:
+        model, opt = trained()
+        where = [h1, h2][w.rank] / f"step-{step}"
+        return ckpt.save(w, where, ckpt.FullLayout(w.rank, w.size, model, opt), keep=1, extra={"step": step})
+    for step in (3, 4):
+        assert not any(isinstance(r, BaseException) for r in ranks(["h1", "h2"], lambda w, s=step: one(w, s)))
+    assert [sorted(p.name for p in d.iterdir()) for d in (h1, h2)] == [["step-4"], ["step-4"]]

@@ -15,6 +15,10 @@ layer's ``Trainer.save_checkpoint``/``load_checkpoint`` hand it to ``save``/``lo
 communicator. A model prepared with ``group=`` (data parallel within a tensor- or pipeline-parallel job)
 is saved as one *part* per data-parallel group, numbered by the groups' lowest world ranks: each group
 writes and reads its own shard set, and a checkpoint loads where the job has as many parts.
+
+Hosts need not share a filesystem (hosts.py): each host is given its own directory, keeps its ranks' shards
+and a copy of the one manifest; detected at save with no setting, resumed on the same hosts (or any hosts
+that hold every file between them), and a ``CheckpointMissingError`` says which files are on no host.
 """
 
 from __future__ import annotations
@@ -154,13 +158,20 @@ def save(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int 
                     save_bytes(meta_bytes, tmp / manifest["meta"]["file"])
                 except OSError as err:
                     problem = CheckpointError(f"rank {mgr.rank} on {host_name()} cannot write {tmp}: {err}")
-            if mgr.rank in (d[0] for d in found) and problem is None:
+            lead = mgr.rank in (d[0] for d in found)
+            if lead and problem is None:
                 try:
                     publish(tmp, final, manifest)
-                    if keep is not None:
-                        remove_old(final.parent, keep)
                 except OSError as err:
                     problem = CheckpointError(f"rank {mgr.rank} cannot publish {final} on {host_name()}: {err}")
+            # older checkpoints go only once every host has the new one: a save interrupted between the hosts'
+            # publications leaves the previous checkpoint on every host, to be resumed from
+            _agree(mgr, problem)
+            if lead and keep is not None:
+                try:
+                    remove_old(final.parent, keep)
+                except OSError as err:
+                    problem = CheckpointError(f"rank {mgr.rank} cannot remove old checkpoints on {host_name()}: {err}")
         _agree(mgr, problem)
     except BaseException:
         if created:  # an unfinished save leaves no temporary directory behind, on any host

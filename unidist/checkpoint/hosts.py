@@ -2,14 +2,17 @@
 
 Each rank is given a checkpoint directory (the same path string on every host, e.g. ``/tmp/ckpt`` on each
 node's local disk, or a different path per host). Nothing needs configuring: at save every rank writes its
-shard into the (temporary) directory as its path names it, then checks which of the other ranks' shards it
-can open (``visible``: an open, which NFS revalidates, not a cached stat). The ranks that see the same shards
-form a *storage domain*; one domain holding every rank is a shared filesystem, and then the checkpoint is
-written exactly as before (rank 0 writes ``meta.pt`` and the manifest and publishes). Otherwise each domain's
-lowest rank publishes its directory with the domain's shards, a copy of ``meta.pt`` and a copy of the one
-manifest, which also lists the domains (``storage``: hosts, ranks, path, files) and each shard's ``host``.
-Domains must partition the ranks (each sees exactly its own shards): anything else is a mount problem,
-refused with what each rank saw.
+shard into the (temporary) directory as its path names it (creating it if its host does not see rank 0's);
+after the shards' allgather (a barrier), the first rank of every host (name + boot id) tries to open the
+first shard of every host (``visible``: an open, which NFS revalidates, not a cached stat): those shards
+are the per-host markers. Hosts that see the same markers form a *storage domain*; one domain of every
+host is a shared filesystem, and then the checkpoint is written exactly as before (rank 0 writes
+``meta.pt`` and the manifest and publishes: old checkpoints and readers are unaffected). Otherwise each
+domain's lowest rank publishes its directory with the domain's shards, a copy of ``meta.pt`` and a copy of
+the one manifest, which also lists the domains (``storage``: hosts, ranks, path, files) and each shard's
+``host``; older checkpoints are removed (``keep``) only once every host has published. Domains must
+partition the hosts (each sees exactly its own domain's files): anything else is a mount problem, refused
+with what each host saw. The ranks of one host are assumed to see the same directory.
 
 Why a replicated manifest rather than a manifest on rank 0's host plus a small index per host: every host's
 directory is then a complete checkpoint by itself (``latest_checkpoint`` needs no collective and finds it on
