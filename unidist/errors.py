@@ -10,6 +10,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointMissingError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigError",
@@ -70,3 +71,9 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint file is missing, truncated or altered (size or checksum differ): names the file. Nothing
     was modified."""
+
+
+class CheckpointMissingError(CheckpointCorruptError):
+    """Files the manifest lists are on no host of this job (a checkpoint saved on hosts without a shared
+    filesystem, resumed where some hosts' directories are absent): names the files, the ranks and hosts that
+    wrote them and where, and how to bring them together. Nothing was modified."""

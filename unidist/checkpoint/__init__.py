@@ -15,6 +15,10 @@ layer's ``Trainer.save_checkpoint``/``load_checkpoint`` hand it to ``save``/``lo
 communicator. A model prepared with ``group=`` (data parallel within a tensor- or pipeline-parallel job)
 is saved as one *part* per data-parallel group, numbered by the groups' lowest world ranks: each group
 writes and reads its own shard set, and a checkpoint loads where the job has as many parts.
+
+Hosts need not share a filesystem (hosts.py): each host is given its own directory, keeps its ranks' shards
+and a copy of the one manifest; detected at save with no setting, resumed on the same hosts (or any hosts
+that hold every file between them), and a ``CheckpointMissingError`` says which files are on no host.
 """
 
 from __future__ import annotations
@@ -24,47 +28,28 @@ import pickle
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from unidist.checkpoint.agree import World
+from unidist.checkpoint.agree import agree as _agree
 from unidist.checkpoint.files import (
     FORMAT,
     VERSION,
     latest,
     load_tensors,
     publish,
-    read_manifest,
     remove_old,
     resolve,
+    save_bytes,
     save_tensors,
 )
+from unidist.checkpoint.hosts import agreed_manifest, fetch, host_id, host_name, rank_domains, storage
 from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, InvalidArgumentError
 
 __all__ = ["FullLayout", "Layout", "World", "latest_checkpoint", "load", "save"]
-
-_ERRORS = {cls.__name__: cls for cls in (CheckpointError, CheckpointMismatchError, CheckpointCorruptError,
-                                         InvalidArgumentError)}
-
-
-class World(Protocol):
-    """The whole job's communicator (a Manager): what saving and loading agree over."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def size(self) -> int: ...
-
-    @property
-    def backend(self) -> str: ...
-
-    def broadcast_object(self, obj: Any, root: int = ...) -> Any: ...
-
-    def allgather_object(self, obj: Any) -> list[Any]: ...
-
-    def barrier(self) -> None: ...
 
 
 def _parts(world: World, layout: Layout) -> tuple[int, list[tuple[int, ...]]]:
@@ -81,17 +66,6 @@ def _parts(world: World, layout: Layout) -> tuple[int, list[tuple[int, ...]]]:
     return parts.index(tuple(layout.ranks)), parts
 
 
-def _agree(mgr: World, problem: BaseException | None) -> None:
-    """Raise on every rank if any rank failed (the first rank's error, same type), so nobody waits alone."""
-    seen = mgr.allgather_object(None if problem is None else (type(problem).__name__, str(problem)))
-    for rank, item in enumerate(seen):
-        if item is not None:
-            if problem is not None:
-                raise problem
-            cls = _ERRORS.get(item[0], CheckpointError)
-            raise cls(f"rank {rank}: {item[1]}")
-
-
 def save(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int | None = None,
          extra: dict[str, Any] | None = None) -> Path:
     """Write a checkpoint directory atomically; every rank of ``mgr`` (the world) calls it with its layout
@@ -103,6 +77,7 @@ def save(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int 
     tmp_name = mgr.broadcast_object(f".{final.name}.tmp-{time.time_ns()}-{os.getpid()}")
     tmp = final.parent / tmp_name
     problem: BaseException | None = None
+    created = mgr.rank == 0  # who removes the temporary directory if the save fails
     try:
         if mgr.rank == 0:
             tmp.mkdir(parents=True)
@@ -110,6 +85,13 @@ def save(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int 
         problem = CheckpointError(f"cannot create {tmp}: {err}")
     _agree(mgr, problem)
     try:
+        try:
+            if not tmp.is_dir():  # this host does not see rank 0's directory: no shared filesystem (hosts.py)
+                tmp.mkdir(parents=True, exist_ok=True)
+                created = True
+        except OSError as err:
+            problem = CheckpointError(f"rank {mgr.rank} on {host_name()} cannot create {tmp}: {err}")
+        _agree(mgr, problem)
         pieces = layout.pieces()  # a collective on DeepSpeed engines: every rank, same order
         info: dict[str, Any] = {}
         try:
@@ -121,15 +103,23 @@ def save(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int 
                               for n, st in pieces["optim"].items()}}
         except OSError as err:
             problem = CheckpointError(f"rank {mgr.rank} cannot write {tmp}: {err}")
-        infos = mgr.allgather_object(info if problem is None else None)
+        gathered = mgr.allgather_object((info if problem is None else None, host_id()))
+        infos = [g[0] for g in gathered]
         _agree(mgr, problem if problem is not None else (CheckpointError("a rank failed to write its shard")
                                                          if any(i is None for i in infos) else None))
+        # which ranks see which shards: one storage domain (a shared filesystem) or one per host (hosts.py)
+        found, views = rank_domains(mgr, tmp, final, infos, [g[1] for g in gathered])
+        if len(found) > 1:
+            for info, view in zip(infos, views, strict=True):
+                info["host"] = view[0]
         meta = layout.meta()
         # each part's description and meta, from its first member (one part: rank 0's own)
         described = [(layout.describe(), meta)]
         if len(parts) > 1:
             leads = mgr.allgather_object((part, layout.describe(), meta) if layout.rank == 0 else None)
             described = [(d, m) for _, d, m in sorted((x for x in leads if x is not None), key=lambda x: x[0])]
+        manifest: dict[str, Any] = {}
+        meta_bytes = b""
         if mgr.rank == 0:
             try:
                 meta_file = tmp / "meta.pt"
@@ -148,17 +138,43 @@ def save(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int 
                 if len(parts) > 1:
                     manifest["parts"] = [{"ranks": list(ranks), "state": d, "state_keys": k}
                                          for ranks, (d, _), k in zip(parts, described, keys, strict=True)]
-                publish(tmp, final, manifest)
-                if keep is not None:
-                    remove_old(final.parent, keep)
+                if len(found) > 1:
+                    manifest["storage"] = storage(found, views, infos)
+                    meta_bytes = meta_file.read_bytes()
+                else:
+                    publish(tmp, final, manifest)
+                    if keep is not None:
+                        remove_old(final.parent, keep)
             except CheckpointCorruptError as err:
                 problem = CheckpointError(f"save_checkpoint(extra=...) holds something torch.load(weights_only=True) "
                                           f"refuses; pass tensors, numbers, strings, lists and dicts ({err.__cause__})")
             except (OSError, CheckpointError) as err:
                 problem = CheckpointError(f"cannot publish {final}: {err}")
+        if len(found) > 1:  # no shared filesystem: each domain's first rank publishes its own copy
+            _agree(mgr, problem)
+            manifest, meta_bytes = mgr.broadcast_object((manifest, meta_bytes) if mgr.rank == 0 else None, 0)
+            if mgr.rank in (d[0] for d in found[1:]):
+                try:
+                    save_bytes(meta_bytes, tmp / manifest["meta"]["file"])
+                except OSError as err:
+                    problem = CheckpointError(f"rank {mgr.rank} on {host_name()} cannot write {tmp}: {err}")
+            lead = mgr.rank in (d[0] for d in found)
+            if lead and problem is None:
+                try:
+                    publish(tmp, final, manifest)
+                except OSError as err:
+                    problem = CheckpointError(f"rank {mgr.rank} cannot publish {final} on {host_name()}: {err}")
+            # older checkpoints go only once every host has the new one: a save interrupted between the hosts'
+            # publications leaves the previous checkpoint on every host, to be resumed from
+            _agree(mgr, problem)
+            if lead and keep is not None:
+                try:
+                    remove_old(final.parent, keep)
+                except OSError as err:
+                    problem = CheckpointError(f"rank {mgr.rank} cannot remove old checkpoints on {host_name()}: {err}")
         _agree(mgr, problem)
     except BaseException:
-        if mgr.rank == 0:  # an unfinished save leaves no temporary directory behind
+        if created:  # an unfinished save leaves no temporary directory behind, on any host
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
@@ -210,10 +226,10 @@ def _check(state: dict[str, Any], layout: Layout, with_optimizer: bool, path: Pa
 class _Reader:
     """Slices of full tensors, assembled from the shard files that hold them."""
 
-    def __init__(self, path: Path, files: list[dict[str, Any]]) -> None:
+    def __init__(self, path: Path, files: list[dict[str, Any]], data: list[Any]) -> None:
         self.path = path
         self.files = files
-        self.data = [load_tensors(path / f["file"], f["bytes"], f["sha256"]) for f in files]
+        self.data = data
 
     def read(self, kind: str, name: str, key: str, start: int, end: int) -> torch.Tensor:
         out: torch.Tensor | None = None
@@ -244,9 +260,9 @@ def load(mgr: World, path: str | os.PathLike[str], layout: Layout) -> dict[str, 
     state_keys: dict[str, list[str]] = {}
     inner_meta: dict[str, Any] = {"param_groups": [], "scalars": {}}
     meta: dict[str, Any] = {}
+    part, parts = _parts(mgr, layout)  # its errors are the same on every rank
+    manifest = agreed_manifest(mgr, where)  # read here, or received from a host that has it (hosts.py)
     try:
-        part, parts = _parts(mgr, layout)
-        manifest = read_manifest(where)
         saved_parts = manifest.get("parts")
         if len(saved_parts or [None]) != len(parts):
             raise CheckpointMismatchError(
@@ -255,9 +271,16 @@ def load(mgr: World, path: str | os.PathLike[str], layout: Layout) -> dict[str, 
                 "pipeline-parallel layout it was saved with")
         saved = saved_parts[part] if saved_parts else manifest
         _check(saved["state"], layout, with_optimizer, where)
-        m = manifest["meta"]
-        meta = load_tensors(where / m["file"], m["bytes"], m["sha256"])
-        reader = _Reader(where, [f for f in manifest["files"] if f.get("part", 0) == part])
+    except (CheckpointError, InvalidArgumentError) as err:
+        problem = err
+    _agree(mgr, problem)
+    try:
+        files = [f for f in manifest["files"] if f.get("part", 0) == part]
+        # each file from this host's directory, or sent by a rank whose host has it (hosts without a shared
+        # filesystem); a file on no host of the job is a CheckpointMissingError naming it
+        data = fetch(mgr, where, manifest, {manifest["meta"]["file"], *(f["file"] for f in files)})
+        meta = data[manifest["meta"]["file"]]
+        reader = _Reader(where, files, [data[f["file"]] for f in files])
         if with_optimizer:
             state_keys, inner_meta = saved["state_keys"], meta["parts"][part] if saved_parts else meta["meta"]
     except (CheckpointError, InvalidArgumentError) as err:

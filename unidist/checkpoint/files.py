@@ -11,6 +11,7 @@ old checkpoint exists only under its aside name: ``resolve`` and ``checkpoints_i
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -22,8 +23,8 @@ import torch
 
 from unidist.errors import CheckpointCorruptError, CheckpointError
 
-__all__ = ["FORMAT", "MANIFEST", "VERSION", "checkpoints_in", "file_digest", "fsync_dir", "latest", "load_tensors",
-           "publish", "read_manifest", "remove_old", "resolve", "save_tensors"]
+__all__ = ["FORMAT", "MANIFEST", "VERSION", "checkpoints_in", "file_digest", "fsync_dir", "latest", "load_bytes",
+           "load_tensors", "publish", "read_manifest", "remove_old", "resolve", "save_bytes", "save_tensors"]
 
 FORMAT, VERSION, MANIFEST = "unidist-checkpoint", 1, "manifest.json"
 
@@ -70,6 +71,29 @@ def load_tensors(path: Path, size: int, sha256: str) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise CheckpointCorruptError(f"checkpoint file {path} cannot be read: {type(err).__name__}: {err}") from err
+
+
+def save_bytes(data: bytes, path: Path) -> None:
+    """Write ``data`` to ``path``, fsynced (a copy of a file another host wrote: meta.pt on every host)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_bytes(data: bytes, source: str, size: int, sha256: str) -> Any:
+    """``load_tensors`` for a file's contents received from another rank (``source`` names the file and who
+    sent it): the same size and checksum checks, then torch.load(weights_only=True)."""
+    if len(data) != size:
+        raise CheckpointCorruptError(f"checkpoint file {source} has {len(data)} bytes, the manifest says {size} "
+                                     "(truncated or replaced)")
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointCorruptError(f"checkpoint file {source} does not match its checksum in the manifest "
+                                     "(altered or corrupted)")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointCorruptError(f"checkpoint file {source} cannot be read: {type(err).__name__}: {err}") from err
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
