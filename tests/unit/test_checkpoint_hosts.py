@@ -1,6 +1,6 @@
 """Checkpoints on hosts without a shared filesystem, in one process: ranks are threads, each "host" a
 directory of its own (the different-paths-per-host case; the same path on different disks runs on the
-simulated cluster, tests/cluster/test_checkpoint_hosts.py).
+simulated cluster, tests/cluster/test_cluster_checkpoints.py).
 """
 
 from __future__ import annotations
