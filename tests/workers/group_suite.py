@@ -31,6 +31,7 @@ import unidist
 
 SKIP = {"topology", "no_warnings", "listens_on_loopback_only", "strict_inputs"}  # world-only cases
 STEPS, BATCH = 4, 12
+sample = collectives.sample  # a dozen cases per collective (tests/multiproc/test_group_suite.py names it here)
 
 
 def record(results: dict[str, str], name: str, fn: Callable[[], Any]) -> None:
@@ -39,16 +40,6 @@ def record(results: dict[str, str], name: str, fn: Callable[[], Any]) -> None:
         results[name] = "ok"
     except Exception as err:
         results[name] = f"FAIL: {type(err).__name__}: {err}"
-
-
-def sample(cases: list[collectives.Case], per_family: int = 12) -> list[collectives.Case]:
-    """About ``per_family`` cases of each collective (every case of the small families), spread over its
-    dtypes, ops and shapes: for engines whose every call costs milliseconds when ranks outnumber cores."""
-    families: dict[str, list[collectives.Case]] = {}
-    for case in cases:
-        families.setdefault(case[0].split("[")[0], []).append(case)
-    keep = {id(c) for fam in families.values() for c in fam[:: -(-len(fam) // per_family)]}
-    return [c for c in cases if id(c) in keep]
 
 
 def suite_on(group: Any, prefix: str, mgr: Any, results: dict[str, str], sampled: bool = False) -> None:
