@@ -42,7 +42,7 @@ def record(results: dict[str, str], name: str, fn: Callable[[], Any]) -> None:
         results[name] = f"FAIL: {type(err).__name__}: {err}"
 
 
-def suite_on(group: Any, prefix: str, mgr: Any, results: dict[str, str], sampled: bool = False) -> None:
+def suite_on(group: Any, prefix: str, mgr: Any, results: dict[str, str], sampled: int = 0) -> None:
     """Run the suite on ``group`` (None on ranks outside it), a world allreduce after every case.
 
     Groups can differ in size, and so in their number of cases, and non-members run none; every rank
@@ -50,7 +50,7 @@ def suite_on(group: Any, prefix: str, mgr: Any, results: dict[str, str], sampled
     """
     cases = [] if group is None else [(n, f) for n, f in collectives.plan(group.size) if n not in SKIP]
     if sampled:
-        cases = sample(cases)
+        cases = sample(cases, sampled)
     rounds = int(mgr.allreduce(torch.tensor([len(cases)]), "max").item())
     for i in range(rounds):
         if i < len(cases):
@@ -150,7 +150,8 @@ def data_parallel(mgr: Any, out: dict[str, Any]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--sample", action="store_true", help="a dozen cases per collective instead of all")
+    parser.add_argument("--sample", nargs="?", const=12, type=int, default=0, metavar="N",
+                        help="about N cases per collective (default 12) instead of all")
     ns = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         results: dict[str, Any] = {}
