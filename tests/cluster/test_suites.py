@@ -14,8 +14,8 @@ collectives           mpiexec                 every collective of the contract (
                                               and the ``topology`` case: node_rank/local_rank/local_size equal
                                               what the hosts the ranks really run on say (hostnames gathered);
                                               listening only on loopback or the host's own address
-equivalence           horovod-under-mpiexec   data-parallel training (every variant: k=2, fp16 wire, clipping,
-                                              schedulers, dropout, a state-dict round trip) equals
+equivalence           horovod-under-mpiexec   data-parallel training (7 of 10 variants: k=2, fp16 wire, Adam
+                                              clipped, OneCycleLR, dropout, a state-dict round trip) equals
                                               single-process torch on the whole batch; Horovod's allreduce and
                                               broadcast between hosts
 zero                  torch-under-mpiexec     ZeRO 0-3 with Adam and ZeRO inside a group: stage 2 and 3 shard
@@ -109,21 +109,19 @@ def test_collectives(cluster3: Cluster, launch: ClusterLaunch) -> None:
         assert not bad, f"rank {rank}: {len(bad)} of {len(want)} failed; first: {next(iter(bad.items()))}"
 
 
-# as tests/multiproc/test_training.py: float32 to rounding, compressed wires round every gradient once a step
-TOLERANCE = {"plain": 1e-5, "k2": 1e-5, "fp16": 1e-3, "bf16": 5e-3, "sgd_big": 1e-5, "adam_clip": 1e-4,
-             "sgd_steplr": 1e-5, "sgd_onecycle": 1e-5, "dropout": 1e-5, "roundtrip": 1e-4}
+# as tests/multiproc/test_training.py: float32 to rounding, the fp16 wire rounds every gradient once a step; a
+# sample of its variants (bf16 is refused by Horovod, sgd_big / sgd_steplr add nothing that crosses hosts)
+TOLERANCE = {"plain": 1e-5, "k2": 1e-5, "fp16": 1e-3, "adam_clip": 1e-4, "sgd_onecycle": 1e-5, "dropout": 1e-5,
+             "roundtrip": 1e-4}
 
 
 @pytest.mark.parametrize("launch", rows("equivalence"))
 def test_equivalence(cluster3: Cluster, launch: ClusterLaunch) -> None:
-    res = launch_worker(cluster3, launch, "equivalence", "equivalence.py")
+    res = launch_worker(cluster3, launch, "equivalence", "equivalence.py", "--variants", ",".join(TOLERANCE))
     for rank, report in res.items():
         assert report["backend"] == launch.backend
         for variant, tol in TOLERANCE.items():
             r = report[variant]
-            if variant == "bf16" and launch.backend == "horovod":
-                assert "compression='bf16' is unavailable" in str(r.get("refused")), r
-                continue
             assert "refused" not in r, (rank, variant, r)
             assert r["max_spread"] == 0.0, (rank, variant, r)  # identical parameters on both hosts
             assert r["max_diff"] <= tol, (rank, variant, r)
