@@ -31,6 +31,7 @@ import unidist
 
 SKIP = {"topology", "no_warnings", "listens_on_loopback_only", "strict_inputs"}  # world-only cases
 STEPS, BATCH = 4, 12
+sample = collectives.sample  # a dozen cases per collective (tests/multiproc/test_group_suite.py names it here)
 
 
 def record(results: dict[str, str], name: str, fn: Callable[[], Any]) -> None:
@@ -41,17 +42,7 @@ def record(results: dict[str, str], name: str, fn: Callable[[], Any]) -> None:
         results[name] = f"FAIL: {type(err).__name__}: {err}"
 
 
-def sample(cases: list[collectives.Case], per_family: int = 12) -> list[collectives.Case]:
-    """About ``per_family`` cases of each collective (every case of the small families), spread over its
-    dtypes, ops and shapes: for engines whose every call costs milliseconds when ranks outnumber cores."""
-    families: dict[str, list[collectives.Case]] = {}
-    for case in cases:
-        families.setdefault(case[0].split("[")[0], []).append(case)
-    keep = {id(c) for fam in families.values() for c in fam[:: -(-len(fam) // per_family)]}
-    return [c for c in cases if id(c) in keep]
-
-
-def suite_on(group: Any, prefix: str, mgr: Any, results: dict[str, str], sampled: bool = False) -> None:
+def suite_on(group: Any, prefix: str, mgr: Any, results: dict[str, str], sampled: int = 0) -> None:
     """Run the suite on ``group`` (None on ranks outside it), a world allreduce after every case.
 
     Groups can differ in size, and so in their number of cases, and non-members run none; every rank
@@ -59,7 +50,7 @@ def suite_on(group: Any, prefix: str, mgr: Any, results: dict[str, str], sampled
     """
     cases = [] if group is None else [(n, f) for n, f in collectives.plan(group.size) if n not in SKIP]
     if sampled:
-        cases = sample(cases)
+        cases = sample(cases, sampled)
     rounds = int(mgr.allreduce(torch.tensor([len(cases)]), "max").item())
     for i in range(rounds):
         if i < len(cases):
@@ -159,7 +150,8 @@ def data_parallel(mgr: Any, out: dict[str, Any]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--sample", action="store_true", help="a dozen cases per collective instead of all")
+    parser.add_argument("--sample", nargs="?", const=12, type=int, default=0, metavar="N",
+                        help="about N cases per collective (default 12) instead of all")
     ns = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         results: dict[str, Any] = {}
