@@ -31,9 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from unidist.net import listener
-
-__all__ = ["PROBE_SECONDS", "Beacon", "Endpoint", "link_down", "probe"]
+__all__ = ["PROBE_SECONDS", "Beacon", "Endpoint", "describe", "link_down", "probe"]
 
 PROBE_SECONDS = 1.0  # how long a probe waits for a far rank: a healthy host on a cluster network answers in ms
 _MAX_LINE = 4096
@@ -70,7 +68,14 @@ class Beacon:
     """A rank's listening socket, served by its watchdog thread. ``line`` is what a probe gets."""
 
     def __init__(self, address: str, tag: str) -> None:
-        self.sock = listener(address)
+        # this host's cluster address only (comm/ sits below unidist.net: the Manager hands the address down)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self.sock.bind((address, 0))
+            self.sock.listen(64)
+        except OSError:
+            self.sock.close()
+            raise
         self.sock.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -179,6 +184,30 @@ def probe(targets: Sequence[Endpoint], tag: str, seconds: float = PROBE_SECONDS,
         for s, (t, _) in reading.items():
             out[t.rank] = Answer("silent", detail=f"connected, no answer in {seconds:g} s")
             s.close()
+    return out
+
+
+def describe(far: Sequence[Endpoint], tag: str, host: str, address: str, serving: Beacon | None = None) -> list[str]:
+    """What the ranks of ``far`` answer, in the watchdog's words (``rank R <state> (why) on host H``), and, when
+    none answers and this host's own link has no carrier, that this host (``host``, at ``address``) is the one
+    cut off."""
+    answers = probe(far, tag, serving=serving)
+    out = []
+    for t in far:
+        a = answers.get(t.rank, Answer("unreachable"))
+        if a.kind == "alive":
+            out.append(f"rank {t.rank} is alive on host {t.host} " + (a.line.split(" ", 3)[3:] or ["?"])[0])
+        elif a.kind == "refused":
+            out.append(f"rank {t.rank} has died (its process is gone: {a.detail}) on host {t.host}")
+        elif a.kind == "silent":
+            out.append(f"rank {t.rank} is not responding (stopped or hung: its host took the probe, its watchdog "
+                       f"did not answer: {a.detail}) on host {t.host}")
+        else:
+            out.append(f"rank {t.rank} is unreachable (host down or link cut: {a.detail}) on host {t.host}")
+    if address and out and all(" is unreachable " in p for p in out):
+        nic = link_down(address)
+        if nic:
+            out.insert(0, f"this host, {host}, has lost its network link ({nic} has no carrier)")
     return out
 
 

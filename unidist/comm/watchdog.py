@@ -83,7 +83,10 @@ class _Dog:
                  address: str | None = None) -> None:
         self.timeout, self.rank, self.size, self.abort = timeout, rank, size, abort
         # several hosts: the liveness channel, bound to this host's cluster address; far: the other hosts' ranks
-        self.beacon = liveness.Beacon(address, liveness.job_tag(job)) if address else None
+        self.beacon: liveness.Beacon | None = None
+        if address:
+            with _quiet():  # diagnostics: an address that cannot be bound must not stop training
+                self.beacon = liveness.Beacon(address, liveness.job_tag(job))
         self.far: list[liveness.Endpoint] = []
         self.period = min(1.0, timeout / 8)
         self.dir = os.path.join(_HEARTBEATS, f"unidist-{job}")
@@ -161,25 +164,9 @@ class _Dog:
         if not self.far:
             return []
         own = threading.current_thread() is self.thread
-        answers = liveness.probe(self.far, self.beacon.tag if self.beacon else "",
+        return liveness.describe(self.far, self.beacon.tag if self.beacon else "", self.host,
+                                 self.beacon.sock.getsockname()[0] if self.beacon else "",
                                  serving=self.beacon if own else None)
-        out = []
-        for t in self.far:
-            a = answers.get(t.rank, liveness.Answer("unreachable"))
-            if a.kind == "alive":
-                out.append(f"rank {t.rank} is alive on host {t.host} " + (a.line.split(" ", 3)[3:] or ["?"])[0])
-            elif a.kind == "refused":
-                out.append(f"rank {t.rank} has died (its process is gone: {a.detail}) on host {t.host}")
-            elif a.kind == "silent":
-                out.append(f"rank {t.rank} is not responding (stopped or hung: its host took the probe, its "
-                           f"watchdog did not answer: {a.detail}) on host {t.host}")
-            else:
-                out.append(f"rank {t.rank} is unreachable (host down or link cut: {a.detail}) on host {t.host}")
-        if self.beacon is not None and all(" is unreachable " in p for p in out):
-            nic = liveness.link_down(self.beacon.sock.getsockname()[0])
-            if nic:
-                out.insert(0, f"this host, {self.host}, has lost its network link ({nic} has no carrier)")
-        return out
 
     def fire(self, calls: int, what: str, args: tuple[Any, ...], waited: float) -> None:
         peers, stuck = self.peers()
