@@ -4,6 +4,8 @@
         raise   raise ValueError                 exit0    sys.exit(0) inside the with block
         sum_max allreduce with op=max while the others use sum (needs UNIDIST_CHECK_COLLECTIVES)
         kind    broadcast while the others allreduce
+        outside the test does it (cuts the rank's host off, kills the host): the rank writes <out>/asked and
+                waits for <out>/fault (written by the test, with the time), then goes on with the step
 Every rank writes <out>/pid<R>; the faulty rank writes <out>/fault (the wall time of the fault), so the
 test can time the job's end from the fault and clean up a stopped rank the launcher left behind. The
 healthy ranks' step makes the backend's own gradient exchange wait (DeepSpeed's engine, Horovod's
@@ -25,7 +27,7 @@ import unidist
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
-parser.add_argument("--fault", required=True, choices=["kill", "stop", "raise", "exit0", "sum_max", "kind"])
+parser.add_argument("--fault", required=True, choices=["kill", "stop", "raise", "exit0", "sum_max", "kind", "outside"])
 parser.add_argument("--local_rank", type=int)  # the deepspeed launcher appends it
 args = parser.parse_args(unidist.script_args())
 
@@ -39,7 +41,12 @@ with unidist.init() as mgr:
     for step in range(6):
         x = torch.randn(16, 64, generator=gen)
         loss = model(x).pow(2).mean()
-        if faulty and step == 3:
+        if faulty and step == 3 and args.fault == "outside":
+            (args.out / "asked").write_text(f"{time.time():.3f}")  # the others are on their way into the step
+            end = time.monotonic() + 60
+            while not (args.out / "fault").exists() and time.monotonic() < end:
+                time.sleep(0.05)
+        elif faulty and step == 3:
             (args.out / "fault").write_text(f"{time.time():.3f}")
             print(f"rank {mgr.rank}: injecting {args.fault}", flush=True)
             if args.fault == "kill":

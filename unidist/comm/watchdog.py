@@ -18,7 +18,8 @@ ends the job: with the engine's ``abort`` where it has one (MPI_Abort: mpiexec t
 ``os._exit``, so torchrun, the deepspeed launcher and horovodrun see a failed worker and stop the others. When
 a watched call raises instead (gloo's "Connection reset by peer" after a peer was killed), it names the ranks on
 this host whose process is gone, which the engine's error does not (the deepspeed launcher may report the
-error of the rank that saw the reset, exit code 1, rather than the killed one's -9). Call
+error of the rank that saw the reset, exit code 1, rather than the killed one's -9). The ranks of other hosts,
+whose heartbeat files are not visible here, are asked over the liveness channel (liveness.py). Call
 numbers count the watched engine calls, which every rank makes in the same order: the rank with the lower
 number is the one behind.
 """
@@ -42,6 +43,7 @@ from typing import Any, cast
 
 import torch
 
+from unidist.comm import liveness
 from unidist.comm.engine import Engine
 from unidist.errors import UnidistError
 
@@ -77,8 +79,15 @@ _clock = time.monotonic
 
 
 class _Dog:
-    def __init__(self, timeout: float, rank: int, size: int, job: str, abort: Callable[[int], None]) -> None:
+    def __init__(self, timeout: float, rank: int, size: int, job: str, abort: Callable[[int], None],
+                 address: str | None = None) -> None:
         self.timeout, self.rank, self.size, self.abort = timeout, rank, size, abort
+        # several hosts: the liveness channel, bound to this host's cluster address; far: the other hosts' ranks
+        self.beacon: liveness.Beacon | None = None
+        if address:
+            with _quiet():  # diagnostics: an address that cannot be bound must not stop training
+                self.beacon = liveness.Beacon(address, liveness.job_tag(job))
+        self.far: list[liveness.Endpoint] = []
         self.period = min(1.0, timeout / 8)
         self.dir = os.path.join(_HEARTBEATS, f"unidist-{job}")
         try:
@@ -102,16 +111,29 @@ class _Dog:
             if since and _clock() - since > self.timeout and _state.since == since:
                 self.fire(calls, what, args, _clock() - since)
                 return
-            if self.stopped.wait(self.period):
+            if self.beacon is not None:
+                if self.beacon.serve(self.period) or self.stopped.is_set():
+                    return
+            elif self.stopped.wait(self.period):
                 return
 
     def beat(self, doing: str) -> None:
         """This rank's heartbeat: wall time and what it is doing, replaced atomically."""
         path = os.path.join(self.dir, str(self.rank))
+        line = f"{time.time():.3f} {self.me} {self.host} {doing}"
+        if self.beacon is not None:
+            self.beacon.line = line
         with _quiet():
             with open(path + ".tmp", "w") as f:
-                f.write(f"{time.time():.3f} {self.me} {self.host} {doing}")
+                f.write(line)
             os.replace(path + ".tmp", path)
+
+    def endpoint(self) -> liveness.Endpoint | None:
+        """Where this rank answers probes (None: a job of one host)."""
+        if self.beacon is None:
+            return None
+        return liveness.Endpoint(self.rank, self.host, _machine(), self.beacon.sock.getsockname()[0],
+                                 self.beacon.port)
 
     def peers(self) -> tuple[list[str], list[str]]:
         """What each other rank on this host was last seen doing, and the pids of those not responding."""
@@ -134,7 +156,17 @@ class _Dog:
                 stuck.append(pid)
             else:
                 out.append(f"rank {r} is alive {doing}")
-        return out, stuck
+        return out + self.far_peers(), stuck
+
+    def far_peers(self) -> list[str]:
+        """What the ranks of other hosts answer over the liveness channel (see liveness.py), and whether this
+        host is the one cut off. The watchdog thread keeps answering its own peers while it asks."""
+        if not self.far:
+            return []
+        own = threading.current_thread() is self.thread
+        return liveness.describe(self.far, self.beacon.tag if self.beacon else "", self.host,
+                                 self.beacon.sock.getsockname()[0] if self.beacon else "",
+                                 serving=self.beacon if own else None)
 
     def fire(self, calls: int, what: str, args: tuple[Any, ...], waited: float) -> None:
         peers, stuck = self.peers()
@@ -145,7 +177,10 @@ class _Dog:
               "legitimate.", file=sys.stderr, flush=True)
         for pid in stuck:
             _kill_sibling(pid)
-        end_job(self.abort, TIMEOUT_EXIT_CODE)
+        if self.beacon is not None:  # peers probing now learn this rank is alive and why it ends the job
+            self.beacon.line = (f"{time.time():.3f} {self.me} {self.host} ending the job: call #{calls} {what} "
+                                "timed out")
+        end_job(self.abort, TIMEOUT_EXIT_CODE, self.beacon.serve if self.beacon is not None else time.sleep)
 
     def failed(self, calls: int, what: str, args: tuple[Any, ...], exc: BaseException) -> None:
         """A watched call raised. When a peer was killed, the engine's error names no rank (gloo: "Connection
@@ -162,7 +197,11 @@ class _Dog:
 
     def leave(self) -> None:
         self.stopped.set()
+        if self.beacon is not None:
+            self.beacon.wake()
         self.thread.join(timeout=5)
+        if self.beacon is not None:
+            self.beacon.close()
         faulthandler.cancel_dump_traceback_later()
         with _quiet():
             os.remove(os.path.join(self.dir, str(self.rank)))
@@ -235,15 +274,25 @@ def engine_timeout(timeout: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout + ENGINE_GRACE)
 
 
-def start(timeout: float, rank: int, size: int, job: str, abort: Callable[[int], None]) -> None:
+def start(timeout: float, rank: int, size: int, job: str, abort: Callable[[int], None], *,
+          address: str | None = None, exchange: Callable[[Any], list[Any]] | None = None) -> None:
     """Start this process's watchdog (one per process; a second start replaces the first). ``job`` is the
     same string on every rank of the job and differs between jobs: it names the heartbeat directory;
-    ``abort`` is the engine's (``Engine.abort``), called before this process exits on a timeout."""
+    ``abort`` is the engine's (``Engine.abort``), called before this process exits on a timeout.
+
+    A job of several hosts also passes ``address``, this host's cluster address, where the watchdog answers
+    probes from the other hosts, and ``exchange``, an allgather of one object per rank (every rank calls
+    ``start`` together then), by which the ranks learn where the others answer."""
     global _dog
     stop()
     _state.since, _state.depth, _state.calls = 0.0, 0, 0
-    _dog = _Dog(timeout, rank, size, job, abort)
+    _dog = _Dog(timeout, rank, size, job, abort, address)
     _dog.thread.start()
+    if exchange is not None:
+        table = exchange(_dog.endpoint())  # a watched call: a rank that never arrives is caught as any other
+        here = _machine()
+        _dog.far = [liveness.Endpoint(*e) for e in table if e is not None and e[2] != here]
+        _state.calls = 0
 
 
 def stop() -> None:
@@ -269,19 +318,33 @@ def calls() -> int:
     return _state.calls
 
 
-def end_job(abort: Callable[[int], None], code: int) -> None:
+def end_job(abort: Callable[[int], None], code: int, pause: Callable[[float], Any] = time.sleep) -> None:
     """End every rank: the engine's abort where it has one (MPI_Abort), else exit and let the launcher stop
-    the rest. Flushes this rank's output and waits ``ABORT_GRACE`` first, so the launcher forwards it."""
+    the rest. Flushes this rank's output and waits ``ABORT_GRACE`` first (``pause``: the watchdog answers
+    probes meanwhile), so the launcher forwards it."""
     try:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        time.sleep(ABORT_GRACE)
+        pause(ABORT_GRACE)
         abort(code)
+        _launcher_abort(code)
     finally:
         os._exit(code)
+
+
+def _launcher_abort(code: int) -> None:
+    """Ask MPICH's mpiexec (hydra) to end the job, as MPI_Abort does, when the engine is not MPI's (torch,
+    Horovod under mpiexec): a rank that merely exits leaves mpiexec waiting for every other host's proxy, and
+    the proxy of a host whose link is cut never answers (measured: the job outlived a 120 s limit). Hydra hands
+    each rank the PMI-1 wire as the descriptor ``PMI_FD``; its ``abort`` command needs no ``init`` first."""
+    fd = os.environ.get("PMI_FD", "")  # the launcher's channel, not a setting: config.py has no business here
+    if fd.isdigit():
+        with _quiet():
+            os.write(int(fd), f"cmd=abort exitcode={int(code)}\n".encode())
+            time.sleep(ABORT_GRACE)  # hydra kills this process meanwhile
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from unidist.comm.work import DONE, EngineWork, Handle, Work
 from unidist.config import Config
 from unidist.errors import CollectiveMismatchError, ConfigError, InvalidArgumentError, NotInitializedError, UnidistError
 from unidist.launch import LaunchInfo, detect
-from unidist.net import local_only_env
+from unidist.net import host_address, local_only_env
 from unidist.ops import ReduceOp
 from unidist.registry import Strategy, get
 
@@ -101,8 +101,13 @@ class Manager(Communicator):
         if self._size > 1:
             token = torch.frombuffer(bytearray(os.urandom(12)), dtype=torch.uint8)  # not the user's RNG
             self._broadcast(token, 0)  # the job's name for its heartbeat directory
+            # the ranks of other hosts are asked over the network: every rank exchanges (the local sizes the
+            # launcher gives need not agree); those sharing their host with fewer than all listen, on its cluster
+            # address (none when the host has no route: loopback cannot be reached from another host)
+            address = host_address() if self._local_size < self._size else "127.0.0.1"
             watchdog.start(self.config.timeout, self._rank, self._size, bytes(token.tolist()).hex(),
-                           self._engine.abort)
+                           self._engine.abort, address=None if address.startswith("127.") else address,
+                           exchange=self.allgather_object)
         _log.info("%s started: rank %d of %d on %s", type(self).__name__, self._rank, self._size, self._device)
         return self
 

@@ -1,0 +1,117 @@
+"""Faults across hosts (issue 23): on 2 hosts x 2 ranks, the far host h2 loses a rank or itself mid-training;
+the job must end non-zero within UNIDIST_TIMEOUT + 15 s of the fault, and the first line naming the fault
+must name the rank and the host that went away.
+
+- stop: rank 3 (on h2) SIGSTOPs itself at step 3 (tests/workers/faults.py ``--fault stop``);
+- cut:  h2's link is cut while ranks 0-2 wait in step 3 for rank 3 (``--fault outside``: rank 3 waits for the
+        test, which cuts, then lets it go on into the step);
+- kill: every process of h2 is SIGKILLed at the same point (ranks, the launcher's proxy, the ssh session).
+The ranks of h1 cannot see h2's heartbeat files: they learn what became of h2's ranks over the watchdog's
+liveness channel (unidist/comm/liveness.py).
+
+Sampled to fit ~2.5 minutes (see ``SAMPLED``: a job takes 15-20 s here, 30-40 s on a loaded machine). Set
+UNIDIST_FAULT_TABLE=<file> to collect launch, fault, seconds, exit code and the first line naming the fault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fakehosts import Cluster
+from jobs import LAUNCHES, ClusterLaunch, Job, run_job
+
+from unidist.comm.watchdog import BACKSTOP_GRACE
+
+WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "faults.py")
+HOSTS = {"h1": 2, "h2": 2}
+TIMEOUT = 3.0
+FAULTS = ("stop", "cut", "kill")
+# every fault on MPI's engine and on gloo's, both under mpiexec: a rank of a non-MPI engine ends the job through
+# hydra's PMI abort (watchdog._launcher_abort), untested otherwise; the rows started otherwise (torchrun,
+# deepspeed, horovodrun, srun: their launchers, not hydra, see the host's processes vanish) get the kill. The
+# other rows under mpiexec add nothing: hydra ends a kill itself, and their timeouts take the paths above.
+EVERY_FAULT = ("mpiexec", "torch-under-mpiexec")
+SAMPLED = [(n, f) for n, launch in LAUNCHES.items() for f in FAULTS
+           if n in EVERY_FAULT or (f == "kill" and launch.start.__name__ != "_mpiexec")]
+
+# the first line naming the fault names h2 and a rank of it (3 is the faulty one; a cut or a kill takes 2 too);
+# or, for a cut, a rank of h2 that finds its own link gone
+CULPRIT = {
+    "stop": r"rank 3 is not responding \(stopped[^;]*on host h2",
+    "cut": r"rank [23] is unreachable \([^;]*on host h2|this host, h2, has lost its network link",
+    "kill": r"rank [23] has died \([^;]*on host h2",
+}
+# Known gap: mpiexec (hydra) ends the job ~0.1 s after the proxy of a killed host drops its connection, with an
+# error of its own that names no host, usually before any rank of h1 has been heard (their output goes through
+# mpiexec). unidist cannot speak first there; the line is recorded as it is.
+HYDRA_LOST_PROXY = r"\[mpiexec@h1\] control_cb .*assert \(!closed\) failed"
+
+
+CASES = [pytest.param(LAUNCHES[n], f, id=f"{n}-{f}", marks=getattr(pytest.mark, LAUNCHES[n].backend))
+         for n, f in SAMPLED]
+
+
+@pytest.mark.parametrize(("launch", "fault"), CASES)
+def test_far_fault_ends_the_job(cluster2: Cluster, launch: ClusterLaunch, fault: str) -> None:
+    out = cluster2.shared / f"faults-{launch.name}-{fault}"
+    out.mkdir()
+    env = {"UNIDIST_TIMEOUT": str(TIMEOUT)}
+    done: dict[str, object] = {}
+
+    def job() -> None:
+        done["job"] = run_job(cluster2, launch, HOSTS, [WORKER, "--out", str(out), "--fault",
+                                                        "stop" if fault == "stop" else "outside"], env, timeout=60)
+        done["ended"] = time.time()
+
+    runner = threading.Thread(target=job)
+    runner.start()
+    try:
+        if fault != "stop":
+            _inject(cluster2, out, fault, runner)
+        runner.join()
+    finally:
+        for host in HOSTS:  # a stopped or cut-off rank must not outlive the test; the next one needs h2's link
+            cluster2.kill_all(host)
+        cluster2.mend("h2")
+    result = done["job"]
+    assert isinstance(result, Job)
+    text = result.output
+    assert (out / "fault").exists(), f"{launch.name} {fault}: never injected (exit {result.code})\n{text[-4000:]}"
+    seconds = float(done["ended"]) - float((out / "fault").read_text())  # type: ignore[arg-type]
+    culprit = CULPRIT[fault]
+    if fault == "kill" and "mpiexec" in launch.name:
+        culprit += "|" + HYDRA_LOST_PROXY
+    first = next((line.strip() for line in text.splitlines() if re.search(culprit, line)), "")
+    table = os.environ.get("UNIDIST_FAULT_TABLE")
+    if table:
+        with open(table, "a") as f:
+            f.write(json.dumps({"launch": launch.name, "fault": fault, "seconds": round(seconds, 1),
+                                "exit": result.code, "message": first[:400]}) + "\n")
+    assert result.code not in (0, None), f"{launch.name} {fault}: exit {result.code}\n{text[-6000:]}"
+    budget = TIMEOUT + 15 + (BACKSTOP_GRACE if launch.backend == "horovod" and fault == "stop" else 0)
+    assert seconds <= budget, f"{launch.name} {fault}: ended {seconds:.1f} s after the fault\n{text[-6000:]}"
+    assert first, f"{launch.name} {fault}: no line names the fault ({culprit!r})\n{text[-6000:]}"
+    assert "finished, last allreduce" not in text, text[-6000:]
+
+
+def _inject(cluster: Cluster, out: Path, fault: str, runner: threading.Thread) -> None:
+    """Wait until rank 3 reaches step 3 (the others are then on their way into the step's exchange), cut or
+    kill h2, and let rank 3 go on."""
+    end = time.monotonic() + 100
+    while not (out / "asked").exists():
+        if not runner.is_alive() or time.monotonic() > end:
+            return
+        time.sleep(0.05)
+    time.sleep(0.3)  # the others are inside the step's collective by now
+    stamp = time.time()
+    if fault == "cut":
+        cluster.cut("h2")
+    else:
+        cluster.kill_all("h2")
+    (out / "fault").write_text(f"{stamp:.3f}")
