@@ -84,7 +84,7 @@ def _deepspeed_no_ssh(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> St
         "--master_port", str(port), *argv])
 
 
-def _allocation(hosts: Hosts, port: int) -> list[str]:
+def allocation(hosts: Hosts, port: int) -> list[str]:
     """``env`` words for the variables sbatch gives a batch script on the first host of an allocation of
     ``hosts``, and the MASTER_PORT launch_scripts/slurm.sbatch exports."""
     counts = list(hosts.values())
@@ -100,14 +100,14 @@ def _allocation(hosts: Hosts, port: int) -> list[str]:
 
 def _srun(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
     """``srun`` in an allocation of the hosts, as launch_scripts/slurm.sbatch runs it (the srun stand-in)."""
-    return [(next(iter(hosts)), [*_allocation(hosts, next(_PORTS)), "srun", "--kill-on-bad-exit=1",
+    return [(next(iter(hosts)), [*allocation(hosts, next(_PORTS)), "srun", "--kill-on-bad-exit=1",
                                  sys.executable, *argv])]
 
 
 def _mpiexec_in_allocation(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
     """Plain ``mpiexec -n N`` in an allocation: Hydra reads the hosts from Slurm's variables and starts its
     proxies with ``srun -N 2 -n 2 --input none hydra_pmi_proxy ... --proxy-id -1`` (the srun stand-in)."""
-    return [(next(iter(hosts)), [*_allocation(hosts, next(_PORTS)), "mpiexec", "-n", str(sum(hosts.values())),
+    return [(next(iter(hosts)), [*allocation(hosts, next(_PORTS)), "mpiexec", "-n", str(sum(hosts.values())),
                                  sys.executable, *argv])]
 
 

@@ -3,8 +3,11 @@ are named as the README names them (node1, node2).
 
 A recipe is a ``<!-- readme-cluster -->`` bash block of lines ``nodeN$ command  # comment``. Each host runs its
 lines in order in one shell, in a directory where ``examples/`` is the repository's; the hosts run at once
-(torchrun and ``deepspeed --no_ssh`` are started on every node). Every host's shell must exit 0, and the
-script's own output must show every rank on its node: hello_collectives' checks, train_digits' accuracy.
+(torchrun and ``deepspeed --no_ssh`` are started on every node). A ``<!-- readme-cluster allocation -->``
+recipe runs in a Slurm allocation of both nodes: node1's shell has the variables sbatch gives a batch script
+(tests/cluster/jobs.py ``allocation``), and srun is the stand-in. Every host's shell must exit 0, and the
+script's own output must show every rank on its node: hello_collectives' checks, train_digits' accuracy (a
+recipe running both shows both).
 """
 
 from __future__ import annotations
@@ -16,9 +19,14 @@ import subprocess
 import pytest
 from fakehosts import Cluster
 from helpers import ROOT, require
+from jobs import allocation
 
 README = (ROOT / "README.md").read_text()
-RECIPES = re.findall(r"<!-- readme-cluster -->\n```bash\n(.*?)```", README, flags=re.S)
+# (marker options, lines); ``allocation``: node1's shell has the variables sbatch/salloc give a job's first node
+BLOCKS = re.findall(r"<!-- readme-cluster( allocation)? -->\n```bash\n(.*?)```", README, flags=re.S)
+RECIPES = [lines for _, lines in BLOCKS]
+IN_ALLOCATION = {lines for option, lines in BLOCKS if option}
+NODES = {"node1": 2, "node2": 2}
 # the engine a recipe's launcher needs: its pytest mark, and what require() looks for
 ENGINES = (("deepspeed", "deepspeed"), ("horovodrun", "horovod"), ("--backend horovod", "horovod"),
            ("UNIDIST_BACKEND=horovod", "horovod"), ("torchrun", "torch"), ("--backend torch", "torch"),
@@ -50,12 +58,15 @@ def test_recipe(nodes: Cluster, recipe: str) -> None:
     require(REQUIRES[_engine(recipe)])
     work = nodes.shared / f"recipe-{abs(hash(recipe))}"
     work.mkdir()
-    (work / "examples").symlink_to(ROOT / "examples")
+    for name in ("examples", "launch_scripts"):
+        (work / name).symlink_to(ROOT / name)
     per_host: dict[str, list[str]] = {}
     for host, cmd in _lines(recipe):
         per_host.setdefault(host, []).append(cmd)
-    procs = {host: nodes.popen(host, ["sh", "-ec", "\n".join(cmds)], cwd=str(work), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT) for host, cmds in per_host.items()}
+    slurm = allocation(NODES, 29600) if recipe in IN_ALLOCATION else []  # ["env", "SLURM_JOB_ID=...", ...]
+    procs = {host: nodes.popen(host, [*(slurm if host == "node1" else []), "sh", "-ec", "\n".join(cmds)],
+                               cwd=str(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for host, cmds in per_host.items()}
     outputs = {}
     for host, proc in procs.items():
         try:
@@ -68,8 +79,9 @@ def test_recipe(nodes: Cluster, recipe: str) -> None:
     assert all(p.returncode == 0 for p in procs.values()), text[-8000:]
     if "hello_collectives" in recipe:
         ranks = re.findall(r"\[rank (\d)/4\] backend=\w+ local_rank=(\d) node=(\d)", text)
-        assert sorted(ranks) == [(str(r), str(r % 2), str(r // 2)) for r in range(4)], text[-8000:]
-        assert "7/7 collectives correct on 4 process(es)" in text, text[-8000:]
-    else:
+        runs = sum("hello_collectives" in cmd for _, cmd in _lines(recipe))
+        assert sorted(ranks) == sorted([(str(r), str(r % 2), str(r // 2)) for r in range(4)] * runs), text[-8000:]
+        assert text.count("7/7 collectives correct on 4 process(es)") >= runs, text[-8000:]
+    if "train_digits" in recipe:
         m = re.search(r"ranks=(\d) final test accuracy ([\d.]+) .* max parameter difference across ranks (\S+)", text)
         assert m and m.group(1) == "4" and float(m.group(2)) >= 0.9 and float(m.group(3)) == 0.0, text[-8000:]

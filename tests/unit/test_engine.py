@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import unidist
-from unidist.comm import watchdog
+from unidist.comm import processes, watchdog
 from unidist.comm.communicator import Communicator
 from unidist.comm.engine import Engine, SoloEngine
 from unidist.comm.group import Group
@@ -62,8 +62,8 @@ def test_a_timeout_ends_the_job_through_the_engine(monkeypatch: pytest.MonkeyPat
     inner = _Pair()
     exits: list[int] = []
     monkeypatch.setattr(os, "_exit", exits.append)
-    monkeypatch.setattr(watchdog, "ABORT_GRACE", 0.0)
-    watchdog.end_job(inner.abort, watchdog.TIMEOUT_EXIT_CODE)
+    monkeypatch.setattr(processes, "ABORT_GRACE", 0.0)
+    processes.end_job(inner.abort, watchdog.TIMEOUT_EXIT_CODE)
     assert inner.aborted == exits == [watchdog.TIMEOUT_EXIT_CODE]
 
 
@@ -93,15 +93,15 @@ def test_a_failed_call_names_the_peer_that_died(tmp_path: object, capfd: pytest.
         beat = os.path.join(str(tmp_path), "unidist-job", "1")
         os.makedirs(os.path.dirname(beat), exist_ok=True)
         with open(beat, "w") as f:
-            f.write(f"{__import__('time').time():.3f} {watchdog._identity(peer.pid)} hostA at call #7 computing")
+            f.write(f"{__import__('time').time():.3f} {processes.identity(peer.pid)} hostA at call #7 computing")
         with pytest.raises(RuntimeError, match="reset"):
             engine.allreduce(t, t, ReduceOp.SUM)
         assert "failed" not in capfd.readouterr().err  # the peer lives: the engine's error stands alone
-        identity = watchdog._identity(peer.pid)
+        identity = processes.identity(peer.pid)
         peer.kill()
         peer.wait()
         # a pid read on another host (a heartbeat directory several hosts share) says nothing here
-        assert not watchdog._alive(identity) and watchdog._alive(identity.replace("@", "@elsewhere-"))
+        assert not processes.alive(identity) and processes.alive(identity.replace("@", "@elsewhere-"))
         with pytest.raises(unidist.errors.InvalidArgumentError):
             engine.broadcast(t, 0)
         assert "failed" not in capfd.readouterr().err

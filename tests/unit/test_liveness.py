@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from unidist.comm import liveness, watchdog
+from unidist.comm import liveness, processes, watchdog
 from unidist.comm.liveness import Answer, Beacon, Endpoint, probe
 
 TAG = liveness.job_tag("job")
@@ -147,7 +147,7 @@ def test_the_watchdog_names_far_ranks_and_their_host(served: Beacon, tmp_path: o
     try:
         watchdog.start(60.0, 0, 5, "job", lambda code: None, address="127.0.0.1",
                        exchange=lambda mine: [tuple(mine), *[tuple(e) for e in far],
-                                              (4, "h1", watchdog._machine(), "127.0.0.1", 1)])
+                                              (4, "h1", processes.machine(), "127.0.0.1", 1)])
         dog = watchdog._dog
         assert dog is not None and dog.far == far and watchdog.calls() == 0
         said = dog.far_peers()
@@ -166,12 +166,12 @@ def test_the_watchdog_names_far_ranks_and_their_host(served: Beacon, tmp_path: o
 def test_under_mpiexec_a_rank_asks_hydra_to_end_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
     r, w = os.pipe()
     monkeypatch.setenv("PMI_FD", str(w))
-    monkeypatch.setattr(watchdog, "ABORT_GRACE", 0.0)
+    monkeypatch.setattr(processes, "ABORT_GRACE", 0.0)
     try:
-        watchdog._launcher_abort(124)
+        processes.launcher_abort(124)
         assert os.read(r, 100) == b"cmd=abort exitcode=124\n"
     finally:
         os.close(r)
         os.close(w)
     monkeypatch.delenv("PMI_FD")
-    watchdog._launcher_abort(124)  # not under hydra: nothing to do
+    processes.launcher_abort(124)  # not under hydra: nothing to do

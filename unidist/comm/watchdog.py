@@ -31,7 +31,6 @@ import enum
 import faulthandler
 import functools
 import os
-import signal
 import socket
 import sys
 import tempfile
@@ -43,7 +42,7 @@ from typing import Any, cast
 
 import torch
 
-from unidist.comm import liveness
+from unidist.comm import liveness, processes
 from unidist.comm.engine import Engine
 from unidist.errors import UnidistError
 
@@ -85,13 +84,13 @@ class _Dog:
         # several hosts: the liveness channel, bound to this host's cluster address; far: the other hosts' ranks
         self.beacon: liveness.Beacon | None = None
         if address:
-            with _quiet():  # diagnostics: an address that cannot be bound must not stop training
+            with processes.quiet():  # diagnostics: an address that cannot be bound must not stop training
                 self.beacon = liveness.Beacon(address, liveness.job_tag(job))
         self.far: list[liveness.Endpoint] = []
         self.period = min(1.0, timeout / 8)
         self.dir = os.path.join(_HEARTBEATS, f"unidist-{job}")
         try:
-            self.me = _identity(os.getpid())
+            self.me = processes.identity(os.getpid())
         except OSError:  # no /proc: heartbeats still say what each rank does; nobody gets killed
             self.me = f"{os.getpid()}:?@?"
         self.host = socket.gethostname().split(".")[0] or "?"
@@ -99,7 +98,7 @@ class _Dog:
         self.thread = threading.Thread(target=self.run, name="unidist-watchdog", daemon=True)
 
     def run(self) -> None:
-        with _quiet():
+        with processes.quiet():
             os.makedirs(self.dir, mode=0o700, exist_ok=True)  # the name is random per job
         while True:
             # the backstop: if this thread cannot run (the main thread holds the GIL inside a blocked C call,
@@ -123,7 +122,7 @@ class _Dog:
         line = f"{time.time():.3f} {self.me} {self.host} {doing}"
         if self.beacon is not None:
             self.beacon.line = line
-        with _quiet():
+        with processes.quiet():
             with open(path + ".tmp", "w") as f:
                 f.write(line)
             os.replace(path + ".tmp", path)
@@ -132,7 +131,7 @@ class _Dog:
         """Where this rank answers probes (None: a job of one host)."""
         if self.beacon is None:
             return None
-        return liveness.Endpoint(self.rank, self.host, _machine(), self.beacon.sock.getsockname()[0],
+        return liveness.Endpoint(self.rank, self.host, processes.machine(), self.beacon.sock.getsockname()[0],
                                  self.beacon.port)
 
     def peers(self) -> tuple[list[str], list[str]]:
@@ -147,7 +146,7 @@ class _Dog:
                 age = now - float(stamp)
             except (OSError, ValueError):
                 continue  # on another host, or never started its watchdog
-            if not _alive(pid):
+            if not processes.alive(pid):
                 out.append(f"rank {r} has died (its process ended without leaving unidist) on host {host}: last "
                            f"seen {doing}")
             elif age > 3 * self.period + 1:
@@ -176,11 +175,12 @@ class _Dog:
               "exited or made a different call; ending the job. Raise UNIDIST_TIMEOUT if the wait is "
               "legitimate.", file=sys.stderr, flush=True)
         for pid in stuck:
-            _kill_sibling(pid)
+            processes.kill(pid)
         if self.beacon is not None:  # peers probing now learn this rank is alive and why it ends the job
             self.beacon.line = (f"{time.time():.3f} {self.me} {self.host} ending the job: call #{calls} {what} "
                                 "timed out")
-        end_job(self.abort, TIMEOUT_EXIT_CODE, self.beacon.serve if self.beacon is not None else time.sleep)
+        pause = self.beacon.serve if self.beacon is not None else time.sleep  # peers probing still get an answer
+        processes.end_job(self.abort, TIMEOUT_EXIT_CODE, pause)
 
     def failed(self, calls: int, what: str, args: tuple[Any, ...], exc: BaseException) -> None:
         """A watched call raised. When a peer was killed, the engine's error names no rank (gloo: "Connection
@@ -203,66 +203,12 @@ class _Dog:
         if self.beacon is not None:
             self.beacon.close()
         faulthandler.cancel_dump_traceback_later()
-        with _quiet():
+        with processes.quiet():
             os.remove(os.path.join(self.dir, str(self.rank)))
             os.rmdir(self.dir)  # the last rank out removes the directory
 
 
-@functools.cache
-def _machine() -> str:
-    """Which process table this process sees: its boot id and PID namespace. Heartbeats can sit in a directory
-    several hosts share (mpiexec hands the launching host's TMPDIR to every rank; a TMPDIR on NFS), and a pid
-    means something only in the table it came from."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f"{f.read().strip()}/{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return "?"
-
-
-def _identity(pid: int | str) -> str:
-    """``pid:start-time@machine``: names one process for good (a pid alone can be reused once it exits, and
-    means another process on another host)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f"{pid}:{f.read().rpartition(')')[2].split()[19]}@{_machine()}"
-
-
-def _alive(identity: str) -> bool:
-    """Whether the process ``identity`` still runs (neither gone nor a zombie awaiting its launcher). A process
-    of another host, or any without /proc, counts as alive: only its heartbeat's age tells."""
-    pid, _, rest = identity.partition(":")
-    if rest.partition("@")[2] != _machine():
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    return f"{pid}:{fields[19]}@{_machine()}" == identity and fields[0] not in "ZX"
-
-
-def _kill_sibling(identity: str) -> None:
-    """SIGKILL a rank of this job that stopped responding: a stopped process ignores the SIGTERM that
-    torchrun, horovodrun and the deepspeed launcher send first (torchrun then waits 30 s before SIGKILL).
-    Only the very process that wrote the heartbeat is touched (pid, start time and machine must all match)."""
-    with _quiet():
-        pid = identity.partition(":")[0]
-        if _identity(pid) == identity:
-            os.kill(int(pid), signal.SIGKILL)
-
-
 _HEARTBEATS = tempfile.gettempdir()
-
-
-@contextmanager
-def _quiet() -> Iterator[None]:
-    """Heartbeats are diagnostics: a full or read-only disk must not stop training."""
-    try:
-        yield
-    except OSError:
-        pass
 
 
 _dog: _Dog | None = None
@@ -290,7 +236,7 @@ def start(timeout: float, rank: int, size: int, job: str, abort: Callable[[int],
     _dog.thread.start()
     if exchange is not None:
         table = exchange(_dog.endpoint())  # a watched call: a rank that never arrives is caught as any other
-        here = _machine()
+        here = processes.machine()
         _dog.far = [liveness.Endpoint(*e) for e in table if e is not None and e[2] != here]
         _state.calls = 0
 
@@ -303,10 +249,6 @@ def stop() -> None:
         _dog = None
 
 
-# What a rank printed just before it ends the job sits in a pipe to its launcher; MPICH's hydra drops what it
-# has not yet forwarded when MPI_Abort arrives, so under load the line naming the culprit was lost (CI, stop
-# 28: 2 of 8 runs on a loaded 2-core machine). A pause this long before the abort let every run keep it.
-ABORT_GRACE = 1.0
 # times, 0.1 s apart, a failed watched call looks for a dead peer (see _Dog.failed): only errors pay for it
 FAILED_LOOKS = 5
 
@@ -316,35 +258,6 @@ def calls() -> int:
     unidist's engines, and the engine regions DeepSpeed and Horovod exchange gradients in): a test or a
     benchmark reads the difference to count communication."""
     return _state.calls
-
-
-def end_job(abort: Callable[[int], None], code: int, pause: Callable[[float], Any] = time.sleep) -> None:
-    """End every rank: the engine's abort where it has one (MPI_Abort), else exit and let the launcher stop
-    the rest. Flushes this rank's output and waits ``ABORT_GRACE`` first (``pause``: the watchdog answers
-    probes meanwhile), so the launcher forwards it."""
-    try:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        pause(ABORT_GRACE)
-        abort(code)
-        _launcher_abort(code)
-    finally:
-        os._exit(code)
-
-
-def _launcher_abort(code: int) -> None:
-    """Ask MPICH's mpiexec (hydra) to end the job, as MPI_Abort does, when the engine is not MPI's (torch,
-    Horovod under mpiexec): a rank that merely exits leaves mpiexec waiting for every other host's proxy, and
-    the proxy of a host whose link is cut never answers (measured: the job outlived a 120 s limit). Hydra hands
-    each rank the PMI-1 wire as the descriptor ``PMI_FD``; its ``abort`` command needs no ``init`` first."""
-    fd = os.environ.get("PMI_FD", "")  # the launcher's channel, not a setting: config.py has no business here
-    if fd.isdigit():
-        with _quiet():
-            os.write(int(fd), f"cmd=abort exitcode={int(code)}\n".encode())
-            time.sleep(ABORT_GRACE)  # hydra kills this process meanwhile
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from unidist.comm import watchdog
+from unidist.comm import processes, watchdog
 from unidist.comm.communicator import Communicator
 from unidist.comm.engine import Engine
 from unidist.comm.group import Group
@@ -153,7 +153,7 @@ class Manager(Communicator):
         others' launchers stop the job when this process exits)."""
         if self._engine.aborts_job:
             self._report_failure(exc)
-            watchdog.end_job(self._engine.abort, 1)
+            processes.end_job(self._engine.abort, 1)
 
     def _report_failure(self, exc: BaseException) -> None:
         print(f"unidist: rank {self._rank} of {self._size} failed; ending the job so the other ranks do not "
