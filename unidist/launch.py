@@ -11,12 +11,12 @@ here imports an engine or touches MPI.
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from unidist.errors import HostsError, LaunchEnvironmentError
+from unidist.hosts import expand_nodelist, tasks_per_node
 
 __all__ = ["LAUNCHERS", "NO_LAUNCHER", "Command", "Family", "LaunchInfo", "detect", "family", "script_args"]
 
@@ -167,24 +167,19 @@ def _slurm_local_size(environ: Mapping[str, str], node: int) -> int | None:
     spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
     if not spec:
         return None
-    counts: list[int] = []
-    for part in spec.split(","):
-        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if not m:
-            raise LaunchEnvironmentError(f"cannot parse SLURM tasks-per-node value {spec!r}")
-        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    try:
+        counts = tasks_per_node(spec)
+    except HostsError as e:  # here it is the launcher's variable, not a host list the user wrote
+        raise LaunchEnvironmentError(str(e)) from None
     return counts[node] if node < len(counts) else None
 
 
 def slurm_first_host(nodelist: str) -> str:
     """First host of a SLURM hostlist such as ``gpu[003-005,9],cpu1`` (rank 0 runs there)."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not m:
-        raise LaunchEnvironmentError(f"cannot parse SLURM node list {nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    try:
+        return expand_nodelist(nodelist)[0]
+    except HostsError as e:
+        raise LaunchEnvironmentError(str(e)) from None
 
 
 def _from_family(environ: Mapping[str, str], fam: Family) -> LaunchInfo:
