@@ -1,6 +1,6 @@
 """The watchdog's liveness channel between hosts (unidist/comm/liveness.py) on loopback: what each kind of
 answer, or its absence, is taken to mean, and the words the watchdog puts on it. The cluster test
-(tests/cluster/test_faults.py) makes the same faults happen for real on two simulated hosts."""
+(tests/cluster/test_cluster_faults.py) makes the same faults happen for real on two simulated hosts."""
 
 from __future__ import annotations
 
