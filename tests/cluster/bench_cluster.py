@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # jobs.run_job checks the engines with 
 
 from fakehosts import Cluster  # noqa: E402
 from jobs import LAUNCHES, run_job  # noqa: E402
+
 FORMS = {"mpi": "mpiexec", "torch": "torchrun-c10d", "horovod": "horovod-under-mpiexec", "deepspeed": "deepspeed-pdsh"}
 
 
@@ -34,6 +35,32 @@ def machine() -> str:
                 if line.startswith("model name")), platform.processor())
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
     return f"{cpu}, {os.cpu_count()} cores, THP {thp}, load {os.getloadavg()[0]:.2f}, {platform.platform()}"
+
+
+def measure(cluster: Cluster, backends: list[str], sizes: str, ops: str, out: Path,
+            python_deepspeed: str = "") -> str:
+    """Run the sweep on ``cluster``'s h1 and h2 for each backend; the markdown report (rows also to ``out``)."""
+    entry = cluster.shared / "bench_entry.py"  # a script path: every launcher form takes one
+    entry.write_text("import runpy\nrunpy.run_module('unidist.bench', run_name='__main__')\n")
+    report = []
+    for backend in backends:
+        launch = LAUNCHES[FORMS[backend]]
+        json_path = cluster.shared / f"bench-{backend}.json"
+        py = python_deepspeed if backend == "deepspeed" and python_deepspeed else sys.executable
+        argv = [str(entry), "collectives", "--compare", "--sizes", sizes, "--ops", ops, "--json", str(json_path)]
+        if py != sys.executable:  # the deepspeed runner starts `python`: put that env's bin first
+            cluster.profile["PATH"] = f"{Path(py).parent}{os.pathsep}{cluster.profile['PATH']}"
+        job = run_job(cluster, launch, {"h1": 1, "h2": 1}, argv, {"PYTHONPATH": str(ROOT)}, 900)
+        if job.code != 0 or not json_path.exists():
+            report.append(f"## {backend} ({launch.name}): failed, exit {job.code}\n{job.output[-3000:]}")
+            continue
+        doc = json.loads(json_path.read_text())
+        (out / f"{backend}.json").write_text(json.dumps(doc, indent=1))
+        report.append(f"\n## {backend} ({launch.name}, h1:1 + h2:1 over veth), {job.seconds:.0f} s\n"
+                      "| op | bytes | unidist us | raw us | unidist/raw |\n|---|---|---|---|---|")
+        report.extend(f"| {r['op']} | {r['bytes']} | {r['time_us']:.1f} | {r['raw_time_us']:.1f} | {r['ratio']:.2f} |"
+                      for r in doc["rows"] if "raw_time_us" in r)
+    return "\n".join(report)
 
 
 def main() -> int:
@@ -47,29 +74,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine()}")
     with Cluster(2) as cluster:
-        entry = cluster.shared / "bench_entry.py"  # a script path: every launcher form takes one
-        entry.write_text("import runpy\nrunpy.run_module('unidist.bench', run_name='__main__')\n")
-        for backend in args.backends.split(","):
-            launch = LAUNCHES[FORMS[backend]]
-            json_path = cluster.shared / f"bench-{backend}.json"
-            py = args.python_deepspeed if backend == "deepspeed" and args.python_deepspeed else sys.executable
-            argv = [str(entry), "collectives", "--compare", "--sizes", args.sizes, "--ops", args.ops,
-                    "--json", str(json_path)]
-            if py != sys.executable:  # the deepspeed runner starts `python`: put that env's bin first
-                cluster.profile["PATH"] = f"{Path(py).parent}{os.pathsep}{cluster.profile['PATH']}"
-            job = run_job(cluster, launch, {"h1": 1, "h2": 1}, argv, {"PYTHONPATH": str(ROOT)}, 900)
-            if job.code != 0 or not json_path.exists():
-                print(f"## {backend} ({launch.name}): failed, exit {job.code}\n{job.output[-3000:]}")
-                continue
-            doc = json.loads(json_path.read_text())
-            (args.out / f"{backend}.json").write_text(json.dumps(doc, indent=1))
-            print(f"\n## {backend} ({launch.name}, h1:1 + h2:1 over veth), {job.seconds:.0f} s")
-            print("| op | bytes | unidist us | raw us | unidist/raw |\n|---|---|---|---|---|")
-            for r in doc["rows"]:
-                if "raw_time_us" in r:
-                    print(f"| {r['op']} | {r['bytes']} | {r['time_us']:.1f} | {r['raw_time_us']:.1f} | "
-                          f"{r['ratio']:.2f} |")
-    return 0
+        report = measure(cluster, args.backends.split(","), args.sizes, args.ops, args.out, args.python_deepspeed)
+    print(report)
+    return 1 if "failed, exit" in report else 0
 
 
 if __name__ == "__main__":

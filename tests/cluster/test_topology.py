@@ -44,3 +44,15 @@ def test_topology_and_listening_sockets(cluster2: Cluster, launch: ClusterLaunch
         assert not stray, f"rank {x['rank']} listens on {stray} (own: {mine}; inherited {x['inherited']})"
     inherited = sorted({tuple(a) for x in ranks for a in x["inherited"]})
     print(f"{launch.name}: inherited listening sockets (the launcher's own): {inherited}", file=sys.stderr)
+
+
+def test_cluster_bench_runs(cluster2: Cluster, tmp_path: Path) -> None:
+    """benchmarks/RESULTS.md's "Across hosts" command still runs: its mpi sweep at two sizes, each row checked
+    by the bench itself (the result against the expected sum) and timed beside mpi4py's own call."""
+    from bench_cluster import measure
+
+    report = measure(cluster2, ["mpi"], "8,64K", "allreduce,broadcast", tmp_path)
+    assert "failed" not in report, report
+    rows = json.loads((tmp_path / "mpi.json").read_text())["rows"]
+    assert [(r["op"], r["bytes"]) for r in rows] == [(op, b) for op in ("allreduce", "broadcast") for b in (8, 65536)]
+    assert all(r["time_us"] > 0 and r["raw_time_us"] > 0 for r in rows), rows
