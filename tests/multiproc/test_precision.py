@@ -1,4 +1,5 @@
-"""prepare(precision=) on every backend and ZeRO stage (tests/workers/precision.py), one launch per backend.
+"""prepare(precision=) on every backend and ZeRO stage (tests/workers/precision.py), one launch per backend: its
+main launcher (a second launcher of an engine, torch or Horovod under mpiexec, runs the same math; CI time).
 
 N ranks against one process of plain torch with the same precision (autocast, a bfloat16 model, GradScaler).
 Tolerances, measured at 2 ranks and why they are what they are:
@@ -21,12 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers import MARKS, WORKERS, Launch, Run, require, results, run, solo_launches, ways
+from helpers import MARKS, WORKERS, Launch, Run, main_launches, require, results, run, solo_launches
 
 TOLERANCE = {"32": 1e-5, "bf16-mixed": 1e-4, "fp16-mixed": 2e-5, "bf16-true": 1e-3}
-# every launcher of every backend (the collective check mode changes no math)
-PRECISION_LAUNCHES = {**solo_launches(),
-                      **{k: v for k, v in ways(2).items() if "UNIDIST_CHECK_COLLECTIVES" not in v.env}}
+PRECISION_LAUNCHES = {**solo_launches(), **main_launches(2)}
 Result = tuple[Launch, Run, dict[int, dict[str, Any]]]
 
 
