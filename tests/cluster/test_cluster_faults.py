@@ -60,7 +60,17 @@ CULPRIT = {
 HYDRA_LOST_PROXY = r"\[mpiexec@h1\] control_cb .*assert \(!closed\) failed"
 
 
-CASES = [pytest.param(LAUNCHES[n], f, id=f"{n}-{f}", marks=getattr(pytest.mark, LAUNCHES[n].backend))
+# Open (issue 23's note; FULL_MATRIX only, 2026-11-24): cells whose job did not end within 60 s
+KNOWN_GAPS = {
+    ("torchrun-c10d", "cut"): "the ranks name the cut at the timeout, but h2's torchrun agent, cut off from the c10d "
+                              "store on h1, keeps retrying it and does not exit",
+    ("horovodrun-gloo", "stop"): "a stopped far rank: nothing is printed and no rank ends (on one host the "
+                                 "faulthandler backstop ends it in ~23 s); not yet understood",
+}
+CASES = [pytest.param(LAUNCHES[n], f, id=f"{n}-{f}",
+                      marks=[getattr(pytest.mark, LAUNCHES[n].backend),
+                             *([pytest.mark.xfail(reason=KNOWN_GAPS[n, f], strict=False)] if (n, f) in KNOWN_GAPS
+                               else [])])
          for n, f in SAMPLED]
 
 
