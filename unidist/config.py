@@ -36,6 +36,9 @@ _TIMEOUT_ALLOWED = f"a positive number of seconds up to {MAX_TIMEOUT:.0f} (30 da
 _COMMIT_SECONDS_ALLOWED = f"a number of seconds from 0 (every commit) up to {MAX_TIMEOUT:.0f}"
 
 
+_EVENTS_ALLOWED = "a positive whole number of events per rank"
+
+
 def _env_name(field_name: str) -> str:
     return "UNIDIST_" + field_name.upper()
 
@@ -58,6 +61,10 @@ class Config:
     # system temp dir) and the least seconds between two commits written to disk (0: every commit)
     elastic_dir: str | None = None
     elastic_commit_seconds: float = 10.0
+    # the timeline (comm/timeline.py): where rank 0 writes the merged Chrome trace (None: off, nothing recorded)
+    # and the most events a rank keeps (a bound on memory: ~300 bytes an event; later ones are counted, dropped)
+    timeline: str | None = None
+    timeline_events: int = 200_000
     unknown: tuple[str, ...] = field(default=(), compare=False, repr=False)
     # the fields the environment set (not defaults): an explicit prepare() argument that disagrees is an error
     from_environment: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -85,6 +92,8 @@ class Config:
             raise bad("precision", self.precision, ", ".join(PRECISIONS))
         if not 0 <= self.elastic_commit_seconds <= MAX_TIMEOUT:  # also refuses nan and inf
             raise bad("elastic_commit_seconds", self.elastic_commit_seconds, _COMMIT_SECONDS_ALLOWED)
+        if not self.timeline_events > 0:
+            raise bad("timeline_events", self.timeline_events, _EVENTS_ALLOWED)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -162,6 +171,8 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "precision": _choice(PRECISIONS),
     "elastic_dir": _path,
     "elastic_commit_seconds": _number(float, _COMMIT_SECONDS_ALLOWED, lambda v: 0 <= v <= MAX_TIMEOUT),
+    "timeline": _path,
+    "timeline_events": _number(int, _EVENTS_ALLOWED, lambda v: v > 0),
 }
 
 ENV_VARS: tuple[str, ...] = tuple(_env_name(n) for n in _PARSERS)

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from unidist.comm import processes, watchdog
+from unidist.comm import processes, timeline, watchdog
 from unidist.comm.communicator import Communicator
 from unidist.comm.engine import Engine
 from unidist.comm.group import Group
@@ -93,7 +93,9 @@ class Manager(Communicator):
         except BaseException:
             self._restore_env()
             raise
+        # every call recorded when UNIDIST_TIMELINE is set (comm/timeline.py: the engine itself when not), and
         # every wait on peers bounded by UNIDIST_TIMEOUT (comm/watchdog.py): the engine is wrapped once, here
+        engine = timeline.recording(engine, self.config.timeline, self.config.timeline_events)
         self._bind(watchdog.watch(engine) if engine.size > 1 else engine)
         self._started = True
         _active = self
@@ -105,6 +107,7 @@ class Manager(Communicator):
             # launcher gives need not agree); those sharing their host with fewer than all listen, on its cluster
             # address (none when the host has no route: loopback cannot be reached from another host)
             address = host_address() if self._local_size < self._size else "127.0.0.1"
+            timeline.align(self)  # before the watchdog starts counting calls: the count is the same either way
             watchdog.start(self.config.timeout, self._rank, self._size, bytes(token.tolist()).hex(),
                            self._engine.abort, address=None if address.startswith("127.") else address,
                            exchange=self.allgather_object)
@@ -122,8 +125,10 @@ class Manager(Communicator):
                 # by the watchdog (a rank that leaves on failure skips it: its peers may be gone)
                 with watchdog.watching(watchdog.LEAVING):
                     self._barrier()
+                timeline.finish(self)
             self._shutdown()
         finally:
+            timeline.abandon()  # still recording: this rank failed, or ran alone; its part is kept
             watchdog.stop()
             self._started = False
             self._disable_fast_path()
