@@ -42,7 +42,7 @@ from typing import Any, cast
 
 import torch
 
-from unidist.comm import liveness, processes
+from unidist.comm import liveness, processes, trace_hooks
 from unidist.comm.engine import Engine
 from unidist.errors import UnidistError
 
@@ -176,6 +176,9 @@ class _Dog:
               "legitimate.", file=sys.stderr, flush=True)
         for pid in stuck:
             processes.kill(pid)
+        with processes.quiet():  # the timeline (UNIDIST_TIMELINE) keeps this rank's part: it shows the wait
+            trace_hooks.mark("timeout", call=calls, what=what, waited=round(waited, 3))
+            trace_hooks.flush()
         if self.beacon is not None:  # peers probing now learn this rank is alive and why it ends the job
             self.beacon.line = (f"{time.time():.3f} {self.me} {self.host} ending the job: call #{calls} {what} "
                                 "timed out")

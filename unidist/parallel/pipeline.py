@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from unidist.comm import trace_hooks
 from unidist.comm.dtypes import DTYPE_ID, SUPPORTED_DTYPES
 from unidist.errors import InvalidArgumentError
 
@@ -89,25 +90,29 @@ class Pipeline:
         if key not in self._announced:
             self._send_header(out)
             self._announced.add(key)
-        self.group.send(out, self.index + 1, _TAG_ACT)
+        with trace_hooks.span("pipeline send", to=self.index + 1, bytes=out):
+            self.group.send(out, self.index + 1, _TAG_ACT)
 
     def _recv_forward(self, key: tuple[Any, ...]) -> torch.Tensor:
         if key not in self._incoming:
             self._incoming[key] = self._recv_header()
         shape, dtype = self._incoming[key]
         buf = torch.empty(shape, dtype=dtype, device=self.group.device)
-        self.group.recv(buf, self.index - 1, _TAG_ACT)
+        with trace_hooks.span("pipeline recv", source=self.index - 1, bytes=buf):
+            self.group.recv(buf, self.index - 1, _TAG_ACT)
         return buf.requires_grad_(dtype.is_floating_point)
 
     def _send_backward(self, grad: torch.Tensor | None, like: torch.Tensor) -> None:
         if self.first:
             return
-        self.group.send((grad if grad is not None else torch.zeros_like(like)).contiguous(), self.index - 1,
-                        _TAG_GRAD)
+        grad = (grad if grad is not None else torch.zeros_like(like)).contiguous()
+        with trace_hooks.span("pipeline send", to=self.index - 1, bytes=grad):
+            self.group.send(grad, self.index - 1, _TAG_GRAD)
 
     def _recv_backward(self, out: torch.Tensor) -> torch.Tensor:
         buf = torch.empty_like(out, memory_format=torch.contiguous_format)
-        self.group.recv(buf, self.index + 1, _TAG_GRAD)
+        with trace_hooks.span("pipeline recv", source=self.index + 1, bytes=buf):
+            self.group.recv(buf, self.index + 1, _TAG_GRAD)
         return buf
 
     # ------------------------------------------------------------------ one micro-batch

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unidist.checkpoint.layout import FullLayout
-from unidist.comm import buffers
+from unidist.comm import buffers, trace_hooks
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.gradcore import Compression, Compressor, InOrder, pack
@@ -86,7 +86,8 @@ class _Bucket:
     def finish(self) -> None:
         """Wait for the allreduce; a compressed copy is written back into the gradients."""
         if self.handle is not None:
-            self.handle.wait()
+            with trace_hooks.span("bucket wait", bytes=self.buffer):
+                self.handle.wait()
             self.handle = None
         if self.views:  # the gradients were reduced in place
             return
@@ -155,6 +156,10 @@ class DistributedOptimizer(WindowedOptimizer):
         self._order.launch_ready()
 
     def _launch(self, bucket: _Bucket) -> None:
+        with trace_hooks.span("bucket launch", bytes=bucket.buffer):  # the timeline: launches against backward
+            self._launch_now(bucket)
+
+    def _launch_now(self, bucket: _Bucket) -> None:
         scale = 1.0 / self.dp.size if self.op is ReduceOp.MEAN else 1.0
         with torch.no_grad():
             if bucket.views:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from unidist.checkpoint.layout import FullLayout, Layout
-from unidist.comm import watchdog
+from unidist.comm import timeline
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train import ds_config
@@ -109,7 +109,7 @@ class EngineOptimizer(OptimizerView):
             if scaler.engine_unscales:  # DeepSpeed divides by its loss scale where it clips: make it this one
                 self.engine.optimizer.loss_scaler.cur_scale = scaler.scale_value
         try:
-            with watchdog.watching("deepspeed engine.step"):
+            with timeline.watching("deepspeed engine.step"):
                 self.engine.step()
         except BaseException:
             if scaler is not None:
@@ -132,7 +132,7 @@ class EngineOptimizer(OptimizerView):
         if int(self.engine.zero_optimization_stage()) == 0:
             with self.engine.no_sync():
                 yield
-            with watchdog.watching("deepspeed engine.allreduce_gradients (gradient exchange)"):
+            with timeline.watching("deepspeed engine.allreduce_gradients (gradient exchange)"):
                 self.engine.allreduce_gradients()
             return
         block = self.engine.coalesce_grad_reduction()
@@ -142,7 +142,7 @@ class EngineOptimizer(OptimizerView):
         except BaseException as err:
             block.__exit__(type(err), err, err.__traceback__)
             raise
-        with watchdog.watching("deepspeed coalesce_grad_reduction (gradient exchange)"):
+        with timeline.watching("deepspeed coalesce_grad_reduction (gradient exchange)"):
             block.__exit__(None, None, None)
 
     def synchronize(self) -> None:
@@ -222,7 +222,7 @@ class DeepSpeedTrainer(Trainer):
         _reset_autocast_state()
         # The user's RNG stream stays as it was (dropout masks must not depend on the backend).
         devices = [self.mgr._device] if self.mgr._device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), watchdog.watching("deepspeed.initialize"):
+        with torch.random.fork_rng(devices=devices), timeline.watching("deepspeed.initialize"):
             engine, _, _, _ = self.mgr._deepspeed.initialize(
                 model=model, optimizer=optimizer, config=config,
                 model_parameters=None if optimizer is not None else model.parameters())
@@ -269,7 +269,7 @@ class DeepSpeedTrainer(Trainer):
         """``engine.backward`` after an engine was prepared: scales for accumulation and reduces or partitions
         gradients. After ``prepare(group=...)`` (unidist's optimizer) the plain path."""
         if isinstance(self.prepared, EngineOptimizer):
-            with watchdog.watching("deepspeed engine.backward (gradient exchange)"):
+            with timeline.watching("deepspeed engine.backward (gradient exchange)"):
                 self.engine.backward(loss)
         else:
             super().backward(loss)

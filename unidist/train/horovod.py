@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from unidist.checkpoint.layout import FullLayout
-from unidist.comm import watchdog
+from unidist.comm import timeline
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.options import SyncOptions, TrainOptions, one_way_to_accumulate
@@ -41,7 +41,7 @@ class HorovodTrainer(Trainer):
         # Horovod 0.28 cannot move bfloat16: broadcast its bits (an int16 view, written in place)
         state = {k: v.view(torch.int16) if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
                  for k, v in state.items()}
-        with watchdog.watching("hvd.broadcast_parameters"):
+        with timeline.watching("hvd.broadcast_parameters"):
             self.mgr._hvd.broadcast_parameters(state, root_rank=root)
 
     def _distributed_optimizer(self, optimizer: torch.optim.Optimizer,
@@ -125,7 +125,7 @@ class HorovodOptimizer(OptimizerView):
 
     def synchronize(self) -> None:
         """Wait for the averaged gradients (written into ``p.grad``); the next ``step()`` uses them as they are."""
-        with watchdog.watching("hvd optimizer.synchronize (gradient exchange)"):
+        with timeline.watching("hvd optimizer.synchronize (gradient exchange)"):
             self.optimizer.synchronize()
         self._synced = True
 
@@ -154,7 +154,7 @@ class HorovodOptimizer(OptimizerView):
             if self._synced:
                 with self.optimizer.skip_synchronize():
                     return self.optimizer.step()
-            with watchdog.watching("hvd optimizer.step (gradient exchange)"):
+            with timeline.watching("hvd optimizer.step (gradient exchange)"):
                 return self.optimizer.step()
         finally:
             self._synced = False

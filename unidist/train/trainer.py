@@ -19,6 +19,7 @@ import torch
 
 import unidist.checkpoint as checkpoint
 from unidist.checkpoint.layout import FullLayout, Layout
+from unidist.comm import trace_hooks
 from unidist.comm.group import Group
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
@@ -118,7 +119,8 @@ class Trainer:
         k = getattr(self.prepared, "backward_passes_per_step", 1)
         loss = loss / k if k > 1 else loss
         scaler: LossScaler | None = getattr(self.prepared, "scaler", None)
-        (scaler.scale_loss(loss) if scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
+        with trace_hooks.span("backward"):  # the timeline: what bucket launches overlap
+            (scaler.scale_loss(loss) if scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from unidist.comm import trace_hooks
 from unidist.errors import InvalidArgumentError
 from unidist.train.options import one_way_to_accumulate
 from unidist.train.precision import LossScaler
@@ -98,17 +99,18 @@ class WindowedOptimizer(OptimizerView):
         self._calls += 1
         if not sync:
             return None
-        if not self._synced:
-            self.synchronize()
-        self._synced = False
-        found = None if self.scaler is None else self._agree_found_inf(self.scaler.unscale(self._scaled_grads()))
-        if found is None or not bool(found):  # no loss scaling, or no inf/nan anywhere
-            if self.clip_grad_norm is not None:
-                self.last_grad_norm = self._clip(self.clip_grad_norm)
-            self.optimizer.step()
-            self._after_step()
-        if self.scaler is not None and found is not None:
-            self.scaler.update(found)
+        with trace_hooks.span("step"):
+            if not self._synced:
+                self.synchronize()
+            self._synced = False
+            found = None if self.scaler is None else self._agree_found_inf(self.scaler.unscale(self._scaled_grads()))
+            if found is None or not bool(found):  # no loss scaling, or no inf/nan anywhere
+                if self.clip_grad_norm is not None:
+                    self.last_grad_norm = self._clip(self.clip_grad_norm)
+                self.optimizer.step()
+                self._after_step()
+            if self.scaler is not None and found is not None:
+                self.scaler.update(found)
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

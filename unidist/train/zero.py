@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unidist.comm import buffers
+from unidist.comm import buffers, trace_hooks
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.gradcore import Compression, Compressor, InOrder, pack
@@ -81,7 +81,8 @@ class _Unit:
         the same size, so the allgather writes into a buffer of known size (``out=``): no sizes exchanged."""
         if self.full is None:
             full = torch.empty(self.chunk * self.dp.size, dtype=self.dtype, device=self.device)
-            self.dp.allgather(self.shard.detach(), out=full)
+            with trace_hooks.span("zero gather", bytes=full):
+                self.dp.allgather(self.shard.detach(), out=full)
             self._bind(full)
 
     def release(self) -> None:
@@ -99,7 +100,7 @@ class _Unit:
     def refresh(self) -> None:
         """Stages 1-2 after a step: every rank's updated shard into the full parameters."""
         if self.full is not None:  # the shard is a view of ``full``: send a copy (MPI forbids aliased buffers)
-            with torch.no_grad():
+            with torch.no_grad(), trace_hooks.span("zero refresh", bytes=self.full):
                 self.dp.allgather(self.shard.detach().clone(), out=self.full)
 
     # ------------------------------------------------------------------ who owns what (the shard arithmetic)
@@ -122,13 +123,15 @@ class _Unit:
         if free_grads:
             for p in self.params:
                 p.grad = None
-        self.handle = self.dp.reduce_scatter_async(flat, ReduceOp.SUM)
+        with trace_hooks.span("bucket launch", bytes=flat):
+            self.handle = self.dp.reduce_scatter_async(flat, ReduceOp.SUM)
 
     def finish(self) -> None:
         """Wait for the reduce-scatter and make its result the shard's gradient."""
         if self.handle is None:
             return
-        got = self.handle.wait()
+        with trace_hooks.span("bucket wait"):
+            got = self.handle.wait()
         self.handle = None
         self.shard.grad = got if got.dtype == self.dtype else got.to(self.dtype)
 
