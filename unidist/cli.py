@@ -27,6 +27,8 @@ import unidist
 from unidist import registry
 from unidist.bench import OFFLINE as BENCH_OFFLINE
 from unidist.bench import SUBCOMMANDS as BENCHMARKS
+from unidist.bench.timeline import add_arguments as timeline_arguments
+from unidist.bench.timeline import main as timeline_main
 from unidist.config import ENV_VARS, Config
 from unidist.errors import HostsError, UnidistError
 from unidist.hosts import Host, format_hosts, hostfile_text, parse_hosts, read_hostfile, slurm_hosts
@@ -325,6 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("benchmark", choices=BENCHMARKS, help="collectives, gradsync, train, all, ...")
     _add_launch_options(p_bench, None)
     p_bench.epilog = "Options for the benchmark go after --: unidist bench collectives -n 2 -- --compare --sizes 8,2M"
+    p_timeline = sub.add_parser("timeline", help="read a trace UNIDIST_TIMELINE wrote: summarize (and --plot) "
+                                                 "it, or merge the per-rank parts a failed job left")
+    timeline_arguments(p_timeline)
     argv = script_args() if argv is None else list(argv)  # without a launcher's --local_rank=N
     bench_args: list[str] = []
     if argv[:1] == ["bench"] and "--" in argv:  # the benchmark's own options (a REMAINDER would take -n too)
@@ -340,6 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # by path, not -m: the deepspeed launcher only starts scripts
         ns.script = str(Path(unidist.__file__).resolve().parent / "bench" / "__main__.py")
         ns.args = [ns.benchmark, *bench_args]
+    if ns.command == "timeline":
+        return timeline_main(ns)
     if ns.command == "info":
         report = info(os.environ)
         if ns.json:

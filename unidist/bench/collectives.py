@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from unidist.bench import engines
+from unidist.bench.busbw import busbw_factor
 from unidist.bench.output import Column, fmt, human_bytes, markdown
 from unidist.bench.timing import calibrate, interleaved, slowest
 
@@ -52,15 +53,6 @@ def default_sizes(min_size: int, max_size: int) -> list[int]:
         sizes.add(s)
         s *= 4
     return sorted(sizes | {s for s in ISSUE_SIZES if min_size <= s <= max_size})
-
-
-def busbw_factor(op: str, n: int) -> float:
-    """nccl-tests' bus bandwidth factor for ``op`` on ``n`` ranks."""
-    if op == "allreduce":
-        return 2 * (n - 1) / n
-    if op in ("allgather", "reduce_scatter", "alltoall"):
-        return (n - 1) / n
-    return 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
