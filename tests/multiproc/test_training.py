@@ -27,7 +27,10 @@ def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     launch = LAUNCHES[request.param]
     require(*launch.engines)
     out = tmp_path_factory.mktemp(f"eq-{request.param}")
-    proc = run(launch.command(str(WORKERS / "equivalence.py"), "--out", str(out)), env=launch.env, timeout=900)
+    trace = out / "trace.json"  # the timeline's test reuses this launch (test_timeline_lists_exactly_the_calls_made)
+    proc = run(launch.command(str(WORKERS / "equivalence.py"), "--out", str(out)),
+               env={**launch.env, "UNIDIST_TIMELINE": str(trace)}, timeout=900)
+    proc.trace = trace  # type: ignore[attr-defined]
     return launch, proc, [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
 
@@ -111,3 +114,31 @@ def test_optimizer_features(name: str, tmp_path_factory: pytest.TempPathFactory)
         assert set(flat) == set(range(103))  # everything covered (the tail wraps around)
     first, second = res[0]["sampler"]["epochs"]
     assert first != second  # reshuffled per epoch
+
+
+def test_timeline_lists_exactly_the_calls_made(reports: tuple[Launch, Run, list[dict[str, Any]]]) -> None:
+    """UNIDIST_TIMELINE on this very launch: one well-formed Chrome trace, monotonic per rank, whose engine
+    calls and regions between the worker's two marks are as many as the watchdog counted (its own counter)."""
+    launch, _ = _ok(reports)
+    path = reports[1].trace  # type: ignore[attr-defined]
+    if launch.size == 1:  # no peers, nothing to record
+        assert not path.exists()
+        return
+    doc = json.loads(path.read_text())
+    assert doc["otherData"]["ranks"] == list(range(launch.size)) and doc["otherData"]["dropped"] == 0
+    events = [e for e in doc["traceEvents"] if e["ph"] != "M"]
+    for rank in range(launch.size):
+        mine = [e for e in events if e["pid"] == rank]
+        stamps = [e["ts"] for e in mine]
+        assert stamps == sorted(stamps) and all(e.get("dur", 0) >= 0 for e in mine), rank
+        marks = [i for i, e in enumerate(mine) if e["name"] == "counted"]
+        assert len(marks) == 2, (rank, marks)
+        first, last = (mine[i]["args"]["calls"] for i in marks)
+        calls = [e for e in mine[marks[0]:marks[1]] if e["cat"] in ("call", "launch", "wait", "region")]
+        assert len(calls) == last - first > 0, (rank, len(calls), last - first)
+        names = {e["name"] for e in calls}
+        if launch.own_training:  # unidist's DistributedOptimizer: async bucket allreduces inside backward
+            assert {"allreduce launch", "allreduce wait"} <= names, names
+            assert {"backward", "step", "bucket launch", "bucket wait"} <= {e["name"] for e in mine}
+        else:  # the engine's own exchange, recorded as a region
+            assert any("gradient exchange" in n for n in names), names
