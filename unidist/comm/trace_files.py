@@ -16,17 +16,27 @@ import os
 import socket
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 import torch
 
-if TYPE_CHECKING:
-    from unidist.comm.timeline import Recorder
-
-__all__ = ["STREAMS", "boot_id", "collect", "merge", "part_path", "write_part"]
+__all__ = ["STREAMS", "Recorder", "boot_id", "collect", "merge", "part_path", "write_part"]
 
 STREAMS = {"comm": 0, "train": 1, "marks": 2}  # tid of each stream, and its name in the trace
 _STREAM_NAMES = {0: "engine calls", 1: "training", 2: "marks"}
+
+
+class Recorder(Protocol):
+    """What a part is written from (comm/timeline.py's recorder)."""
+
+    path: str
+    rank: int
+    size: int
+    events: list[tuple[int, int, str, str, str, dict[str, Any]]]
+    dropped: int
+    align_ns: int
+    boot: str
+    pid: int
 
 
 class _Comm(Protocol):
