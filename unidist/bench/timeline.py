@@ -24,7 +24,7 @@ from typing import Any
 from unidist.bench.busbw import busbw_factor
 from unidist.bench.output import fmt, human_bytes, markdown
 
-__all__ = ["add_arguments", "hidden_share", "kinds", "load", "main", "run", "slowest_ranks"]
+__all__ = ["add_arguments", "hidden_share", "kinds", "load", "main", "run", "slowest_ranks", "steps_window"]
 
 _POINT = ("send", "recv")
 
@@ -148,6 +148,18 @@ def hidden_share(events: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
             "hidden_share": inside / flight if flight > 0 else 0.0}
 
 
+def steps_window(events: Sequence[dict[str, Any]], first: int, end: int) -> tuple[float, float] | None:
+    """The time window (ms) of rank 0's training steps ``first`` to ``end - 1``: from the start of its
+    ``first``-th backward to the end of its ``end - 1``-th step (None when it recorded no such steps)."""
+    backward = sorted(e["ts"] for e in events if e["pid"] == 0 and e["name"] == "backward")
+    steps = sorted(e["ts"] + e["dur"] for e in events if e["pid"] == 0 and e["name"] == "step")
+    if not 0 <= first < end <= min(len(backward), len(steps)):
+        return None
+    a, b = backward[first], steps[end - 1]
+    margin = 0.03 * (b - a)
+    return ((a - margin) / 1000, (b + margin) / 1000)
+
+
 def run(path: str | Path) -> dict[str, Any]:
     """The summary of the trace at ``path`` (what ``summarize`` prints)."""
     events, meta = load(path)
@@ -182,6 +194,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p_sum.add_argument("path", help="the trace UNIDIST_TIMELINE wrote")
     p_sum.add_argument("--plot", help="also draw a per-rank Gantt chart to this PNG")
     p_sum.add_argument("--window", help="the plot's time window in ms, START:END (default: the whole run)")
+    p_sum.add_argument("--steps", help="the plot's window as training steps A:B of rank 0 (from its A-th backward to "
+                                       "the end of its (B-1)-th step, counting from 0)")
     p_sum.add_argument("--json", action="store_true", help="print the summary as JSON")
     p_merge = sub.add_parser("merge", help="join per-rank parts (<path>.rank<r>.json) into one trace")
     p_merge.add_argument("out")
@@ -203,7 +217,10 @@ def main(ns: argparse.Namespace) -> int:
     if ns.plot:
         from unidist.bench.gantt import plot
 
+        events = load(ns.path)[0]
         window = tuple(float(x) for x in ns.window.split(":")) if ns.window else None
-        plot(load(ns.path)[0], ns.plot, window=window)  # type: ignore[arg-type]
+        if ns.steps:
+            window = steps_window(events, *(int(x) for x in ns.steps.split(":")))
+        plot(events, ns.plot, window=window)  # type: ignore[arg-type]
         print(f"\nwrote {ns.plot}")
     return 0

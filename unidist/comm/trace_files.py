@@ -20,7 +20,7 @@ from typing import Any, Protocol, TextIO
 
 import torch
 
-__all__ = ["STREAMS", "Recorder", "boot_id", "collect", "merge", "part_path", "write_part"]
+__all__ = ["STREAMS", "Recorder", "boot_id", "call_args", "collect", "merge", "part_path", "write_part"]
 
 STREAMS = {"comm": 0, "train": 1, "marks": 2}  # tid of each stream, and its name in the trace
 _STREAM_NAMES = {0: "engine calls", 1: "training", 2: "marks"}
@@ -32,7 +32,7 @@ class Recorder(Protocol):
     path: str
     rank: int
     size: int
-    events: list[tuple[int, int, str, str, str, dict[str, Any]]]
+    events: list[tuple[int, int, str, str, str, Any]]
     dropped: int
     align_ns: int
     boot: str
@@ -65,8 +65,25 @@ def part_path(path: str, rank: int) -> str:
     return f"{path}.rank{rank}.json"
 
 
-def _event(e: tuple[int, int, str, str, str, dict[str, Any]], rank: int, shift_us: float) -> dict[str, Any]:
+def call_args(t: tuple[Any, ...]) -> dict[str, Any]:
+    """An engine call's arguments from the tuple the recording engine keeps (comm/timeline.py's _FAST)."""
+    group, n, nbytes, dtype, op, key, peer, ident = t
+    out: dict[str, Any] = {"group": group, "n": n, "bytes": nbytes}
+    if dtype:
+        out["dtype"] = dtype
+    if op:
+        out["op"] = op
+    if key:
+        out[key] = peer
+    if ident >= 0:
+        out["id"] = ident
+    return out
+
+
+def _event(e: tuple[int, int, str, str, str, Any], rank: int, shift_us: float) -> dict[str, Any]:
     start, end, stream, cat, name, args = e
+    if not isinstance(args, dict):
+        args = call_args(args)
     out: dict[str, Any] = {"name": name, "cat": cat, "ph": "X", "ts": start / 1000 + shift_us,
                            "dur": (end - start) / 1000, "pid": rank, "tid": STREAMS[stream], "args": args}
     if cat == "mark":
