@@ -88,3 +88,32 @@ def test_readme_api_tour_runs(tmp_path: Path) -> None:
     # anywhere, so compare the characters, not the lines
     assert sorted(proc.stdout.replace(" ", "").replace("\n", "")) == sorted("0200mpicpu1210mpicpu"), \
         proc.describe()
+
+
+TIMELINE = re.findall(r"<!-- readme-timeline -->\n```bash\n(.*?)```", README, flags=re.S)
+
+
+@pytest.mark.mpi
+def test_readme_timeline_commands(tmp_path: Path) -> None:
+    """The Timeline section's commands in order, as written but for their files (in tmp_path: the picture in
+    docs/ stays the one the README shows): the README's main job with UNIDIST_TIMELINE set, then the summary
+    and the plot of four of its steps."""
+    require("mpi4py")
+    lines = [line.strip() for line in TIMELINE[0].splitlines() if line.strip()]
+    assert len(lines) == 2 and "unidist launch -n 2 examples/train_digits.py" in lines[0]
+    trace, png = tmp_path / "digits-trace.json", tmp_path / "timeline.png"
+    outputs = []
+    for line in lines:
+        tokens = shlex.split(line.replace("digits-trace.json", str(trace)).replace("docs/timeline.png", str(png)))
+        env = {}
+        while re.fullmatch(r"[A-Z_]+=.*", tokens[0]):
+            key, _, value = tokens.pop(0).partition("=")
+            env[key] = value
+        proc = run(tokens, env=env, cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.describe()
+        outputs.append(proc.stdout)
+    assert "max parameter difference across ranks 0" in outputs[0], outputs[0]
+    summary = outputs[1]
+    assert re.search(r"\| allreduce launch \| world \| 580 \|", summary), summary  # a bucket a step, 580 steps
+    assert "Gradient communication hidden behind backward: " in summary and "% of " in summary, summary
+    assert png.stat().st_size > 10_000
