@@ -126,6 +126,7 @@ def collect(comm: _Comm, rec: Recorder) -> str | None:
             data = torch.frombuffer(bytearray(Path(mine).read_bytes()), dtype=torch.uint8)
             comm.send(torch.tensor([data.numel()], dtype=torch.int64), 0)
             comm.send(data, 0)
+            os.remove(mine)  # rank 0 has it now
         elif comm.rank == 0:
             n = torch.zeros(1, dtype=torch.int64)
             comm.recv(n, r)
