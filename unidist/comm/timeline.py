@@ -146,21 +146,11 @@ def _summarizer(name: str, group: str, n: int) -> Callable[[tuple[Any, ...], int
     si, oi, pi, key = spec
 
     def fast(args: tuple[Any, ...], ident: int) -> tuple[Any, ...]:
-        # only str and int inside: the collector untracks such tuples, so a long timeline costs it nothing
+        # the dtype and op objects as they are (their names cost ~1 us a call to read): named when written
         t = args[si] if si is not None else None
-        return (group, n, t.nbytes if t is not None else 0, _dtype_name(t.dtype) if t is not None else "",
-                args[oi].value if oi is not None else "", key, args[pi] if pi is not None else -1, ident)
+        return (group, n, t.nbytes if t is not None else 0, t.dtype if t is not None else None,
+                args[oi] if oi is not None else None, key, args[pi] if pi is not None else -1, ident)
     return fast
-
-
-_DTYPES: dict[torch.dtype, str] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPES.get(dtype)
-    if name is None:
-        name = _DTYPES[dtype] = str(dtype).removeprefix("torch.")
-    return name
 
 
 def recorded_call(fn: Callable[..., Any], name: str, rec: Recorder, group: str, n: int) -> Callable[..., Any]:

@@ -66,13 +66,14 @@ def part_path(path: str, rank: int) -> str:
 
 
 def call_args(t: tuple[Any, ...]) -> dict[str, Any]:
-    """An engine call's arguments from the tuple the recording engine keeps (comm/timeline.py's _FAST)."""
+    """An engine call's arguments from the tuple the recording engine keeps (comm/timeline.py's _FAST),
+    the dtype and op objects it holds named."""
     group, n, nbytes, dtype, op, key, peer, ident = t
     out: dict[str, Any] = {"group": group, "n": n, "bytes": nbytes}
-    if dtype:
-        out["dtype"] = dtype
-    if op:
-        out["op"] = op
+    if dtype is not None:
+        out["dtype"] = str(dtype).removeprefix("torch.")
+    if op is not None:
+        out["op"] = op.value
     if key:
         out[key] = peer
     if ident >= 0:
