@@ -32,12 +32,6 @@ from unidist.ops import ReduceOp
 __all__ = ["Recorder", "abandon", "active", "align", "current", "describe", "finish", "recorded_call", "recording",
            "watching"]
 
-# the tensor argument whose size is the call's "size" in nccl-tests' sense (the whole buffer: allgather's
-# output, reduce_scatter's input); gather and scatter take the larger buffer; grouped_allreduce sums its list
-_SIZE_ARG = {"broadcast": 0, "allreduce": 0, "allgather": 1, "alltoall": 0, "send": 0, "recv": 0,
-             "reduce_scatter": 0, "allreduce_async": 0, "reduce_scatter_async": 0, "broadcast_async": 0,
-             "allgather_async": 1}
-_PEER_ARG = {"send": 1, "recv": 1, "broadcast": 1, "broadcast_async": 1, "gather": 3, "scatter": 3}
 _clock = time.monotonic_ns  # CLOCK_MONOTONIC: one clock for every process of a host (trace_files aligns hosts)
 
 
@@ -51,31 +45,30 @@ def _nbytes(t: Any) -> int:
 
 
 def describe(name: str, args: Sequence[Any], group: str, n: int) -> dict[str, Any]:
-    """An engine call's event arguments: bytes (nccl-tests' size), dtype, op, group, its size n, peer/root."""
-    out: dict[str, Any] = {"group": group, "n": n}
+    """An engine call's event arguments: bytes (nccl-tests' size), dtype, op, group, its size n, peer/root.
+    The common primitives by :data:`_FAST`'s positions; gather and scatter take the larger buffer (root 4th),
+    grouped_allreduce sums its list, the desync check moves two int64."""
     base = name.removesuffix("_async")
-    if name in _SIZE_ARG and len(args) > _SIZE_ARG[name]:
-        t = args[_SIZE_ARG[name]]
-    elif base in ("gather", "scatter"):
+    if base in _FAST:
+        return trace_files.call_args(_summarizer(name, group, n)(tuple(args), -1))
+    out: dict[str, Any] = {"group": group, "n": n, "bytes": 0}
+    t = None
+    if base in ("gather", "scatter"):
         t = max((a for a in args[:2] if isinstance(a, torch.Tensor)), key=_nbytes, default=None)
+        if len(args) > 3 and isinstance(args[3], int):
+            out["root"] = args[3]
     elif base == "grouped_allreduce" and args:
-        out["bytes"] = sum(_nbytes(x) for x in args[0])
         t = args[0][0] if len(args[0]) else None
+        out["bytes"] = sum(_nbytes(x) for x in args[0])
     elif base == "check_exchange":
         out["bytes"] = 16
-        t = None
-    else:
-        t = None
     if isinstance(t, torch.Tensor):
-        out.setdefault("bytes", _nbytes(t))
+        out["bytes"] = out["bytes"] or _nbytes(t)
         out["dtype"] = str(t.dtype).removeprefix("torch.")
-    out.setdefault("bytes", 0)
     for a in args:
         if isinstance(a, ReduceOp):
             out["op"] = a.value
             break
-    if name in _PEER_ARG and len(args) > _PEER_ARG[name] and isinstance(args[_PEER_ARG[name]], int):
-        out["peer" if base in ("send", "recv") else "root"] = args[_PEER_ARG[name]]
     return out
 
 
