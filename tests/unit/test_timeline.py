@@ -136,3 +136,20 @@ def test_cli_summarizes_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out
     assert "| allreduce | world | 2 |" not in out and "| allreduce | world | 1 |" in out  # per-rank means
     assert (tmp_path / "g.png").stat().st_size > 1000
+
+
+def test_mark_and_flush_keep_a_part(tmp_path: Path) -> None:
+    """What the watchdog and the stall inspector call before they end a job: the mark is in this rank's part."""
+    rec = Recorder(str(tmp_path / "t.json"), 1, 2, 100)
+    trace_hooks.install(rec)
+    try:
+        with trace_hooks.span("bucket wait", bytes=torch.zeros(4)):
+            trace_hooks.mark("stall", call="allreduce", waited=31.5)
+        part = trace_hooks.flush()
+    finally:
+        trace_hooks.uninstall()
+    assert part == str(tmp_path / "t.json.rank1.json")
+    events = json.loads(Path(part).read_text())["traceEvents"]
+    assert [(e["name"], e["ph"], e["pid"]) for e in events] == [("bucket wait", "X", 1), ("stall", "i", 1)]
+    assert events[0]["args"] == {"bytes": 16} and events[1]["args"] == {"call": "allreduce", "waited": 31.5}
+    assert not trace_hooks.active
