@@ -166,10 +166,12 @@ def _inside_table(pairs: int, steps: int, nprocs: int) -> str:
                                         ("events_per_step", "events/step", fmt(1)),
                                         ("off_exit_ms", "off exit ms", fmt(1)), ("on_exit_ms", "on exit ms", fmt(1))]
     med = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "pair"}
-    return (markdown(cols, rows) + f"\n\nmedians over {pairs} pairs of {steps} steps: wall on/off "
-            f"{med['on_wall_us'] / med['off_wall_us']:.3f}, CPU on/off {med['on_cpu_us'] / med['off_cpu_us']:.3f}; "
-            f"{med['events_per_step']:.1f} events a step and rank; the trace's writing at exit "
-            f"{med['on_exit_ms'] - med['off_exit_ms']:.0f} ms")
+    wall = sorted(r["on_wall_us"] / r["off_wall_us"] for r in rows)
+    cpu = sorted(r["on_cpu_us"] / r["off_cpu_us"] for r in rows)
+    return (markdown(cols, rows) + f"\n\non/off per pair, median (range): wall {statistics.median(wall):.3f} "
+            f"({wall[0]:.2f}-{wall[-1]:.2f}), CPU {statistics.median(cpu):.3f} ({cpu[0]:.2f}-{cpu[-1]:.2f}) over "
+            f"{pairs} pairs of {steps} steps; {med['events_per_step']:.1f} events a step and rank; the trace's "
+            f"writing at exit {med['on_exit_ms'] - med['off_exit_ms']:.0f} ms")
 
 
 def main(argv: list[str] | None = None) -> int:
