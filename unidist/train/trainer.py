@@ -119,8 +119,12 @@ class Trainer:
         k = getattr(self.prepared, "backward_passes_per_step", 1)
         loss = loss / k if k > 1 else loss
         scaler: LossScaler | None = getattr(self.prepared, "scaler", None)
-        with trace_hooks.span("backward"):  # the timeline: what bucket launches overlap
-            (scaler.scale_loss(loss) if scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
+        loss = scaler.scale_loss(loss) if scaler is not None else loss
+        if trace_hooks.active:  # the timeline: what bucket launches overlap (off, this bool test is all it costs)
+            with trace_hooks.span("backward"):
+                loss.backward()  # type: ignore[no-untyped-call]
+        else:
+            loss.backward()  # type: ignore[no-untyped-call]
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model

@@ -99,19 +99,26 @@ class WindowedOptimizer(OptimizerView):
         self._calls += 1
         if not sync:
             return None
-        with trace_hooks.span("step"):
-            if not self._synced:
-                self.synchronize()
-            self._synced = False
-            found = None if self.scaler is None else self._agree_found_inf(self.scaler.unscale(self._scaled_grads()))
-            if found is None or not bool(found):  # no loss scaling, or no inf/nan anywhere
-                if self.clip_grad_norm is not None:
-                    self.last_grad_norm = self._clip(self.clip_grad_norm)
-                self.optimizer.step()
-                self._after_step()
-            if self.scaler is not None and found is not None:
-                self.scaler.update(found)
+        if trace_hooks.active:  # the timeline (off, this bool test is all it costs)
+            with trace_hooks.span("step"):
+                self._step()
+        else:
+            self._step()
         return None
+
+    def _step(self) -> None:
+        """The window's last pass: reduce (unless synchronize() did), unscale and agree on a skip, clip, step."""
+        if not self._synced:
+            self.synchronize()
+        self._synced = False
+        found = None if self.scaler is None else self._agree_found_inf(self.scaler.unscale(self._scaled_grads()))
+        if found is None or not bool(found):  # no loss scaling, or no inf/nan anywhere
+            if self.clip_grad_norm is not None:
+                self.last_grad_norm = self._clip(self.clip_grad_norm)
+            self.optimizer.step()
+            self._after_step()
+        if self.scaler is not None and found is not None:
+            self.scaler.update(found)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients after a step; between accumulation passes it keeps them."""
