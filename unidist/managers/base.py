@@ -107,7 +107,7 @@ class Manager(Communicator):
             address = host_address() if self._local_size < self._size else "127.0.0.1"
             watchdog.start(self.config.timeout, self._rank, self._size, bytes(token.tolist()).hex(),
                            self._engine.abort, address=None if address.startswith("127.") else address,
-                           exchange=self.allgather_object)
+                           exchange=self.allgather_object, stall_warning=self.config.stall_warning)
         _log.info("%s started: rank %d of %d on %s", type(self).__name__, self._rank, self._size, self._device)
         return self
 
