@@ -46,6 +46,7 @@ def test_members_of_the_world_and_of_a_group() -> None:
     (_pos({"world": 5}, "world", 5), "engine"),  # the same call: inside the engine
     (_pos({"world": 6}), "desync"),  # already past this call: it skipped what this rank waits in
     (_pos({"world": 5}), "desync"),  # entered call 5 and left it while this rank still waits there
+    (_pos({"world": 5, "regions": 2}, "regions", 2, "shutdown barrier"), "desync"),  # left: its barrier is #5
     (_pos({"world": 5}, "world", 5, "broadcast", "broadcast float32 4 root=0"), "desync"),  # another call there
     (_pos({"world": 5}, "world", 5, sig="allreduce float32 4 op=max"), "desync"),  # the op differs
     (_pos({"world": 4, "group 1,2#0": 3}, "group 1,2#0", 3), "blocked"),  # waits on ranks this one does not
@@ -95,7 +96,8 @@ def test_a_rank_blocked_in_a_group_this_rank_is_outside_is_not_a_desync() -> Non
     (_pos({}, peer=0, kind="recv"), "desync"),  # both receive from each other
     (_pos({"world": 3}), "straggler"),
     (_pos({"world": 3}, "world", 3), "desync"),  # it waits in a collective this rank has not reached
-    (_pos({"world": 2}, "world", 2), "blocked"),  # ... one this rank has passed: it waits on others
+    (_pos({"world": 2}, "world", 2), "desync"),  # ... one this rank has passed: it cannot complete
+    (_pos({"world": 1, "group 1,2#0": 1}, "group 1,2#0", 1), "blocked"),  # a group this rank is outside
 ])
 def test_point_to_point_is_judged_against_its_peer(other: dict[str, Any], kind: str) -> None:
     mine = _pos({"world": 2}, peer=1, kind="recv")

@@ -6,8 +6,9 @@ channel for other hosts; watched.py: what a position holds). A rank that waits l
 peer of a send/recv) and finds one of:
 
 - **desync**: another call at the same place (same engine, same number, different kind, dtype, size, op or
-  root), a rank already past this place, or two ranks each waiting in a call the other has not reached
-  (a cycle: neither can go on). The job cannot finish; it ends now with a ``CollectiveMismatchError``.
+  root), a rank already past this place, or a rank waiting in a call of an engine this rank belongs to at
+  another place (this rank has not reached it, a cycle where neither can go on, or has passed it). The job
+  cannot finish; it ends now with a ``CollectiveMismatchError``.
 - **gone**: a rank is dead, stopped or unreachable.
 - **straggler**: a rank has not arrived and is still computing.
 - **blocked**: a rank has not arrived because it waits in another call (on peers this rank does not wait for).
@@ -95,8 +96,10 @@ def _judge(me: int, size: int, mine: Mapping[str, Any], mycall: Mapping[str, Any
         if call.get("sig") != mycall.get("sig"):
             return "desync", f"{said}: a different call at the same place"
         return "arrived", said
-    if theirs >= n:
+    if theirs > n:
         return "desync", f"{said}, already past {key} #{n} (it has entered {theirs} calls there)"
+    if theirs == n:
+        return "desync", f"{said}: it entered {key} #{n} in another call"
     return _not_arrived(me, size, mine, call, said + f", not yet at {key} #{n} (at #{theirs})")
 
 
@@ -105,9 +108,12 @@ def _not_arrived(me: int, size: int, mine: Mapping[str, Any], call: Mapping[str,
     if call is None:
         return "straggler", said
     if "on" in call:
-        # it waits in a collective this rank has not reached (and is a member of): neither can go on
-        if me in members(str(call["on"]), size) and int(mine.get("seqs", {}).get(call["on"], 0)) < call["n"]:
-            return "desync", f"{said}, which this rank has not reached: each waits for the other"
+        # it waits in a collective of an engine this rank belongs to, at a place this rank is not at: this rank
+        # has not reached it (each waits for the other) or has passed it (it cannot complete)
+        if me in members(str(call["on"]), size):
+            mine_n = int(mine.get("seqs", {}).get(call["on"], 0))
+            return "desync", (f"{said}, which this rank has not reached: each waits for the other" if mine_n < call["n"]
+                              else f"{said}, which this rank has already entered in another call")
         return "blocked", said
     if call.get("peer") == me:  # it waits on this rank point-to-point, this rank on it in a collective
         return "desync", f"{said}, for this rank, which is in a collective: each waits for the other"
