@@ -81,9 +81,9 @@ def mpi(pairs: int) -> None:
         for setting in times:
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 env = {**os.environ, "UNIDIST_STALL_WARNING": setting, "OMP_NUM_THREADS": "1"}
-                subprocess.run([shutil.which("mpiexec") or "mpiexec", "-n", "2", sys.executable, "-m", "unidist.bench", "collectives", "--sizes",
-                                "8", "--ops", "allreduce", "--rounds", "15", "--json", f.name], env=env, check=True,
-                               capture_output=True)
+                argv = [shutil.which("mpiexec") or "mpiexec", "-n", "2", sys.executable, "-m", "unidist.bench",
+                        "collectives", "--sizes", "8", "--ops", "allreduce", "--rounds", "15", "--json", f.name]
+                subprocess.run(argv, env=env, check=True, capture_output=True)
                 rows = json.load(open(f.name))["rows"]
                 times[setting].append(next(r for r in rows if r["op"] == "allreduce")["time_us"])
     print(_machine())
