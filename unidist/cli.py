@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from unidist.bench import SUBCOMMANDS as BENCHMARKS
 from unidist.config import ENV_VARS, Config
 from unidist.errors import HostsError, UnidistError
 from unidist.hosts import Host, format_hosts, hostfile_text, parse_hosts, read_hostfile, slurm_hosts
-from unidist.launch import LAUNCHERS, detect, family, script_args
+from unidist.launch import LAUNCHERS, detect, family, find_program, programs, script_args
 from unidist.net import free_port
 
 __all__ = ["Plan", "hosts_plan", "launch_command", "main"]
@@ -44,11 +43,6 @@ def _packages() -> list[str]:
     return names
 
 
-def _programs() -> list[str]:
-    """Every launcher program unidist knows (the launcher families' commands), and Slurm's srun."""
-    names = [prog for fam in LAUNCHERS if fam.command is not None for prog in fam.command.programs]
-    return [*dict.fromkeys([*names, "srun"])]
-
 _EXTRA_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_STEP_ID")
 
@@ -60,14 +54,6 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
-def find_program(name: str) -> str | None:
-    """Prefer the program installed beside this Python (the venv's mpiexec matches its mpi4py)."""
-    beside = Path(sys.executable).parent / name
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which(name)
-
-
 def info(environ: Mapping[str, str]) -> dict[str, Any]:
     """Everything ``unidist info`` reports, as data (the CLI prints it, tests read it as JSON)."""
     from unidist.selector import backend_for, select
@@ -77,7 +63,7 @@ def info(environ: Mapping[str, str]) -> dict[str, Any]:
         "python": f"{platform.python_version()} ({sys.executable})",
         "platform": platform.platform(),
         "packages": {pkg: _version(pkg) for pkg in _packages()},
-        "programs": {p: find_program(p) or "not found" for p in _programs()},
+        "programs": {p: find_program(p) or "not found" for p in programs()},
     }
     names = sorted({n for fam in LAUNCHERS for n in (fam.rank, *fam.size, fam.local_rank, fam.local_size,
                                                       fam.node_rank, *fam.marker) if n} | set(_EXTRA_VARS))
@@ -154,10 +140,9 @@ def _need(*names: str, hint: str) -> str:
 
 def _default_backend() -> str:
     """The first backend, in the records' order of preference, whose launcher program is installed."""
-    for record in registry.records():
-        fam = family(record.launcher) if record.launcher else None
-        if fam is not None and fam.command is not None and any(find_program(p) for p in fam.command.programs):
-            return record.name
+    record = registry.first_launchable(find_program)
+    if record is not None:
+        return record.name
     raise UnidistError("no launcher program (mpiexec, torchrun, ...) is installed; pass --backend, or run the "
                        "script with python")
 

@@ -11,14 +11,17 @@ here imports an engine or touches MPI.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from unidist.errors import HostsError, LaunchEnvironmentError
 from unidist.hosts import expand_nodelist, tasks_per_node
 
-__all__ = ["LAUNCHERS", "NO_LAUNCHER", "Command", "Family", "LaunchInfo", "detect", "family", "script_args"]
+__all__ = ["LAUNCHERS", "NO_LAUNCHER", "Command", "Family", "LaunchInfo", "detect", "family", "find_program",
+           "programs", "script_args"]
 
 
 NO_LAUNCHER = "none"  # ``LaunchInfo.launcher`` of a plain ``python script.py``: no family matches
@@ -145,6 +148,20 @@ LAUNCHERS: tuple[Family, ...] = (
 def family(name: str) -> Family | None:
     """The row named ``name`` (a ``LaunchInfo.launcher``); None for ``"none"`` or an unknown name."""
     return next((fam for fam in LAUNCHERS if fam.name == name), None)
+
+
+def programs() -> list[str]:
+    """Every launcher program unidist knows (the launcher families' commands), and Slurm's srun."""
+    names = [prog for fam in LAUNCHERS if fam.command is not None for prog in fam.command.programs]
+    return [*dict.fromkeys([*names, "srun"])]
+
+
+def find_program(name: str) -> str | None:
+    """Prefer the program installed beside this Python (the venv's mpiexec matches its mpi4py)."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(name)
 
 
 def _int(environ: Mapping[str, str], name: str, family: str) -> int:
