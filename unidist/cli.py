@@ -300,6 +300,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, launcher variables and the backend init() would pick")
     p_info.add_argument("--json", action="store_true", help="machine-readable output")
+    p_info.add_argument("--check", action="store_true",
+                        help="import every engine and ask every launcher: what is usable here, and how to install "
+                             "the rest (exit 0: the backend that runs here works; 1: only another one; 3: none)")
     p_launch = sub.add_parser("launch", help="run a script on N processes under a real launcher, on this host "
                                              "or on several (--hosts, --hostfile, a Slurm allocation)")
     _add_launch_options(p_launch, None)
@@ -327,11 +330,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns.args = [ns.benchmark, *bench_args]
     if ns.command == "info":
         report = info(os.environ)
+        code = 0
+        if ns.check:
+            from unidist import doctor
+
+            report["check"] = doctor.check(os.environ)
+            code = report["check"]["exit_code"]
         if ns.json:
             print(json.dumps(report, indent=2))
         else:
             _print_info(report)
-        return 0
+            if ns.check:
+                from unidist.doctor import render
+
+                print("\n".join(render.lines(report["check"])))
+        return code
 
     try:
         hosts, slurm = _hosts(ns, os.environ)

@@ -64,6 +64,7 @@ class Command:
     hosts_args: tuple[str, ...] | None = None
     per_host: bool = False
     hostfile: str | None = None
+    answers: str = "--version"  # the option the program answers without starting anything (info --check runs it)
 
     def argv(self, program: str, n: int, python: str, port: int | None, rest: list[str]) -> list[str]:
         values = {"n": str(n), "python": python, "port": str(port)}
@@ -104,7 +105,8 @@ LAUNCHERS: tuple[Family, ...] = (
            # follow torch's sort of the hosts' names)
            command=Command(("torchrun",), ("--standalone", "--nproc_per_node", "{n}"),
                            ("--nnodes", "{nnodes}", "--nproc_per_node", "{slots}", "--rdzv_backend", "c10d",
-                            "--rdzv_endpoint", "{first}:{port}", "--rdzv_id", "{run_id}"), per_host=True)),
+                            "--rdzv_endpoint", "{first}:{port}", "--rdzv_id", "{run_id}"), per_host=True,
+                           answers="--help")),
     # Horovod's gloo controller: horovodrun's MPI mode does not recognise every MPI (the mpich wheel's hydra
     # prints no "MPICH" in its version); for MPI, start with mpiexec and UNIDIST_BACKEND=horovod.
     Family("horovodrun", "HOROVOD_RANK", ("HOROVOD_SIZE",), "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
@@ -117,7 +119,7 @@ LAUNCHERS: tuple[Family, ...] = (
            marker=("CROSS_RANK",), master_addr="MASTER_ADDR", master_port="MASTER_PORT",
            command=Command(("deepspeed",), ("--num_gpus", "{n}", "--master_port", "{port}", "--no_local_rank"),
                            ("--hostfile", "{hostfile}", "--master_addr", "{first}", "--master_port", "{port}",
-                            "--no_local_rank"), hostfile="slots")),
+                            "--no_local_rank"), hostfile="slots", answers="--help")),
     Family("openmpi", "OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",), "OMPI_COMM_WORLD_LOCAL_RANK",
            "OMPI_COMM_WORLD_LOCAL_SIZE", mpi_like=True),
     # `mpiexec -n N` is the MPI standard's spelling, so this row also stands for Open MPI's and MVAPICH's;

@@ -1,0 +1,169 @@
+"""Asking, each question under a time limit: the probe child about the packages, every launcher program
+about itself (``--version`` or ``--help``: the option its ``unidist.launch`` row says it answers), this host
+about its CPUs and network.
+
+A hung import must not hang ``unidist info --check``: each probe step has ``limit`` seconds from the previous
+answer; a step that passes it is killed, its package is blocked in the next child (see
+``unidist.doctor.probe``) and the remaining steps go on there, so one hang costs one limit. A crash (a
+segfault in an engine's library) ends the child the same way, said so with its exit status and last
+words. The launcher programs are asked at the same time, in threads (each one is a process of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from unidist.launch import LAUNCHERS, find_program, programs
+
+__all__ = ["ask_packages", "ask_program", "ask_programs", "cpus", "shebang"]
+
+
+def _readline(fd: int, buf: bytearray, limit: float) -> bytes | None:
+    """The next line from ``fd`` within ``limit`` seconds; None when the time is up first, EOFError when the
+    writer is gone (the child ended)."""
+    deadline = time.monotonic() + limit
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    line, _, rest = bytes(buf).partition(b"\n")
+    buf[:] = rest
+    return line
+
+
+def _tail(path: str, lines: int = 3) -> str:
+    text = Path(path).read_text(errors="replace").strip().splitlines()
+    return " | ".join(text[-lines:])
+
+
+def ask_packages(packages: Sequence[str], environ: Mapping[str, str], limit: float = 20.0) -> dict[str, Any]:
+    """Each package's answer from the probe child (``unidist.doctor.probe``), in one child while none hangs
+    or crashes; a step that does gets ``{"ok": False, "error": ...}`` and its package is blocked after."""
+    answers: dict[str, Any] = {}
+    todo, blocked = list(packages), list[str]()
+    while todo:
+        with tempfile.NamedTemporaryFile(prefix="unidist-probe-", suffix=".err") as err:
+            cmd = [sys.executable, "-m", "unidist.doctor.probe", "--block", ",".join(blocked), *todo]
+            read, write = os.pipe()
+            proc = subprocess.Popen(cmd, stdout=write, stderr=err, stdin=subprocess.DEVNULL, env=dict(environ))
+            os.close(write)
+            buf = bytearray()
+            hung = False
+            try:
+                while todo:
+                    try:
+                        line = _readline(read, buf, limit)
+                    except EOFError:
+                        break
+                    if line is None:
+                        hung = True
+                        break
+                    answer = json.loads(line)
+                    package = answer.pop("package")
+                    answers[package] = answer
+                    todo.remove(package)
+            finally:
+                os.close(read)
+                if hung:
+                    proc.kill()
+                code = proc.wait()
+            if todo:  # the first step left unanswered hung or crashed: blocked from here on
+                package = todo.pop(0)
+                blocked.append(package)
+                if hung:
+                    error = f"importing it hung: no answer in {limit:g} s (stopped; not imported again)"
+                else:
+                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                    error = f"importing it crashed the process ({how}): {_tail(err.name) or 'no output'}"
+                answers[package] = {"ok": False, "absent": False, "error": error}
+    return answers
+
+
+def shebang(path: str) -> str | None:
+    """The interpreter a script launcher runs (its ``#!`` line, ``env`` resolved on PATH); None for a binary."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode(errors="replace").split()
+    if words and Path(words[0]).name == "env" and len(words) > 1:
+        return shutil.which(words[-1]) or words[-1]
+    return words[0] if words else None
+
+
+def this_python(interpreter: str) -> bool:
+    """Whether ``interpreter`` is the Python running unidist: beside it (the same venv's bin), or the same file
+    when unidist runs outside a venv (every venv's python links to the base one)."""
+    mine = Path(sys.executable)
+    theirs = Path(interpreter)
+    if theirs.parent == mine.parent or str(theirs) == str(mine):
+        return True
+    return sys.prefix == sys.base_prefix and theirs.resolve() == mine.resolve()
+
+
+def _answers(program: str) -> str:
+    return next((fam.command.answers for fam in LAUNCHERS if fam.command is not None and program in
+                 fam.command.programs), "--version")
+
+
+def ask_program(name: str, limit: float = 20.0) -> dict[str, Any]:
+    """Where launcher ``name`` is, whether it answers its ``--version``/``--help`` within ``limit``, what it
+    says first, and the Python it runs if it is a script."""
+    path = find_program(name)
+    if path is None:
+        return {"found": False}
+    answer: dict[str, Any] = {"found": True, "path": path, "python": shebang(path)}
+    for option in dict.fromkeys([_answers(name), "--version", "--help"]):
+        try:
+            proc = subprocess.run([path, option], capture_output=True, text=True, timeout=limit,
+                                  stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            answer.update(answered=False, error=f"`{name} {option}` gave no answer in {limit:g} s")
+            return answer
+        except OSError as err:
+            answer.update(answered=False, error=f"`{name} {option}` did not start: {err}")
+            return answer
+        text = (proc.stdout + proc.stderr).strip()
+        if proc.returncode == 0 and text:
+            answer.update(answered=True, option=option, output=text[:2000])
+            return answer
+        answer.update(answered=False, error=f"`{name} {option}` exited {proc.returncode}: "
+                      f"{' | '.join(text.splitlines()[-2:]) or 'no output'}")
+    return answer
+
+
+def ask_programs(limit: float = 20.0) -> dict[str, Any]:
+    """Every launcher program's answer (``ask_program``), asked at once."""
+    names = programs()
+    answers: dict[str, Any] = {}
+    threads = [threading.Thread(target=lambda n=name: answers.__setitem__(n, ask_program(n, limit)), daemon=True)
+               for name in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {name: answers[name] for name in names}
+
+
+def cpus() -> dict[str, int | None]:
+    """The CPUs of this host and those this process may run on (a cgroup or ``taskset`` can give fewer)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {"cpus": os.cpu_count(), "usable": usable}
