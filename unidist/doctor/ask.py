@@ -95,18 +95,17 @@ def ask_packages(packages: Sequence[str], environ: Mapping[str, str], limit: flo
 
 
 def shebang(path: str) -> str | None:
-    """The interpreter a script launcher runs (its ``#!`` line, ``env`` resolved on PATH); None for a binary."""
+    """The Python a launcher script runs (its ``#!`` line, ``env`` resolved on PATH); None for a binary or a
+    script of another language (Intel's mpirun is a shell script)."""
     try:
         with open(path, "rb") as f:
             first = f.readline(512)
     except OSError:
         return None
-    if not first.startswith(b"#!"):
-        return None
-    words = first[2:].decode(errors="replace").split()
-    if words and Path(words[0]).name == "env" and len(words) > 1:
-        return shutil.which(words[-1]) or words[-1]
-    return words[0] if words else None
+    words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
+    if len(words) > 1 and Path(words[0]).name == "env":
+        words = [shutil.which(words[1]) or words[1]]
+    return words[0] if words and Path(words[0]).name.startswith("python") else None
 
 
 def this_python(interpreter: str) -> bool:
