@@ -1,12 +1,13 @@
 """Asking, each question under a time limit: the probe child about the packages, every launcher program
 about itself (``--version`` or ``--help``: the option its ``unidist.launch`` row says it answers), this host
-about its CPUs and network.
+about its CPUs.
 
-A hung import must not hang ``unidist info --check``: each probe step has ``limit`` seconds from the previous
-answer; a step that passes it is killed, its package is blocked in the next child (see
-``unidist.doctor.probe``) and the remaining steps go on there, so one hang costs one limit. A crash (a
-segfault in an engine's library) ends the child the same way, said so with its exit status and last
-words. The launcher programs are asked at the same time, in threads (each one is a process of its own).
+A hung import must not hang ``unidist info --check``: each probe step has ``limit`` seconds (of the child's
+own time, see ``_Clock``) from the previous answer; a step that passes it is killed, its package is blocked
+in the next child (see ``unidist.doctor.probe``) and the remaining steps go on there, so one hang costs one
+limit. A crash (a segfault in an engine's library) ends the child the same way, said so with its exit status
+and last words. The launcher programs are asked at the same time, in threads (each one is a process of its
+own).
 """
 
 from __future__ import annotations
@@ -29,14 +30,43 @@ from unidist.launch import LAUNCHERS, find_program, programs
 __all__ = ["ask_packages", "ask_program", "ask_programs", "cpus", "shebang"]
 
 
-def _readline(fd: int, buf: bytearray, limit: float) -> bytes | None:
-    """The next line from ``fd`` within ``limit`` seconds; None when the time is up first, EOFError when the
-    writer is gone (the child ended)."""
-    deadline = time.monotonic() + limit
+class _Clock:
+    """The seconds a process has had since ``restart``: wall time minus the time its main thread waited for a
+    CPU (the run-queue wait of ``/proc/<pid>/schedstat``), so a limit means the same on a machine loaded by
+    others as on an idle one (measured: a bare ``import torch`` takes ~10 s of wall time at load 11 on 2 cores,
+    and three at once passed 20 s), while a hang (sleeping, or spinning) still runs out of it. Falls back to
+    wall time where the kernel keeps no schedstat; never more than ``_WALL_CAP`` limits of wall time."""
+
+    def __init__(self, pid: int) -> None:
+        self.path = Path(f"/proc/{pid}/schedstat")
+        self.restart()
+
+    def _waited(self) -> float:
+        try:
+            return int(self.path.read_text().split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+    def restart(self) -> None:
+        self.start, self.wait0 = time.monotonic(), self._waited()
+
+    def out(self, limit: float) -> bool:
+        wall = time.monotonic() - self.start
+        return wall - max(0.0, self._waited() - self.wait0) > limit or wall > _WALL_CAP * limit
+
+
+_WALL_CAP = 10
+
+
+def _readline(fd: int, buf: bytearray, clock: _Clock, limit: float) -> bytes | None:
+    """The next line from ``fd`` before ``clock`` runs past ``limit``; None when it does first, EOFError when
+    the writer is gone (the child ended)."""
+    clock.restart()
     while b"\n" not in buf:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if clock.out(limit):
             return None
+        if not select.select([fd], [], [], 0.2)[0]:
+            continue
         chunk = os.read(fd, 65536)
         if not chunk:
             raise EOFError
@@ -62,12 +92,12 @@ def ask_packages(packages: Sequence[str], environ: Mapping[str, str], limit: flo
             read, write = os.pipe()
             proc = subprocess.Popen(cmd, stdout=write, stderr=err, stdin=subprocess.DEVNULL, env=dict(environ))
             os.close(write)
-            buf = bytearray()
+            buf, clock = bytearray(), _Clock(proc.pid)
             hung = False
             try:
                 while todo:
                     try:
-                        line = _readline(read, buf, limit)
+                        line = _readline(read, buf, clock, limit)
                     except EOFError:
                         break
                     if line is None:
@@ -131,16 +161,23 @@ def ask_program(name: str, limit: float = 20.0) -> dict[str, Any]:
         return {"found": False}
     answer: dict[str, Any] = {"found": True, "path": path, "python": shebang(path)}
     for option in dict.fromkeys([_answers(name), "--version", "--help"]):
-        try:
-            proc = subprocess.run([path, option], capture_output=True, text=True, timeout=limit,
-                                  stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            answer.update(answered=False, error=f"`{name} {option}` gave no answer in {limit:g} s")
-            return answer
-        except OSError as err:
-            answer.update(answered=False, error=f"`{name} {option}` did not start: {err}")
-            return answer
-        text = (proc.stdout + proc.stderr).strip()
+        with tempfile.TemporaryFile() as out:
+            try:
+                proc = subprocess.Popen([path, option], stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
+            except OSError as err:
+                answer.update(answered=False, error=f"`{name} {option}` did not start: {err}")
+                return answer
+            clock = _Clock(proc.pid)
+            while proc.poll() is None and not clock.out(limit):
+                time.sleep(0.05)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                answer.update(answered=False, error=f"`{name} {option}` gave no answer in {limit:g} s")
+                return answer
+            out.seek(0)
+            text = out.read().decode(errors="replace").strip()
         if proc.returncode == 0 and text:
             answer.update(answered=True, option=option, output=text[:2000])
             return answer
