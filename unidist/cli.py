@@ -3,6 +3,7 @@ this host or on several (``--hosts``, ``--hostfile``, a Slurm allocation). ``uni
 ``python -m unidist.bench <benchmark>`` under the launcher ``launch`` picks.
 
 None of them imports an engine: versions come from package metadata, so ``info`` never starts MPI.
+``info --check`` does import them, in a child process under a time limit (``unidist.doctor``).
 """
 
 from __future__ import annotations
