@@ -31,6 +31,7 @@ def check(environ: Mapping[str, str], limit: float = 20.0) -> dict[str, Any]:
         limit: seconds each probe step and each launcher program has to answer.
     """
     start = time.monotonic()
+    chosen = verdict.would_run(environ)  # first: UNIDIST_BACKEND may name a plugin, registered when looked up
     packages = list(dict.fromkeys(pkg for rec in registry.records() for pkg in rec.requires))
     programs: dict[str, Any] = {}
     asking = threading.Thread(target=lambda: programs.update(ask.ask_programs(limit)), daemon=True)
@@ -40,7 +41,6 @@ def check(environ: Mapping[str, str], limit: float = 20.0) -> dict[str, Any]:
     asking.join()
     verdicts = {rec.name: verdict.backend_verdict(rec, answers, programs, ask.this_python)
                 for rec in registry.records()}
-    chosen = verdict.would_run(environ)
     torch = answers.get("torch", {})
     return {
         "python": f"{platform.python_version()} ({sys.executable})",

@@ -103,7 +103,10 @@ def ask_packages(packages: Sequence[str], environ: Mapping[str, str], limit: flo
                     if line is None:
                         hung = True
                         break
-                    answer = json.loads(line)
+                    try:
+                        answer = json.loads(line)
+                    except ValueError:  # not an answer: a library that wrote to the answers' descriptor
+                        continue
                     package = answer.pop("package")
                     answers[package] = answer
                     todo.remove(package)
