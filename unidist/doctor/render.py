@@ -61,15 +61,15 @@ def lines(report: Mapping[str, Any]) -> list[str]:
     out.append("backends:")
     chosen = report["would_run"]
     for name, v in report["backends"].items():
-        mark = "  <- runs here" if name == chosen else ""
-        state = "usable" if v["usable"] else "NOT usable: " + "; ".join(v["problems"])
-        out.append(f"  {name:<10} {state}{mark}" + "".join(f"\n             note: {n}" for n in v["notes"]))
+        state = ("usable" if v["usable"] else "NOT usable") + (" (runs here)" if name == chosen else "")
+        problems = "".join(f"\n             {p}" for p in v["problems"])
+        out.append(f"  {name:<10} {state}{problems}" + "".join(f"\n             note: {n}" for n in v["notes"]))
     code = report["exit_code"]
     if code == EXIT_USABLE:
         out.append(f"verdict: {chosen} works here (exit 0)")
     elif code == EXIT_ANOTHER:
         usable = report["usable_launched"]
-        why = f"{chosen} does not" if chosen else "no launcher program is installed"
+        why = f"{chosen} does not work here" if chosen else "no launcher program is installed"
         out.append(f"verdict: {why}; {', '.join(usable)} would (--backend, UNIDIST_BACKEND) (exit {code})")
     else:
         out.append(f"verdict: no multi-process backend works here; install one of the above (exit {code})")
