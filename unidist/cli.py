@@ -3,6 +3,7 @@ this host or on several (``--hosts``, ``--hostfile``, a Slurm allocation). ``uni
 ``python -m unidist.bench <benchmark>`` under the launcher ``launch`` picks.
 
 None of them imports an engine: versions come from package metadata, so ``info`` never starts MPI.
+``info --check`` does import them, in a child process under a time limit (``unidist.doctor``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,7 +32,7 @@ from unidist.bench.timeline import main as timeline_main
 from unidist.config import ENV_VARS, Config
 from unidist.errors import HostsError, UnidistError
 from unidist.hosts import Host, format_hosts, hostfile_text, parse_hosts, read_hostfile, slurm_hosts
-from unidist.launch import LAUNCHERS, detect, family, script_args
+from unidist.launch import LAUNCHERS, detect, family, find_program, programs, script_args
 from unidist.net import free_port
 
 __all__ = ["Plan", "hosts_plan", "launch_command", "main"]
@@ -46,11 +46,6 @@ def _packages() -> list[str]:
     return names
 
 
-def _programs() -> list[str]:
-    """Every launcher program unidist knows (the launcher families' commands), and Slurm's srun."""
-    names = [prog for fam in LAUNCHERS if fam.command is not None for prog in fam.command.programs]
-    return [*dict.fromkeys([*names, "srun"])]
-
 _EXTRA_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_STEP_ID")
 
@@ -62,14 +57,6 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
-def find_program(name: str) -> str | None:
-    """Prefer the program installed beside this Python (the venv's mpiexec matches its mpi4py)."""
-    beside = Path(sys.executable).parent / name
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which(name)
-
-
 def info(environ: Mapping[str, str]) -> dict[str, Any]:
     """Everything ``unidist info`` reports, as data (the CLI prints it, tests read it as JSON)."""
     from unidist.selector import backend_for, select
@@ -79,7 +66,7 @@ def info(environ: Mapping[str, str]) -> dict[str, Any]:
         "python": f"{platform.python_version()} ({sys.executable})",
         "platform": platform.platform(),
         "packages": {pkg: _version(pkg) for pkg in _packages()},
-        "programs": {p: find_program(p) or "not found" for p in _programs()},
+        "programs": {p: find_program(p) or "not found" for p in programs()},
     }
     names = sorted({n for fam in LAUNCHERS for n in (fam.rank, *fam.size, fam.local_rank, fam.local_size,
                                                       fam.node_rank, *fam.marker) if n} | set(_EXTRA_VARS))
@@ -156,10 +143,9 @@ def _need(*names: str, hint: str) -> str:
 
 def _default_backend() -> str:
     """The first backend, in the records' order of preference, whose launcher program is installed."""
-    for record in registry.records():
-        fam = family(record.launcher) if record.launcher else None
-        if fam is not None and fam.command is not None and any(find_program(p) for p in fam.command.programs):
-            return record.name
+    record = registry.first_launchable(find_program)
+    if record is not None:
+        return record.name
     raise UnidistError("no launcher program (mpiexec, torchrun, ...) is installed; pass --backend, or run the "
                        "script with python")
 
@@ -317,6 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, launcher variables and the backend init() would pick")
     p_info.add_argument("--json", action="store_true", help="machine-readable output")
+    p_info.add_argument("--check", action="store_true",
+                        help="import every engine and ask every launcher: what is usable here, and how to install "
+                             "the rest (exit 0: the backend that runs here works; 1: only another one; 3: none)")
     p_launch = sub.add_parser("launch", help="run a script on N processes under a real launcher, on this host "
                                              "or on several (--hosts, --hostfile, a Slurm allocation)")
     _add_launch_options(p_launch, None)
@@ -349,11 +338,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return timeline_main(ns)
     if ns.command == "info":
         report = info(os.environ)
+        code = 0
+        if ns.check:
+            from unidist import doctor
+
+            report["check"] = doctor.check(os.environ)
+            code = report["check"]["exit_code"]
         if ns.json:
             print(json.dumps(report, indent=2))
         else:
             _print_info(report)
-        return 0
+            if ns.check:
+                from unidist.doctor import render
+
+                print("\n".join(render.lines(report["check"])))
+        return code
 
     try:
         hosts, slurm = _hosts(ns, os.environ)

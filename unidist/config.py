@@ -33,6 +33,7 @@ MAX_TIMEOUT = 30 * 24 * 3600.0
 _TIMEOUT_ALLOWED = f"a positive number of seconds up to {MAX_TIMEOUT:.0f} (30 days)"
 
 
+_STALL_ALLOWED = f"a number of seconds up to {MAX_TIMEOUT:.0f}; 0 turns the stall inspector off"
 _COMMIT_SECONDS_ALLOWED = f"a number of seconds from 0 (every commit) up to {MAX_TIMEOUT:.0f}"
 
 
@@ -65,6 +66,8 @@ class Config:
     # and the most events a rank keeps (a bound on memory: ~300 bytes an event; later ones are counted, dropped)
     timeline: str | None = None
     timeline_events: int = 200_000
+    # the stall inspector (comm/stall.py): a wait on peers longer than this is explained (0: off)
+    stall_warning: float = 60.0
     unknown: tuple[str, ...] = field(default=(), compare=False, repr=False)
     # the fields the environment set (not defaults): an explicit prepare() argument that disagrees is an error
     from_environment: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -94,6 +97,8 @@ class Config:
             raise bad("elastic_commit_seconds", self.elastic_commit_seconds, _COMMIT_SECONDS_ALLOWED)
         if not self.timeline_events > 0:
             raise bad("timeline_events", self.timeline_events, _EVENTS_ALLOWED)
+        if not 0 <= self.stall_warning <= MAX_TIMEOUT:
+            raise bad("stall_warning", self.stall_warning, _STALL_ALLOWED)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -173,6 +178,7 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "elastic_commit_seconds": _number(float, _COMMIT_SECONDS_ALLOWED, lambda v: 0 <= v <= MAX_TIMEOUT),
     "timeline": _path,
     "timeline_events": _number(int, _EVENTS_ALLOWED, lambda v: v > 0),
+    "stall_warning": _number(float, _STALL_ALLOWED, lambda v: 0 <= v <= MAX_TIMEOUT),
 }
 
 ENV_VARS: tuple[str, ...] = tuple(_env_name(n) for n in _PARSERS)

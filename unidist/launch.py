@@ -11,14 +11,17 @@ here imports an engine or touches MPI.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from unidist.errors import HostsError, LaunchEnvironmentError
 from unidist.hosts import expand_nodelist, tasks_per_node
 
-__all__ = ["LAUNCHERS", "NO_LAUNCHER", "Command", "Family", "LaunchInfo", "detect", "family", "script_args"]
+__all__ = ["LAUNCHERS", "NO_LAUNCHER", "Command", "Family", "LaunchInfo", "detect", "family", "find_program",
+           "programs", "script_args"]
 
 
 NO_LAUNCHER = "none"  # ``LaunchInfo.launcher`` of a plain ``python script.py``: no family matches
@@ -61,6 +64,7 @@ class Command:
     hosts_args: tuple[str, ...] | None = None
     per_host: bool = False
     hostfile: str | None = None
+    answers: str = "--version"  # the option the program answers without starting anything (info --check runs it)
 
     def argv(self, program: str, n: int, python: str, port: int | None, rest: list[str]) -> list[str]:
         values = {"n": str(n), "python": python, "port": str(port)}
@@ -101,7 +105,8 @@ LAUNCHERS: tuple[Family, ...] = (
            # follow torch's sort of the hosts' names)
            command=Command(("torchrun",), ("--standalone", "--nproc_per_node", "{n}"),
                            ("--nnodes", "{nnodes}", "--nproc_per_node", "{slots}", "--rdzv_backend", "c10d",
-                            "--rdzv_endpoint", "{first}:{port}", "--rdzv_id", "{run_id}"), per_host=True)),
+                            "--rdzv_endpoint", "{first}:{port}", "--rdzv_id", "{run_id}"), per_host=True,
+                           answers="--help")),
     # Horovod's gloo controller: horovodrun's MPI mode does not recognise every MPI (the mpich wheel's hydra
     # prints no "MPICH" in its version); for MPI, start with mpiexec and UNIDIST_BACKEND=horovod.
     Family("horovodrun", "HOROVOD_RANK", ("HOROVOD_SIZE",), "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
@@ -114,7 +119,7 @@ LAUNCHERS: tuple[Family, ...] = (
            marker=("CROSS_RANK",), master_addr="MASTER_ADDR", master_port="MASTER_PORT",
            command=Command(("deepspeed",), ("--num_gpus", "{n}", "--master_port", "{port}", "--no_local_rank"),
                            ("--hostfile", "{hostfile}", "--master_addr", "{first}", "--master_port", "{port}",
-                            "--no_local_rank"), hostfile="slots")),
+                            "--no_local_rank"), hostfile="slots", answers="--help")),
     Family("openmpi", "OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",), "OMPI_COMM_WORLD_LOCAL_RANK",
            "OMPI_COMM_WORLD_LOCAL_SIZE", mpi_like=True),
     # `mpiexec -n N` is the MPI standard's spelling, so this row also stands for Open MPI's and MVAPICH's;
@@ -145,6 +150,20 @@ LAUNCHERS: tuple[Family, ...] = (
 def family(name: str) -> Family | None:
     """The row named ``name`` (a ``LaunchInfo.launcher``); None for ``"none"`` or an unknown name."""
     return next((fam for fam in LAUNCHERS if fam.name == name), None)
+
+
+def programs() -> list[str]:
+    """Every launcher program unidist knows (the launcher families' commands), and Slurm's srun."""
+    names = [prog for fam in LAUNCHERS if fam.command is not None for prog in fam.command.programs]
+    return [*dict.fromkeys([*names, "srun"])]
+
+
+def find_program(name: str) -> str | None:
+    """Prefer the program installed beside this Python (the venv's mpiexec matches its mpi4py)."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(name)
 
 
 def _int(environ: Mapping[str, str], name: str, family: str) -> int:

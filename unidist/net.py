@@ -12,8 +12,12 @@ import errno
 import ipaddress
 import logging
 import socket
+import struct
+import sys
+from dataclasses import dataclass
 
-__all__ = ["free_port", "host_address", "listener", "local_only_env", "loopback_interface", "rendezvous_address"]
+__all__ = ["IFACE_VARS", "Interface", "free_port", "host_address", "interfaces", "listener", "local_only_env",
+           "loopback_interface", "rendezvous_address"]
 
 log = logging.getLogger("unidist")
 
@@ -71,12 +75,72 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
+IFACE_VARS = {
+    "GLOO_SOCKET_IFNAME": "gloo (torch, DeepSpeed and Horovod on CPU)",
+    "UCX_NET_DEVICES": "MPICH's UCX transport",
+    "FI_TCP_IFACE": "libfabric's TCP provider (MPICH's ofi device)",
+    "NCCL_SOCKET_IFNAME": "NCCL's bootstrap and socket transport",
+}
+"""The engines' variables naming the network interface they use, and whose: a several-host job needs each one
+unset (the engine picks) or naming an interface the hosts reach each other on, never loopback."""
+
+_LOCAL_ONLY = ("GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES", "FI_TCP_IFACE")  # the CPU engines' (NCCL: GPUs only)
+
+
 def local_only_env() -> dict[str, str]:
     """The engines' interface variables that keep a single-node job's listeners on loopback (measured: without
     them gloo's pairs, MPICH's UCX transport and libfabric's TCP provider listen on the external address). The
     managers set each only where the user set none, before the engine starts."""
     lo = loopback_interface()
-    return {"GLOO_SOCKET_IFNAME": lo, "UCX_NET_DEVICES": lo, "FI_TCP_IFACE": lo} if lo else {}
+    return dict.fromkeys(_LOCAL_ONLY, lo) if lo else {}
+
+
+@dataclass(frozen=True)
+class Interface:
+    """One network interface of this host: its IPv4 address (None: it has none), whether it is up and loopback,
+    and ``route``: whether it carries the address :func:`host_address` picks, the one a several-host job's
+    rank 0 offers its peers."""
+
+    name: str
+    address: str | None
+    up: bool
+    loopback: bool
+    route: bool
+
+
+_SIOCGIFFLAGS, _SIOCGIFADDR, _IFF_UP, _IFF_LOOPBACK = 0x8913, 0x8915, 0x1, 0x8
+
+
+def _ioctl(sock: socket.socket, request: int, name: str) -> bytes | None:
+    import fcntl  # POSIX only; Linux's request numbers
+
+    try:
+        return fcntl.ioctl(sock.fileno(), request, struct.pack("256s", name.encode()[:15]))
+    except OSError:  # no IPv4 address on this interface
+        return None
+
+
+def interfaces() -> list[Interface]:
+    """This host's network interfaces (Linux: addresses and flags from the kernel; elsewhere names only), what
+    a several-host job could use and which one it would."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return []
+    routed = host_address()
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for name in names:
+            addr = flags = None
+            if sys.platform.startswith("linux"):
+                raw = _ioctl(sock, _SIOCGIFADDR, name)
+                addr = socket.inet_ntoa(raw[20:24]) if raw else None
+                raw = _ioctl(sock, _SIOCGIFFLAGS, name)
+                flags = struct.unpack("H", raw[16:18])[0] if raw else None
+            loop = bool(flags & _IFF_LOOPBACK) if flags is not None else name in ("lo", "lo0")
+            found.append(Interface(name, addr, bool(flags & _IFF_UP) if flags is not None else True, loop,
+                                   addr is not None and addr == routed))
+    return found
 
 
 def _usable(addr: str) -> bool:

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from unidist.errors import ConfigError
-from unidist.launch import LAUNCHERS, NO_LAUNCHER, family
+from unidist.launch import LAUNCHERS, NO_LAUNCHER, family, find_program
 
-__all__ = ["ENTRY_POINTS", "Backend", "Launch", "Strategy", "for_launcher", "get", "names", "records", "register",
-           "unregister"]
+__all__ = ["ENTRY_POINTS", "Backend", "Launch", "Strategy", "first_launchable", "for_launcher", "get", "names",
+           "records", "register", "unregister"]
 
 
 class Strategy(Protocol):
@@ -202,3 +202,13 @@ def for_launcher(launcher: str) -> str:
             return backend.name
     raise ConfigError(f"no registered backend runs under the {launcher!r} launcher by default; set UNIDIST_BACKEND "
                       f"to one of {', '.join(_TABLE)}")
+
+
+def first_launchable(find: Callable[[str], str | None] = find_program) -> Backend | None:
+    """The first backend, in the records' order of preference, whose launcher program ``find`` finds: the one
+    ``unidist launch`` runs without ``--backend`` (None: no launcher program is installed)."""
+    for backend in _TABLE.values():
+        fam = family(backend.launcher) if backend.launcher else None
+        if fam is not None and fam.command is not None and any(find(p) for p in fam.command.programs):
+            return backend
+    return None

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
 import re
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +58,51 @@ def test_info_reports_bad_configuration() -> None:
     proc = run([UNIDIST, "info"], env={"UNIDIST_BACKEND": "nope"}, timeout=60)
     assert proc.returncode == 0
     assert "init() would fail: ConfigError: UNIDIST_BACKEND='nope'" in proc.stdout
+
+
+def _metadata_version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@pytest.mark.mpi
+def test_info_check_matches_this_environment() -> None:
+    """`unidist info --check --json` on this environment, against independent sources: package metadata for
+    what imported and its version, the mpich wheel's version for MPI and mpiexec, /sys/class/net and `ip` for
+    the interfaces and the one a several-host job would use. (One run, ~5 s on 2 cores.)"""
+    from unidist import registry
+
+    require("mpi4py")
+    proc = run([UNIDIST, "info", "--check", "--json"], timeout=120)
+    check = json.loads(proc.stdout)["check"]
+    assert proc.returncode == check["exit_code"] == 0, proc.describe()  # mpiexec beside python: mpi runs here
+    assert check["would_run"] == "mpi" and check["backends"]["mpi"]["usable"], check["backends"]
+    for rec in registry.records():
+        for pkg in rec.requires:
+            version, answer = _metadata_version(pkg), check["packages"][pkg]
+            if version is None:
+                assert answer["absent"] and f"needs {pkg}: {rec.install}" in check["backends"][rec.name]["problems"]
+            else:
+                assert answer["ok"] and answer["version"] == version, (pkg, answer)
+    mpich = _metadata_version("mpich")
+    mpi = check["packages"]["mpi4py"]
+    assert mpi["library_version"].startswith(f"MPICH Version:      {mpich}\n") and mpi["library"].endswith(".so.12")
+    assert check["programs"]["mpiexec"]["path"] == str(BIN / "mpiexec")
+    assert f"Version:                                 {mpich}" in check["programs"]["mpiexec"]["output"]
+    assert check["machine"]["cpus"] == os.cpu_count() and check["machine"]["gpus"] == 0  # the CPU build of torch
+    ifaces = {i["name"]: i for i in check["network"]["interfaces"]}
+    assert set(ifaces) == set(os.listdir("/sys/class/net"))
+    ip = shutil.which("ip")
+    if ip:
+        shown = json.loads(subprocess.run([ip, "-j", "-4", "addr"], capture_output=True, text=True, check=True).stdout)
+        assert {a["ifname"]: a["addr_info"][0]["local"] for a in shown if a["addr_info"]} == \
+            {n: i["address"] for n, i in ifaces.items() if i["address"]}
+        routed = [n for n, i in ifaces.items() if i["route"]]
+        route = json.loads(subprocess.run([ip, "-j", "route", "get", "192.0.2.1"], capture_output=True, text=True
+                                          ).stdout or "[]")
+        assert routed == [r["dev"] for r in route if r["dev"] != "lo"], (routed, route)
 
 
 @pytest.mark.mpi

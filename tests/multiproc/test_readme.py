@@ -18,6 +18,8 @@ COMMANDS = [line.split("  #")[0].strip() for block in BLOCKS for line in block.s
 def _engine(cmd: str) -> str | None:
     """The engine the command's launcher (or UNIDIST_BACKEND) needs; script names and options do not count
     (``horovodrun ... examples/deepspeed_digits.py --deepspeed_config ...`` needs Horovod, not DeepSpeed)."""
+    if "info --check" in cmd:  # passes when the first launcher found (mpiexec, beside python) works
+        return "mpi4py"
     launcher = " ".join(t for t in cmd.split() if not t.startswith(("examples/", "--")))
     for word, engine in (("deepspeed", "deepspeed"), ("horovod", "horovod"), ("mpiexec", "mpi4py")):
         if word in launcher:
@@ -46,6 +48,8 @@ def test_readme_command(cmd: str) -> None:
         key, _, value = tokens.pop(0).partition("=")
         env[key] = value
     tokens = [sys.executable if t == "python" else t for t in tokens]
+    tokens = [str(BIN / t.removeprefix(".venv/bin/")) if t.startswith(".venv/bin/") else t  # Quick start's venv
+              for t in tokens]
     proc = run(tokens, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.describe()
     count = re.search(r"(?:-n|-np|--nproc_per_node|--num_gpus|\.sh) (\d+)", cmd)
@@ -73,6 +77,8 @@ def test_readme_command(cmd: str) -> None:
         assert int(m.group(2)) == n
         assert float(m.group(3)) >= 0.9, m.group(0)  # 3 epochs; the full 20-epoch run gives 0.98
         assert float(m.group(4)) == 0.0, m.group(0)  # a broken gradient sync leaves the ranks' models apart
+    elif "info --check" in cmd:  # the environment's first launcher (mpiexec beside python) and its engine work
+        assert re.search(r"^verdict: mpi works here \(exit 0\)$", proc.stdout, flags=re.M), proc.describe()
     else:
         assert "init() would pick: local" in proc.stdout
 

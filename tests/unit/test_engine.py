@@ -50,9 +50,9 @@ def test_watch_wraps_the_engine_once_and_its_sub_engines() -> None:
     inner = _Pair()
     engine = watchdog.watch(inner)
     t = torch.ones(2)
-    calls = watchdog._state.calls
+    calls = watchdog.calls()
     engine.allreduce(t, t, ReduceOp.SUM)
-    assert watchdog._state.calls == calls + 1
+    assert watchdog.calls() == calls + 1
     assert engine.rank == 0 and engine.size == 2 and engine.upcast_reduce is inner.upcast_reduce
     subs: Sequence[Engine | None] = engine.sub([[0, 1], [0]])
     assert type(subs[0]).__name__ == "_WatchedEngine" and isinstance(subs[1], SoloEngine)

@@ -28,13 +28,13 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-__all__ = ["PROBE_SECONDS", "Beacon", "Endpoint", "describe", "link_down", "probe"]
+__all__ = ["PROBE_SECONDS", "Answer", "Beacon", "Endpoint", "describe", "link_down", "probe"]
 
 PROBE_SECONDS = 1.0  # how long a probe waits for a far rank: a healthy host on a cluster network answers in ms
-_MAX_LINE = 4096
+_MAX_LINE = 16384  # a heartbeat line with its position (one count per group the rank is in)
 
 
 class Endpoint(NamedTuple):
@@ -187,16 +187,19 @@ def probe(targets: Sequence[Endpoint], tag: str, seconds: float = PROBE_SECONDS,
     return out
 
 
-def describe(far: Sequence[Endpoint], tag: str, host: str, address: str, serving: Beacon | None = None) -> list[str]:
-    """What the ranks of ``far`` answer, in the watchdog's words (``rank R <state> (why) on host H``), and, when
-    none answers and this host's own link has no carrier, that this host (``host``, at ``address``) is the one
-    cut off."""
-    answers = probe(far, tag, serving=serving)
+def describe(far: Sequence[Endpoint], tag: str, host: str, address: str, serving: Beacon | None = None,
+             answers: Mapping[int, Answer] | None = None) -> list[str]:
+    """What the ranks of ``far`` answer (``answers``, or a probe now), in the watchdog's words (``rank R <state>
+    (why) on host H``), and, when none answers and this host's own link has no carrier, that this host
+    (``host``, at ``address``) is the one cut off. A heartbeat line's position (after a tab) is left out."""
+    if answers is None:
+        answers = probe(far, tag, serving=serving)
     out = []
     for t in far:
         a = answers.get(t.rank, Answer("unreachable"))
         if a.kind == "alive":
-            out.append(f"rank {t.rank} is alive on host {t.host} " + (a.line.split(" ", 3)[3:] or ["?"])[0])
+            doing = (a.line.partition("\t")[0].split(" ", 3)[3:] or ["?"])[0]
+            out.append(f"rank {t.rank} is alive on host {t.host} {doing}")
         elif a.kind == "refused":
             out.append(f"rank {t.rank} has died (its process is gone: {a.detail}) on host {t.host}")
         elif a.kind == "silent":

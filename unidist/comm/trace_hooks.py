@@ -48,7 +48,7 @@ def recorder() -> Recorder | None:
     return _recorder
 
 
-def span(kind: str, **args: Any) -> ContextManager[None]:
+def span(kind: str, /, **args: Any) -> ContextManager[None]:
     """``with span("bucket launch", bucket=3, tensor=buf):`` records the block as one complete event on this
     rank's training stream: start, duration and ``args`` (a tensor is recorded as its bytes and dtype). When
     the timeline is off it returns a shared no-op context: one bool test."""
@@ -57,7 +57,7 @@ def span(kind: str, **args: Any) -> ContextManager[None]:
     return _recorder.span(kind, "train", args)
 
 
-def region(kind: str, **args: Any) -> ContextManager[None]:
+def region(kind: str, /, **args: Any) -> ContextManager[None]:
     """Like :func:`span`, on the communication stream: an engine's own exchange that unidist's engine calls do
     not see (DeepSpeed's and Horovod's gradient reduction), counted with the engine calls."""
     if not active or _recorder is None:
@@ -65,7 +65,7 @@ def region(kind: str, **args: Any) -> ContextManager[None]:
     return _recorder.span(kind, "comm", args)
 
 
-def mark(kind: str, **args: Any) -> None:
+def mark(kind: str, /, **args: Any) -> None:
     """An instant event on this rank: ``mark("stall", call="allreduce", waited=31.2)``. The stall inspector and
     the watchdog mark what they saw before they end a job; a test marks where its counted section begins and
     ends. Nothing happens when the timeline is off."""

@@ -1,93 +1,69 @@
-"""The per-process watchdog: no wait inside unidist lasts longer than ``UNIDIST_TIMEOUT``.
+"""The per-process watchdog: no wait inside unidist lasts longer than ``UNIDIST_TIMEOUT``, and one that lasts
+longer than ``UNIDIST_STALL_WARNING`` is explained.
 
 Engines block inside C with the GIL released (``MPI_Allreduce``, gloo, Horovod's wait, DeepSpeed's bucket
 exchange), where no Python timeout can reach them, and a rank that is stopped or spinning elsewhere leaves
-its peers there for good. So every place unidist waits on peers is a *watched region*: the primitives of
-every engine of 2+ ranks (:func:`watch` wraps the world's engine once, and its sub-engines are wrapped as it
-makes them), the waits of async handles, and
-the engine calls that exchange gradients inside DeepSpeed and Horovod (:func:`watching`). Entering and
-leaving one costs two attribute writes and a clock read (~0.2 us), so it is always on.
+its peers there for good. So every place unidist waits on peers is a watched region (watched.py), and a
+daemon thread samples what the main thread waits in a few times per timeout. It re-arms Python's GIL-free
+``faulthandler`` timer as a backstop for a main thread stuck in C while holding the GIL (it then dumps every
+thread's stack and exits 1; this takes over ``faulthandler.dump_traceback_later`` while a Manager runs), and
+leaves a heartbeat (time, what it does, and after a tab its position: watched.position) in a file of the job's
+directory on this host; on a job of several hosts it also serves that line on the liveness channel
+(liveness.py).
 
-A daemon thread wakes a few times per timeout, re-arms Python's GIL-free ``faulthandler`` timer as a backstop
-for a main thread stuck in C while holding the GIL (it then dumps every thread's stack and exits 1; this takes
-over ``faulthandler.dump_traceback_later`` while a Manager runs), and leaves a heartbeat (time, call number,
-current call) in a file of the job's directory on this host. When the main thread has been inside one region
-longer than the timeout, it prints which call on which rank (call number, call, shapes), what every rank on
-this host was last seen doing (a stale heartbeat is a stopped or dead rank; a rank that left is named) and
-ends the job: with the engine's ``abort`` where it has one (MPI_Abort: mpiexec takes every rank down), then
-``os._exit``, so torchrun, the deepspeed launcher and horovodrun see a failed worker and stop the others. When
-a watched call raises instead (gloo's "Connection reset by peer" after a peer was killed), it names the ranks on
-this host whose process is gone, which the engine's error does not (the deepspeed launcher may report the
-error of the rank that saw the reset, exit code 1, rather than the killed one's -9). The ranks of other hosts,
-whose heartbeat files are not visible here, are asked over the liveness channel (liveness.py). Call
-numbers count the watched engine calls, which every rank makes in the same order: the rank with the lower
-number is the one behind.
+A wait longer than ``UNIDIST_STALL_WARNING`` (60 s; 0: off) is compared with where every rank it needs is
+(stall.py): a desync, seen twice a period apart, prints ``unidist.errors.CollectiveMismatchError`` naming each
+rank's call and ends the job at once (the main thread is blocked inside the engine, where no exception can
+reach it); a straggler, a blocked rank, a gone rank or a slow engine is a warning, repeated when its kind
+changes and every ``UNIDIST_STALL_WARNING`` seconds. A wait longer than ``UNIDIST_TIMEOUT`` prints which call
+on which rank and what every rank was last seen doing, and ends the job: with the engine's ``abort`` where it
+has one (MPI_Abort: mpiexec takes every rank down), then ``os._exit``, so torchrun, the deepspeed launcher and
+horovodrun see a failed worker and stop the others. When a watched call raises instead (gloo's "Connection
+reset by peer" after a peer was killed), it names the ranks whose process is gone, which the engine's error
+does not.
 """
 
 from __future__ import annotations
 
 import datetime
-import enum
 import faulthandler
-import functools
+import json
 import os
 import socket
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
-import torch
+from unidist.comm import liveness, processes, stall, trace_hooks, watched
+from unidist.comm.watched import calls, describe_args, watch, watching
 
-from unidist.comm import liveness, processes, trace_hooks
-from unidist.comm.engine import Engine
-from unidist.errors import UnidistError
-
-__all__ = ["LEAVING", "TIMEOUT_EXIT_CODE", "describe_args", "engine_timeout", "start", "stop", "watch", "watching"]
+__all__ = ["DESYNC_EXIT_CODE", "LEAVING", "TIMEOUT_EXIT_CODE", "calls", "describe_args", "engine_timeout", "start",
+           "stop", "watch", "watching"]
 
 TIMEOUT_EXIT_CODE = 124  # what GNU timeout uses: "the command timed out"
+DESYNC_EXIT_CODE = 1  # a desync is the program's error, as an exception would be
 BACKSTOP_GRACE = 10.0  # seconds past the timeout before the GIL-free backstop ends a process (see _Dog.run):
 # 2 s fired once in a healthy rank whose watchdog thread was starved while it imported torch._dynamo under load
 ENGINE_GRACE = 10.0  # seconds the engines wait beyond UNIDIST_TIMEOUT: see engine_timeout
 LEAVING = "shutdown barrier (this rank is leaving its `with` block while a peer is still in a collective or stuck)"
-
-# the engine primitives of comm/engine.py: every wait on peers goes through one of them
-PRIMITIVES = ("barrier", "broadcast", "allreduce", "allgather", "alltoall", "send", "recv", "gather", "scatter",
-              "reduce_scatter", "check_exchange", "grouped_allreduce")
-ASYNC_PRIMITIVES = ("allreduce_async", "reduce_scatter_async", "broadcast_async", "allgather_async")
-
-
-class _State:
-    """What the main thread is waiting in; written by the main thread, read by the watchdog."""
-
-    __slots__ = ("args", "calls", "depth", "since", "what")
-
-    def __init__(self) -> None:
-        self.since = 0.0  # monotonic time the outermost watched region began; 0.0 when none
-        self.depth = 0
-        self.calls = 0  # watched calls so far: the same sequence on every rank
-        self.what = ""
-        self.args: tuple[Any, ...] = ()
-
-
-_state = _State()
 _clock = time.monotonic
 
 
 class _Dog:
     def __init__(self, timeout: float, rank: int, size: int, job: str, abort: Callable[[int], None],
-                 address: str | None = None) -> None:
+                 address: str | None = None, stall_warning: float = 0.0) -> None:
         self.timeout, self.rank, self.size, self.abort = timeout, rank, size, abort
+        self.stall = stall_warning
         # several hosts: the liveness channel, bound to this host's cluster address; far: the other hosts' ranks
         self.beacon: liveness.Beacon | None = None
         if address:
             with processes.quiet():  # diagnostics: an address that cannot be bound must not stop training
                 self.beacon = liveness.Beacon(address, liveness.job_tag(job))
         self.far: list[liveness.Endpoint] = []
-        self.period = min(1.0, timeout / 8)
+        self.period = min(1.0, timeout / 8, stall_warning / 2 if stall_warning else 1.0)
         self.dir = os.path.join(_HEARTBEATS, f"unidist-{job}")
         try:
             self.me = processes.identity(os.getpid())
@@ -96,19 +72,29 @@ class _Dog:
         self.host = socket.gethostname().split(".")[0] or "?"
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.run, name="unidist-watchdog", daemon=True)
+        # the wait being timed: its token (watched.py) and when a sample first found it
+        self.token, self.found = 0, 0.0
+        self.said, self.said_at, self.desync = "", 0.0, False  # the inspector's last warning, and a desync seen
 
     def run(self) -> None:
         with processes.quiet():
             os.makedirs(self.dir, mode=0o700, exist_ok=True)  # the name is random per job
+        st = watched._state
         while True:
             # the backstop: if this thread cannot run (the main thread holds the GIL inside a blocked C call,
             # as Horovod's enqueue does while its background thread waits for a stopped peer), Python's C-level
             # faulthandler timer, re-armed here, dumps every thread's stack and exits 1
             faulthandler.dump_traceback_later(self.timeout + BACKSTOP_GRACE, exit=True)
-            since, calls, what, args = _state.since, _state.calls, _state.what, _state.args
-            self.beat(f"at call #{calls} " + (f"waiting in {what}{describe_args(args)}" if since else "computing"))
-            if since and _clock() - since > self.timeout and _state.since == since:
-                self.fire(calls, what, args, _clock() - since)
+            token, calls, what, args = st.token, st.calls, st.what, st.args
+            now = _clock()
+            if token != self.token:  # a new wait, or none: timed from now, to within one period
+                self.token, self.found, self.said, self.desync = token, now, "", False
+            self.beat(f"at call #{calls} " + (f"waiting in {what}{describe_args(args)}" if token else "computing"))
+            waited = now - self.found
+            if token and waited > self.timeout and st.token == token:
+                self.fire(calls, what, args, waited)
+                return
+            if token and self.stall and waited > self.stall and st.token == token and self.inspect(waited):
                 return
             if self.beacon is not None:
                 if self.beacon.serve(self.period) or self.stopped.is_set():
@@ -117,9 +103,11 @@ class _Dog:
                 return
 
     def beat(self, doing: str) -> None:
-        """This rank's heartbeat: wall time and what it is doing, replaced atomically."""
+        """This rank's heartbeat: wall time, what it is doing and its position, replaced atomically."""
         path = os.path.join(self.dir, str(self.rank))
         line = f"{time.time():.3f} {self.me} {self.host} {doing}"
+        if self.stall:
+            line += "\t" + json.dumps(watched.position(), separators=(",", ":"))
         if self.beacon is not None:
             self.beacon.line = line
         with processes.quiet():
@@ -134,38 +122,96 @@ class _Dog:
         return liveness.Endpoint(self.rank, self.host, processes.machine(), self.beacon.sock.getsockname()[0],
                                  self.beacon.port)
 
-    def peers(self) -> tuple[list[str], list[str]]:
-        """What each other rank on this host was last seen doing, and the pids of those not responding."""
-        out, stuck, now = [], [], time.time()
+    def survey(self) -> tuple[list[stall.Seen], list[str], list[str]]:
+        """Every other rank as seen now: from its heartbeat file on this host, over the liveness channel on
+        other hosts. Also the watchdog's line about each, and the identities of local ranks not responding."""
+        seen, out, stuck, now = [], [], [], time.time()
         for r in range(self.size):
             if r == self.rank:
                 continue
             try:
                 with open(os.path.join(self.dir, str(r))) as f:
-                    stamp, pid, host, doing = f.read().split(" ", 3)
+                    text, _, where = f.read().partition("\t")
+                stamp, pid, host, doing = text.split(" ", 3)
                 age = now - float(stamp)
             except (OSError, ValueError):
                 continue  # on another host, or never started its watchdog
             if not processes.alive(pid):
-                out.append(f"rank {r} has died (its process ended without leaving unidist) on host {host}: last "
-                           f"seen {doing}")
+                line = (f"rank {r} has died (its process ended without leaving unidist) on host {host}: last seen "
+                        f"{doing}")
+                seen.append(stall.Seen(r, host, "dead", why=line))
             elif age > 3 * self.period + 1:
-                out.append(f"rank {r} is not responding (stopped, hung in C or dead) on host {host}: last "
-                           f"heartbeat {age:.1f} s ago, {doing}")
+                line = (f"rank {r} is not responding (stopped, hung in C or dead) on host {host}: last heartbeat "
+                        f"{age:.1f} s ago, {doing}")
+                seen.append(stall.Seen(r, host, "stopped", why=line))
                 stuck.append(pid)
             else:
-                out.append(f"rank {r} is alive {doing}")
-        return out + self.far_peers(), stuck
+                line = f"rank {r} is alive {doing}"
+                seen.append(stall.Seen(r, host, position=_position(where)))
+            out.append(line)
+        if self.far:
+            far_seen, far_lines = self.far_survey()
+            seen += far_seen
+            out += far_lines
+        return seen, out, stuck
 
-    def far_peers(self) -> list[str]:
+    def far_survey(self) -> tuple[list[stall.Seen], list[str]]:
         """What the ranks of other hosts answer over the liveness channel (see liveness.py), and whether this
         host is the one cut off. The watchdog thread keeps answering its own peers while it asks."""
-        if not self.far:
-            return []
         own = threading.current_thread() is self.thread
-        return liveness.describe(self.far, self.beacon.tag if self.beacon else "", self.host,
-                                 self.beacon.sock.getsockname()[0] if self.beacon else "",
-                                 serving=self.beacon if own else None)
+        tag = self.beacon.tag if self.beacon else ""
+        answers = liveness.probe(self.far, tag, serving=self.beacon if own else None)
+        lines = liveness.describe(self.far, tag, self.host, self.beacon.sock.getsockname()[0] if self.beacon else "",
+                                  answers=answers)
+        states = {"alive": "alive", "refused": "dead", "silent": "stopped", "unreachable": "unreachable"}
+        seen = []
+        for t in self.far:
+            a = answers.get(t.rank, liveness.Answer("unreachable"))
+            why = next((x for x in lines if x.startswith(f"rank {t.rank} ")), "")
+            seen.append(stall.Seen(t.rank, t.host, states[a.kind], _position(a.line.partition("\t")[2]), why))
+        return seen, lines
+
+    def peers(self) -> tuple[list[str], list[str]]:
+        """What each other rank was last seen doing, and the identities of local ranks not responding."""
+        _, out, stuck = self.survey()
+        return out, stuck
+
+    def far_peers(self) -> list[str]:
+        """The far ranks' part of :meth:`peers`."""
+        return self.far_survey()[1] if self.far else []
+
+    def inspect(self, waited: float) -> bool:
+        """A wait past UNIDIST_STALL_WARNING: say why (stall.py). True when a desync ended the job."""
+        seen, _, _ = self.survey()
+        verdict = stall.classify(self.rank, self.size, watched.position(), seen)
+        if verdict.kind == "desync":
+            if self.desync:  # the second sample in a row: not a torn read of a rank between two calls
+                self.end_desync(verdict)
+                return True
+            self.desync = True
+            return False
+        self.desync = False
+        now = _clock()
+        if verdict.kind != self.said or now - self.said_at >= self.stall:
+            self.said, self.said_at = verdict.kind, now
+            trace_hooks.mark("stall", kind=verdict.kind, waited=round(waited, 3), verdict=verdict.text())
+            print(f"unidist: rank {self.rank} of {self.size}: stalled for {waited:.0f} s "
+                  f"(UNIDIST_STALL_WARNING={self.stall:g}): {stall.headline(verdict.kind)}. {verdict.text()}. "
+                  f"UNIDIST_TIMEOUT={self.timeout:g} ends the job.", file=sys.stderr, flush=True)
+        return False
+
+    def end_desync(self, verdict: stall.Verdict) -> None:
+        """Ranks in different calls can never finish the job: say which call each is in and end it now."""
+        print(f"unidist: rank {self.rank} of {self.size}: unidist.errors.CollectiveMismatchError: "
+              f"{stall.headline('desync')}: {verdict.text()}. Ending the job; run with UNIDIST_CHECK_COLLECTIVES=1 "
+              "to stop at the first call that differs, with a traceback.", file=sys.stderr, flush=True)
+        with processes.quiet():  # the timeline (UNIDIST_TIMELINE) keeps this rank's part
+            trace_hooks.mark("stall", kind="desync", verdict=verdict.text())
+            trace_hooks.flush()
+        if self.beacon is not None:
+            self.beacon.line = f"{time.time():.3f} {self.me} {self.host} ending the job: ranks are in different calls"
+        pause = self.beacon.serve if self.beacon is not None else time.sleep
+        processes.end_job(self.abort, DESYNC_EXIT_CODE, pause)
 
     def fire(self, calls: int, what: str, args: tuple[Any, ...], waited: float) -> None:
         peers, stuck = self.peers()
@@ -187,8 +233,8 @@ class _Dog:
 
     def failed(self, calls: int, what: str, args: tuple[Any, ...], exc: BaseException) -> None:
         """A watched call raised. When a peer was killed, the engine's error names no rank (gloo: "Connection
-        reset by peer", MPI: a lost connection), so say which rank on this host died or stopped responding.
-        The peer's process may still be exiting when its closed socket reaches us: look a few times."""
+        reset by peer", MPI: a lost connection), so say which rank died or stopped responding. The peer's
+        process may still be exiting when its closed socket reaches us: look a few times."""
         for attempt in range(FAILED_LOOKS):
             peers = [p for p in self.peers()[0] if " is alive " not in p]
             if peers:
@@ -211,6 +257,15 @@ class _Dog:
             os.rmdir(self.dir)  # the last rank out removes the directory
 
 
+def _position(text: str) -> dict[str, Any] | None:
+    """A heartbeat's position (watched.position, as JSON), or None when it has none or is cut short."""
+    try:
+        got = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) else None
+
+
 _HEARTBEATS = tempfile.gettempdir()
 
 
@@ -224,30 +279,34 @@ def engine_timeout(timeout: float) -> datetime.timedelta:
 
 
 def start(timeout: float, rank: int, size: int, job: str, abort: Callable[[int], None], *,
-          address: str | None = None, exchange: Callable[[Any], list[Any]] | None = None) -> None:
+          address: str | None = None, exchange: Callable[[Any], list[Any]] | None = None,
+          stall_warning: float = 0.0) -> None:
     """Start this process's watchdog (one per process; a second start replaces the first). ``job`` is the
     same string on every rank of the job and differs between jobs: it names the heartbeat directory;
     ``abort`` is the engine's (``Engine.abort``), called before this process exits on a timeout.
 
     A job of several hosts also passes ``address``, this host's cluster address, where the watchdog answers
     probes from the other hosts, and ``exchange``, an allgather of one object per rank (every rank calls
-    ``start`` together then), by which the ranks learn where the others answer."""
+    ``start`` together then), by which the ranks learn where the others answer. ``stall_warning``:
+    UNIDIST_STALL_WARNING, the seconds of a wait before the inspector explains it (0: off)."""
     global _dog
     stop()
-    _state.since, _state.depth, _state.calls = 0.0, 0, 0
-    _dog = _Dog(timeout, rank, size, job, abort, address)
+    watched.reset(size)
+    _dog = _Dog(timeout, rank, size, job, abort, address, stall_warning)
+    watched.failure_hook = _dog.failed
     _dog.thread.start()
     if exchange is not None:
         table = exchange(_dog.endpoint())  # a watched call: a rank that never arrives is caught as any other
         here = processes.machine()
         _dog.far = [liveness.Endpoint(*e) for e in table if e is not None and e[2] != here]
-        _state.calls = 0
+        watched.reset(size)  # every rank made the exchange: count from here, as a job of one host does
 
 
 def stop() -> None:
     """Stop the watchdog and remove this rank's heartbeat (at shutdown)."""
     global _dog
     if _dog is not None:
+        watched.failure_hook = None
         _dog.leave()
         _dog = None
 
@@ -256,122 +315,3 @@ def stop() -> None:
 FAILED_LOOKS = 5
 
 
-def calls() -> int:
-    """Watched engine calls this process has made so far (every collective and point-to-point primitive of
-    unidist's engines, and the engine regions DeepSpeed and Horovod exchange gradients in): a test or a
-    benchmark reads the difference to count communication."""
-    return _state.calls
-
-
-@contextmanager
-def watching(what: str, *args: Any) -> Iterator[None]:
-    """A watched region around an engine call that waits on peers (a gradient exchange, an engine's start)."""
-    st = _state
-    st.calls += 1
-    outer = st.depth == 0
-    if outer:
-        st.what, st.args, st.since = what, args, _clock()
-    st.depth += 1
-    try:
-        yield
-    except Exception as exc:
-        if outer:
-            _explain(exc)
-        raise
-    finally:
-        st.depth -= 1
-        if outer:
-            st.since, st.args = 0.0, ()
-
-
-def _explain(exc: Exception) -> None:
-    """An engine error left the outermost watched region: name the peers that died, unless unidist raised it
-    on purpose (a typed error: bad input, a detected mismatch), which says what it needs to."""
-    if _dog is not None and not isinstance(exc, UnidistError):
-        _dog.failed(_state.calls, _state.what, _state.args, exc)
-
-
-def _watched(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
-    st = _state
-
-    @functools.wraps(fn)
-    def call(*args: Any) -> Any:
-        st.calls += 1
-        if st.depth:
-            return fn(*args)
-        st.what, st.args, st.since = what, args, _clock()
-        st.depth = 1
-        try:
-            return fn(*args)
-        except Exception as exc:
-            _explain(exc)
-            raise
-        finally:
-            st.depth, st.since, st.args = 0, 0.0, ()
-    return call
-
-
-class _WatchedWork:
-    __slots__ = ("_args", "_what", "_work")
-
-    def __init__(self, work: Any, what: str, args: tuple[Any, ...]) -> None:
-        self._work, self._what, self._args = work, what, args
-
-    def wait(self) -> None:
-        with watching(self._what, *self._args):
-            self._work.wait()
-
-    def test(self) -> bool:
-        return bool(self._work.test())
-
-
-def _watched_async(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
-    # the start is watched too: an engine without a native async call runs the blocking primitive right here
-    # (Engine's derived defaults), so a peer that never arrives must be caught in the start as in the wait
-    start, waiting = _watched(fn, what), what + " wait"
-
-    @functools.wraps(fn)
-    def call(*args: Any) -> Any:
-        return _WatchedWork(start(*args), waiting, args)
-    return call
-
-
-class _WatchedEngine:
-    """An engine whose every wait on peers is a watched region; everything else is the engine's own. Its
-    sub-engines (groups) are watched alike, their calls named ``group <call>``."""
-
-    def __init__(self, engine: Any, where: str) -> None:
-        self._inner, self._where = engine, where
-        for name in PRIMITIVES:  # instance attributes: a call costs what the engine's own method does, plus ~0.1 us
-            setattr(self, name, _watched(getattr(engine, name), where + name))
-        for name in ASYNC_PRIMITIVES:
-            setattr(self, name, _watched_async(getattr(engine, name), where + name.removesuffix("_async")))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def sub(self, lists: Any) -> list[Any]:
-        return [e if e is None or e.size < 2 else _WatchedEngine(e, "group ") for e in self._inner.sub(lists)]
-
-
-def watch(engine: Engine) -> Engine:
-    """``engine`` (of 2+ ranks) with every primitive a watched region, and its sub-engines too: wrapped once,
-    when the Manager makes it."""
-    return cast("Engine", _WatchedEngine(engine, ""))
-
-
-def describe_args(args: tuple[Any, ...]) -> str:
-    """``(float32[4], op=sum)``: tensors by dtype and shape, small values as they are."""
-    parts = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            parts.append(f"{str(a.dtype).replace('torch.', '')}{list(a.shape)}")
-        elif isinstance(a, enum.Enum):  # a ReduceOp
-            parts.append(f"op={a.value}")
-        elif isinstance(a, (int, float, str)) or a is None:
-            parts.append(repr(a))
-        elif isinstance(a, (list, tuple)) and len(a) <= 8:
-            parts.append(repr(list(a)))
-        else:
-            parts.append(type(a).__name__)
-    return f"({', '.join(parts)})" if parts else ""

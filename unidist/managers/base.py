@@ -110,7 +110,7 @@ class Manager(Communicator):
             timeline.align(self)  # before the watchdog starts counting calls: the count is the same either way
             watchdog.start(self.config.timeout, self._rank, self._size, bytes(token.tolist()).hex(),
                            self._engine.abort, address=None if address.startswith("127.") else address,
-                           exchange=self.allgather_object)
+                           exchange=self.allgather_object, stall_warning=self.config.stall_warning)
         _log.info("%s started: rank %d of %d on %s", type(self).__name__, self._rank, self._size, self._device)
         return self
 

@@ -1,0 +1,281 @@
+"""Watched regions: what the main thread is waiting in, kept where the watchdog thread can read it.
+
+Every place unidist waits on peers is a *watched region*: the primitives of every engine of 2+ ranks
+(:func:`watch` wraps the world's engine once, and its sub-engines are wrapped as it makes them), the waits of
+async handles, and the engine calls that exchange gradients inside DeepSpeed and Horovod (:func:`watching`).
+The watchdog (watchdog.py) samples this state a few times a second; it ends a wait longer than
+``UNIDIST_TIMEOUT`` and, past ``UNIDIST_STALL_WARNING``, compares where every rank is (stall.py).
+
+For that comparison each engine (the world, each group) numbers the collectives entered on it: every member
+makes the same calls on it in the same order, so two ranks at the same number on the same engine are at the
+same place, and a rank whose number is lower is behind. Groups are numbered apart, so a rank outside a group
+does not shift the world's count. Point-to-point calls are not numbered (their order is per pair): they name
+their peer.
+
+The fast path is always on, so it stays small: entering a region increments two counters and stores the call
+(no clock read: the watchdog times a wait from the first sample that finds it, to within one period).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, cast
+
+import torch
+
+from unidist.comm.engine import Engine
+from unidist.errors import UnidistError
+
+__all__ = ["Seq", "calls", "describe_args", "failure_hook", "position", "watch", "watching"]
+
+# the engine primitives of comm/engine.py: every wait on peers goes through one of them
+PRIMITIVES = ("barrier", "broadcast", "allreduce", "allgather", "alltoall", "send", "recv", "gather", "scatter",
+              "reduce_scatter", "check_exchange", "grouped_allreduce")
+ASYNC_PRIMITIVES = ("allreduce_async", "reduce_scatter_async", "broadcast_async", "allgather_async")
+POINT_TO_POINT = ("send", "recv")
+# engine regions (DeepSpeed's and Horovod's own exchanges, an engine's start) are numbered on one sequence
+# of all ranks: every rank enters them in the same order, as it does the world's collectives
+REGIONS = "regions"
+
+
+class Seq:
+    """The collectives entered on one engine. ``key`` names the engine the same way on every member: ``world``,
+    or ``group 0,2#1`` (its members' world ranks, and how many groups of those very members were made before)."""
+
+    __slots__ = ("__weakref__", "key", "members", "n")
+
+    def __init__(self, key: str, members: Sequence[int]) -> None:
+        self.key, self.members, self.n = key, tuple(members), 0
+
+
+# every live sequence, for the heartbeat (a group's engine that is freed drops out)
+_seqs: weakref.WeakSet[Seq] = weakref.WeakSet()
+
+
+class _State:
+    """What the main thread is waiting in; written by the main thread, read by the watchdog thread."""
+
+    __slots__ = ("args", "calls", "depth", "n", "seq", "token", "what")
+
+    def __init__(self) -> None:
+        self.token = 0  # the call number the outermost watched region began at; 0 when none (not waiting)
+        self.depth = 0
+        self.calls = 0  # watched calls so far, on any engine
+        self.what = ""
+        self.args: tuple[Any, ...] = ()
+        self.seq: Seq | None = None  # the engine of the current call
+        self.n = 0  # its number there (0: a point-to-point call, not numbered)
+
+
+_state = _State()
+_regions = Seq(REGIONS, ())  # members: every rank (filled in by reset)
+# set by the watchdog: called when an engine error leaves the outermost region (names the peers that died)
+failure_hook: Callable[[int, str, tuple[Any, ...], BaseException], None] | None = None
+
+
+def reset(size: int) -> None:
+    """A new job (the watchdog's start): nothing entered yet, the world and the regions numbered from 0."""
+    st = _state
+    st.token, st.depth, st.calls, st.seq, st.n = 0, 0, 0, None, 0
+    _regions.members, _regions.n = tuple(range(size)), 0
+    _seqs.add(_regions)
+    for seq in list(_seqs):
+        seq.n = 0
+
+
+def calls() -> int:
+    """Watched engine calls this process has made so far (every collective and point-to-point primitive of
+    unidist's engines, and the engine regions DeepSpeed and Horovod exchange gradients in): a test or a
+    benchmark reads the difference to count communication."""
+    return _state.calls
+
+
+def position() -> dict[str, Any]:
+    """Where this rank is, for its heartbeat: the collectives entered on each engine, and the call it waits in
+    (engine key, number, kind, arguments as text; ``peer`` for point-to-point) or None while computing. Read by
+    the watchdog thread while the main thread runs: a torn read is possible and is why a desync must be seen
+    twice before it ends the job (stall.py)."""
+    st = _state
+    token, seq, n, what, args = st.token, st.seq, st.n, st.what, st.args
+    counts = {s.key: s.n for s in list(_seqs) if s.n}
+    call: dict[str, Any] | None = None
+    if token:
+        call = {"kind": what, "args": describe_args(args), "sig": signature(what, args)}
+        if seq is not None and n:
+            call["on"], call["n"] = seq.key, n
+        elif seq is not None and len(args) >= 2 and isinstance(args[1], int) and 0 <= args[1] < len(seq.members):
+            call["peer"] = seq.members[args[1]]  # the peer's world rank
+    return {"seqs": counts, "call": call}
+
+
+def signature(what: str, args: tuple[Any, ...]) -> str:
+    """What must agree between ranks in the same collective: its kind, the dtype, the op and root, and the size
+    where every rank passes the same one."""
+    kind = what.removeprefix("group ").removesuffix(" wait")
+    parts = [kind]
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            if i == 0:
+                parts.append(str(a.dtype).replace("torch.", ""))
+                if kind in ("allreduce", "broadcast"):
+                    parts.append(str(a.numel()))
+        elif isinstance(a, enum.Enum):
+            parts.append(f"op={a.value}")
+        elif isinstance(a, int) and kind == "broadcast":
+            parts.append(f"root={a}")
+    return " ".join(parts)
+
+
+@contextmanager
+def watching(what: str, *args: Any) -> Iterator[None]:
+    """A watched region around an engine call that waits on peers (a gradient exchange, an engine's start),
+    numbered on the engine regions' sequence."""
+    _regions.n += 1
+    with _region(what, args, _regions, _regions.n):
+        yield
+
+
+@contextmanager
+def _region(what: str, args: tuple[Any, ...], seq: Seq | None, n: int) -> Iterator[None]:
+    st = _state
+    st.calls += 1
+    outer = st.depth == 0
+    if outer:
+        st.what, st.args, st.seq, st.n, st.token = what, args, seq, n, st.calls
+    st.depth += 1
+    try:
+        yield
+    except Exception as exc:
+        if outer:
+            _explain(exc)
+        raise
+    finally:
+        st.depth -= 1
+        if outer:
+            st.token, st.args = 0, ()
+
+
+def _explain(exc: Exception) -> None:
+    """An engine error left the outermost watched region: name the peers that died, unless unidist raised it
+    on purpose (a typed error: bad input, a detected mismatch), which says what it needs to."""
+    if failure_hook is not None and not isinstance(exc, UnidistError):
+        failure_hook(_state.calls, _state.what, _state.args, exc)
+
+
+def _watched(fn: Callable[..., Any], what: str, seq: Seq, numbered: bool = True) -> Callable[..., Any]:
+    st = _state
+    if not numbered:  # point-to-point: its order is per pair
+        @functools.wraps(fn)
+        def p2p(*args: Any) -> Any:
+            st.calls += 1
+            if st.depth:
+                return fn(*args)
+            st.what, st.args, st.seq, st.n, st.token = what, args, seq, 0, st.calls
+            st.depth = 1
+            try:
+                return fn(*args)
+            except Exception as exc:
+                _explain(exc)
+                raise
+            finally:
+                st.depth, st.token, st.args = 0, 0, ()
+        return p2p
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        st.calls += 1
+        seq.n += 1
+        if st.depth:
+            return fn(*args)
+        st.what, st.args, st.seq, st.n, st.token = what, args, seq, seq.n, st.calls
+        st.depth = 1
+        try:
+            return fn(*args)
+        except Exception as exc:
+            _explain(exc)
+            raise
+        finally:
+            st.depth, st.token, st.args = 0, 0, ()
+    return call
+
+
+class _WatchedWork:
+    __slots__ = ("_args", "_n", "_seq", "_what", "_work")
+
+    def __init__(self, work: Any, what: str, args: tuple[Any, ...], seq: Seq, n: int) -> None:
+        self._work, self._what, self._args, self._seq, self._n = work, what, args, seq, n
+
+    def wait(self) -> None:
+        with _region(self._what, self._args, self._seq, self._n):  # the wait is the call it started
+            self._work.wait()
+
+    def test(self) -> bool:
+        return bool(self._work.test())
+
+
+def _watched_async(fn: Callable[..., Any], what: str, seq: Seq) -> Callable[..., Any]:
+    # the start is watched too: an engine without a native async call runs the blocking primitive right here
+    # (Engine's derived defaults), so a peer that never arrives must be caught in the start as in the wait
+    start, waiting = _watched(fn, what, seq), what + " wait"
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        work = start(*args)
+        return _WatchedWork(work, waiting, args, seq, seq.n)
+    return call
+
+
+class _WatchedEngine:
+    """An engine whose every wait on peers is a watched region; everything else is the engine's own. Its
+    sub-engines (groups) are watched alike, their calls named ``group <call>`` and numbered apart."""
+
+    def __init__(self, engine: Any, where: str, seq: Seq) -> None:
+        self._inner, self._where, self._seq = engine, where, seq
+        self._made: dict[tuple[int, ...], int] = {}  # groups of these members made so far (their keys' #k)
+        _seqs.add(seq)
+        for name in PRIMITIVES:  # instance attributes: a call costs what the engine's own method does, plus ~0.1 us
+            setattr(self, name, _watched(getattr(engine, name), where + name, seq, name not in POINT_TO_POINT))
+        for name in ASYNC_PRIMITIVES:
+            setattr(self, name, _watched_async(getattr(engine, name), where + name.removesuffix("_async"), seq))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def sub(self, lists: Any) -> list[Any]:
+        out = []
+        for members, e in zip(lists, self._inner.sub(lists), strict=True):
+            world = tuple(self._seq.members[r] for r in members)
+            k = self._made[world] = self._made.get(world, -1) + 1  # counted where this rank is no member too
+            if e is None or e.size < 2:
+                out.append(e)
+            else:
+                key = f"group {','.join(map(str, world))}#{k}"
+                out.append(_WatchedEngine(e, "group ", Seq(key, world)))
+        return out
+
+
+def watch(engine: Engine) -> Engine:
+    """``engine`` (of 2+ ranks) with every primitive a watched region, and its sub-engines too: wrapped once,
+    when the Manager makes it."""
+    return cast("Engine", _WatchedEngine(engine, "", Seq("world", range(engine.size))))
+
+
+def describe_args(args: tuple[Any, ...]) -> str:
+    """``(float32[4], op=sum)``: tensors by dtype and shape, small values as they are."""
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append(f"{str(a.dtype).replace('torch.', '')}{list(a.shape)}")
+        elif isinstance(a, enum.Enum):  # a ReduceOp
+            parts.append(f"op={a.value}")
+        elif isinstance(a, (int, float, str)) or a is None:
+            parts.append(repr(a))
+        elif isinstance(a, (list, tuple)) and len(a) <= 8:
+            parts.append(repr(list(a)))
+        else:
+            parts.append(type(a).__name__)
+    return f"({', '.join(parts)})" if parts else ""
