@@ -7,6 +7,7 @@ The launcher's output is read as it comes, each line stamped with the time it ar
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -32,7 +33,8 @@ def test_stalls_are_explained(name: str, tmp_path: Path) -> None:
     require(*launch.engines)
     out = tmp_path / "out"
     out.mkdir()
-    env = clean_env({**launch.env, "UNIDIST_STALL_WARNING": str(WARNING)})
+    # the timeline on this very launch: the watchdog marks each stall and keeps the part of a rank it ends
+    env = clean_env({**launch.env, "UNIDIST_STALL_WARNING": str(WARNING), "UNIDIST_TIMELINE": str(out / "trace.json")})
     proc = subprocess.Popen(launch.command(str(WORKERS / "stalls.py"), "--out", str(out)), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[tuple[float, str]] = []
@@ -59,3 +61,8 @@ def test_stalls_are_explained(name: str, tmp_path: Path) -> None:
         assert said, f"{name}: the {stall} stall was not named ({words!r})\n{text[-4000:]}"
         assert said[0] - began <= WARNING + 5, f"{name}: {stall} named after {said[0] - began:.1f} s\n{text[-4000:]}"
         print(f"{name}: {stall} named after {said[0] - began:.1f} s")
+    part = out / "trace.json.rank0.json"  # rank 0 ended the job on the desync: its part was flushed first
+    assert part.exists(), f"{name}: rank 0's timeline part was not kept\n{text[-4000:]}"
+    marks = [e for e in json.loads(part.read_text())["traceEvents"] if e["name"] == "stall"]
+    kinds = {e["args"]["kind"] for e in marks}
+    assert "desync" in kinds and len(kinds) >= 2, f"{name}: stall marks {kinds}"
