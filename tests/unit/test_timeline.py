@@ -153,3 +153,11 @@ def test_mark_and_flush_keep_a_part(tmp_path: Path) -> None:
     assert [(e["name"], e["ph"], e["pid"]) for e in events] == [("bucket wait", "X", 1), ("stall", "i", 1)]
     assert events[0]["args"] == {"bytes": 16} and events[1]["args"] == {"call": "allreduce", "waited": 31.5}
     assert not trace_hooks.active
+
+
+def test_cli_merges_parts_a_failed_job_left(tmp_path: Path) -> None:
+    path = str(tmp_path / "t.json")
+    parts = [trace_files.write_part(_recorder(path, r, "A", 0, [1000 * r + 5000])) for r in (0, 1)]
+    assert cli(["timeline", "merge", str(tmp_path / "joined.json"), *parts]) == 0
+    events, meta = summary.load(tmp_path / "joined.json")
+    assert meta["ranks"] == [0, 1] and [(e["pid"], e["ts"]) for e in events] == [(0, 0.0), (1, 1.0)]
