@@ -203,3 +203,25 @@ def test_the_watchdog_ends_a_desync_and_warns_of_a_straggler(tmp_path: object, p
         assert ended == []
         assert "a rank this call needs has not arrived: it is still computing (a straggler)" in err
         assert "rank 1 on host h1 is computing, not yet at world #1 (at #0)" in err
+
+
+def test_a_rank_stopped_just_after_a_call_is_not_taken_for_one_that_never_left(
+        tmp_path: object, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its last heartbeat, written before this rank's wait began, still shows the call both ranks left: only a
+    heartbeat written during the wait says where a rank is. It is called stopped once the heartbeat is stale."""
+    monkeypatch.setattr(watchdog, "_HEARTBEATS", str(tmp_path))
+    ended: list[int] = []
+    monkeypatch.setattr(processes, "end_job", lambda abort, code, pause=None: ended.append(code))
+    engine = watched.watch(_Slow(3.0))
+    watchdog.start(60.0, 0, 2, "job", lambda code: None, stall_warning=0.6)
+    try:
+        # rank 1 was seen inside the world's first call, then stopped: this rank's wait is the world's second
+        engine.barrier()
+        _heartbeat(os.path.join(str(tmp_path), "unidist-job"), 1, _pos({"world": 1}, "world", 1, "barrier", "barrier"))
+        t = torch.ones(4)
+        engine.allreduce(t, t, ReduceOp.SUM)
+    finally:
+        watchdog.stop()
+    err = capfd.readouterr().err
+    assert ended == [] and "CollectiveMismatchError" not in err, err
+    assert "a rank this call needs is gone" in err and "rank 1 is not responding (stopped" in err, err

@@ -122,9 +122,13 @@ class _Dog:
         return liveness.Endpoint(self.rank, self.host, processes.machine(), self.beacon.sock.getsockname()[0],
                                  self.beacon.port)
 
-    def survey(self) -> tuple[list[stall.Seen], list[str], list[str]]:
+    def survey(self, since: float = 0.0) -> tuple[list[stall.Seen], list[str], list[str]]:
         """Every other rank as seen now: from its heartbeat file on this host, over the liveness channel on
-        other hosts. Also the watchdog's line about each, and the identities of local ranks not responding."""
+        other hosts. Also the watchdog's line about each, and the identities of local ranks not responding.
+
+        ``since`` (wall time): a position written before it is not used (None). A rank stopped just after it
+        left a call still shows that call until its heartbeat goes stale, and would look like a rank that
+        never left it: only a heartbeat written after this rank's wait began says where a rank is during it."""
         seen, out, stuck, now = [], [], [], time.time()
         for r in range(self.size):
             if r == self.rank:
@@ -147,15 +151,15 @@ class _Dog:
                 stuck.append(pid)
             else:
                 line = f"rank {r} is alive {doing}"
-                seen.append(stall.Seen(r, host, position=_position(where)))
+                seen.append(stall.Seen(r, host, position=_position(where) if float(stamp) >= since else None))
             out.append(line)
         if self.far:
-            far_seen, far_lines = self.far_survey()
+            far_seen, far_lines = self.far_survey(since)
             seen += far_seen
             out += far_lines
         return seen, out, stuck
 
-    def far_survey(self) -> tuple[list[stall.Seen], list[str]]:
+    def far_survey(self, since: float = 0.0) -> tuple[list[stall.Seen], list[str]]:
         """What the ranks of other hosts answer over the liveness channel (see liveness.py), and whether this
         host is the one cut off. The watchdog thread keeps answering its own peers while it asks."""
         own = threading.current_thread() is self.thread
@@ -168,7 +172,9 @@ class _Dog:
         for t in self.far:
             a = answers.get(t.rank, liveness.Answer("unreachable"))
             why = next((x for x in lines if x.startswith(f"rank {t.rank} ")), "")
-            seen.append(stall.Seen(t.rank, t.host, states[a.kind], _position(a.line.partition("\t")[2]), why))
+            text, _, where = a.line.partition("\t")
+            fresh = _stamp(text) >= since  # as for this host's heartbeats (see survey)
+            seen.append(stall.Seen(t.rank, t.host, states[a.kind], _position(where) if fresh else None, why))
         return seen, lines
 
     def peers(self) -> tuple[list[str], list[str]]:
@@ -182,8 +188,11 @@ class _Dog:
 
     def inspect(self, waited: float) -> bool:
         """A wait past UNIDIST_STALL_WARNING: say why (stall.py). True when a desync ended the job."""
-        seen, _, _ = self.survey()
+        began = time.time() - (_clock() - self.found)  # when a sample first found this wait, in wall time
+        seen, _, _ = self.survey(since=began)
         verdict = stall.classify(self.rank, self.size, watched.position(), seen)
+        if verdict.kind == "unknown":  # nothing seen since the wait began (a stopped rank not yet stale)
+            return False
         if verdict.kind == "desync":
             if self.desync:  # the second sample in a row: not a torn read of a rank between two calls
                 self.end_desync(verdict)
@@ -255,6 +264,14 @@ class _Dog:
         with processes.quiet():
             os.remove(os.path.join(self.dir, str(self.rank)))
             os.rmdir(self.dir)  # the last rank out removes the directory
+
+
+def _stamp(line: str) -> float:
+    """A heartbeat line's wall time (0.0 when it has none)."""
+    try:
+        return float(line.split(" ", 1)[0])
+    except ValueError:
+        return 0.0
 
 
 def _position(text: str) -> dict[str, Any] | None:
