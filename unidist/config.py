@@ -53,7 +53,9 @@ class Config:
     zero_stage: int = 0
     bucket_mb: float = 25.0
     compression: str = "none"
-    check_collectives: bool = False
+    # True: every collective compared across ranks (and send/recv handshake); None (default): one collective in K,
+    # K adaptive (comm/check.py); False: none. Point-to-point sizes are guarded in every mode (comm/mismatch.py).
+    check_collectives: bool | None = None
     log_level: str = "WARNING"
     device: str = "auto"
     deepspeed_config: str | None = None
@@ -148,6 +150,16 @@ def _flag(var: str, raw: str) -> bool:
     raise ConfigError(f"{var}={raw!r} is not valid; allowed: 1/0, true/false, yes/no, on/off")
 
 
+def _check_mode(var: str, raw: str) -> bool | None:
+    if raw.lower() in ("", "auto"):
+        return None
+    try:
+        return _flag(var, raw)
+    except ConfigError:
+        raise ConfigError(f"{var}={raw!r} is not valid; allowed: 1 (every call), auto (one call in K, the "
+                          "default), 0 (none)") from None
+
+
 def _backend(var: str, raw: str) -> str | None:
     return raw.lower() or None
 
@@ -169,7 +181,7 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "zero_stage": _number(int, "0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
     "bucket_mb": _number(float, "a positive number of MiB", lambda v: v > 0),
     "compression": _choice(COMPRESSIONS),
-    "check_collectives": _flag,
+    "check_collectives": _check_mode,
     "log_level": _choice(LOG_LEVELS, lower=False),
     "device": _device,
     "deepspeed_config": _path,

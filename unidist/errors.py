@@ -14,10 +14,13 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigError",
+    "EngineMismatchError",
     "HostsError",
     "InvalidArgumentError",
     "LaunchEnvironmentError",
+    "MessageMismatchError",
     "NotInitializedError",
+    "PeerLostError",
     "UnidistError",
 ]
 
@@ -53,6 +56,23 @@ class InvalidArgumentError(UnidistError, ValueError, TypeError):
 
 class CollectiveMismatchError(UnidistError, RuntimeError):
     """Ranks entered different collectives; the message says what each rank called."""
+
+
+class MessageMismatchError(CollectiveMismatchError):
+    """A ``send`` and its ``recv`` disagree on dtype or size (or an engine refused a message that did not fit):
+    raised by default on the receiver after the call (and, on MPI, on the sender at its next barrier or when it
+    leaves its ``with`` block); names the call, both sides' sizes, and points to ``UNIDIST_CHECK_COLLECTIVES=1``."""
+
+
+class EngineMismatchError(CollectiveMismatchError):
+    """An engine's own error that means the ranks disagree (MPI's message truncation, Horovod's "Mismatched
+    ..."), wrapped: names the call and suggests ``UNIDIST_CHECK_COLLECTIVES=1``; the engine's words follow."""
+
+
+class PeerLostError(UnidistError, ConnectionError, RuntimeError):
+    """A gloo peer closed its connection during a call ("Connection reset by peer"): it died, or it raised on a
+    mismatched call and left. Names the call and suggests ``UNIDIST_CHECK_COLLECTIVES=1``. A RuntimeError too, as
+    the engine's own error was."""
 
 
 class CollectiveTimeoutError(UnidistError, TimeoutError):

@@ -14,7 +14,7 @@ def test_defaults() -> None:
     cfg = Config.from_env({})
     assert cfg == Config()
     assert (cfg.backend, cfg.timeout, cfg.zero_stage, cfg.bucket_mb, cfg.compression) == (None, 1800.0, 0, 25.0, "none")
-    assert (cfg.check_collectives, cfg.log_level, cfg.device, cfg.deepspeed_config) == (False, "WARNING", "auto", None)
+    assert (cfg.check_collectives, cfg.log_level, cfg.device, cfg.deepspeed_config) == (None, "WARNING", "auto", None)
 
 
 def test_every_variable_parsed() -> None:
@@ -36,7 +36,7 @@ def test_every_variable_parsed() -> None:
     ("UNIDIST_ZERO_STAGE", "1.5", "0, 1, 2 or 3"),
     ("UNIDIST_BUCKET_MB", "0", "positive number of MiB"),
     ("UNIDIST_COMPRESSION", "int8", "none, fp16, bf16"),
-    ("UNIDIST_CHECK_COLLECTIVES", "maybe", "true/false"),
+    ("UNIDIST_CHECK_COLLECTIVES", "maybe", "auto (one call in K"),
     ("UNIDIST_LOG_LEVEL", "loud", "DEBUG, INFO"),
     ("UNIDIST_DEVICE", "tpu", "auto, cpu, cuda"),
     ("UNIDIST_BACKEND", "my backend", "registered backend"),

@@ -501,6 +501,66 @@ def plan(size: int) -> list[Case]:
                 assert got is buf
                 expect(buf, f64(data(name, prv, (n,), dtype, kind)), dtype, kind, name)
 
+    # --- mismatches caught without the check mode (comm/mismatch.py, managers/mpi_checks.py, check.py's one in K)
+    @add("default_guard[send_recv]")
+    def _(mgr: Any) -> None:
+        """Rank 0 sends what rank 1's buffer does not fit: shorter, longer, another dtype, and above the inline
+        frame size. Rank 1 raises after its recv; the sender raises at once in the check mode, at its next
+        barrier on MPI (the receiver's verdict), and not at all on gloo engines. A matching message after each
+        shows the channel stayed in step."""
+        if mgr.size == 1:
+            return
+        f32, f64_ = torch.float32, torch.float64
+        pairs = {"shorter": (torch.arange(4, dtype=f32), torch.full((8,), -1.0)),
+                 "longer": (torch.arange(8, dtype=f32), torch.full((4,), -1.0)),
+                 "dtype": (torch.arange(4, dtype=f64_), torch.full((4,), -1.0)),
+                 "big": (torch.arange(20000, dtype=f32), torch.full((30000,), -1.0))}
+        sender_told = mgr.checks_collectives or mgr.backend == "mpi"
+        for what, (sent, buf) in pairs.items():
+            caught: list[Exception] = []
+            try:
+                if mgr.rank == 0:
+                    mgr.send(sent, 1, tag=3)
+                elif mgr.rank == 1:
+                    mgr.recv(buf, 0, tag=3)
+            except unidist.MessageMismatchError as err:
+                caught.append(err)
+            try:
+                mgr.barrier()
+            except unidist.MessageMismatchError as err:
+                caught.append(err)
+            if mgr.rank == 1:
+                assert len(caught) == 1 and "recv from rank 0 (tag 3)" in str(caught[0]), f"{what}: {caught}"
+                assert mgr.checks_collectives or "UNIDIST_CHECK_COLLECTIVES=1" in str(caught[0]), caught
+            elif mgr.rank == 0:
+                assert len(caught) == (1 if sender_told else 0), f"{what}: sender got {caught}"
+                assert not caught or "rank 1 (tag 3)" in str(caught[0]), caught
+            ok = torch.arange(5, dtype=f32) + mgr.rank
+            if mgr.rank == 0:
+                mgr.send(ok, 1, tag=3)
+            elif mgr.rank == 1:
+                got = mgr.recv(torch.zeros(5), 0, tag=3)
+                assert torch.equal(got, torch.arange(5, dtype=f32)), f"{what}: the next message read {got}"
+
+    @add("default_guard[allreduce_op]")
+    def _(mgr: Any) -> None:
+        """sum on rank 0, max on the others: the same sizes, so the data call itself goes through; the one-in-K
+        check (every call in the check mode) raises on every rank within K_MAX calls, all at the same call."""
+        from unidist.comm.check import K_MAX
+
+        x = torch.ones(4)
+        for i in range(K_MAX + 1):
+            try:
+                mgr.allreduce_(x, "sum" if mgr.rank == 0 else "max")
+            except unidist.CollectiveMismatchError as err:
+                assert "op=sum" in str(err) and "op=max" in str(err), str(err)
+                assert not mgr.checks_collectives or i == 0, f"the check mode found it at call {i}"
+                break
+        else:
+            raise AssertionError(f"{K_MAX + 1} mismatched allreduces and no CollectiveMismatchError")
+        done = mgr.allgather_object(i)  # every rank stopped at the same call
+        assert len(set(done)) == 1, done
+
     # --- Python objects, barrier, argument errors
     @add("broadcast_object")
     def _(mgr: Any) -> None:

@@ -16,13 +16,15 @@ from typing import Any
 import torch
 
 from unidist.comm.dtypes import DTYPE_ID, SUPPORTED_DTYPES
-from unidist.errors import CollectiveMismatchError, InvalidArgumentError
+from unidist.errors import CollectiveMismatchError, InvalidArgumentError, MessageMismatchError
 from unidist.ops import ReduceOp
 
-__all__ = ["CALLS", "check_rank", "check_tag", "overlapped", "p2p_header", "p2p_mismatch", "signature"]
+__all__ = ["CALLS", "K_MAX", "NEVER", "check_rank", "check_tag", "overlapped", "p2p_header", "p2p_mismatch",
+           "signature"]
 
 CALLS = ("barrier", "broadcast", "allreduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
          "send", "recv")
+NEVER = 1 << 62  # the countdown of a communicator that never checks (one rank, or UNIDIST_CHECK_COLLECTIVES=0)
 _CALL_ID = {n: i for i, n in enumerate(CALLS)}
 _OP_ID = {op: i for i, op in enumerate(ReduceOp)}
 
@@ -50,13 +52,17 @@ def signature(comm: Any, call: str, t: torch.Tensor | None, op: ReduceOp | None,
               numel: int | None) -> None:
     """Every rank of ``comm`` compares what it is about to call, before any data moves.
 
-    Cheap enough to leave on while developing: one in-place MAX allreduce of two int64 words, a fingerprint
-    ``f`` of (call number, call, op, dtype, size, root) and ``-f``; the ranks hold the same ``f`` exactly when
-    ``max(f) == -max(-f)``. Only when they differ do they exchange the full rows to say who called what
-    (every rank sees the same result, so all of them take that path together).
+    One in-place MAX allreduce of three int64 words: a fingerprint ``f`` of (call number, call, op, dtype, size,
+    root), ``-f``, and this rank's wish for the distance to the next check (``_propose``); the ranks hold the
+    same ``f`` exactly when ``max(f) == -max(-f)``, and all take the largest wish. Only when the fingerprints
+    differ do they exchange the full rows to say who called what (every rank sees the same result, so all of
+    them take that path together).
     """
     row = _row(comm, call, t, op, root, numel)
-    comm._check_exchange()
+    start = _clock()
+    _propose(comm, start)
+    comm._check_exchange(call, t, op)  # the watchdog names the checked call if this waits too long
+    _agree(comm, start, _clock() - start)
     _compare(comm, row)
 
 
@@ -69,21 +75,52 @@ def overlapped(comm: Any, call: str, t: torch.Tensor, op: ReduceOp, run: Callabl
     while the peer raises at once; ``signature`` is used where the engine cannot overlap.
     """
     row = _row(comm, call, t, op, -1, None)
+    start = _clock()
+    _propose(comm, start)
     wait = comm._check_exchange_async()
     if wait is None:
-        comm._check_exchange()
+        comm._check_exchange(call, t, op)
+        _agree(comm, start, _clock() - start)
         _compare(comm, row)
         run()
         return
+    posted = _clock()
     # the wait needs no watching: every peer posted its check before the data call this rank got through
     try:
         run()
     except Exception:
         wait()
+        _agree(comm, start, 0.0)
         _compare(comm, row)  # the failed call was a mismatched one: say so
         raise
+    ran = _clock()
     wait()
+    _agree(comm, start, posted - start + _clock() - ran)
     _compare(comm, row)
+
+
+# One collective in K is checked by default (UNIDIST_CHECK_COLLECTIVES unset): K adapts so that checks take about
+# TARGET of the time between them, from 1 (calls long against a check: every one is checked) to K_MAX (tiny calls
+# in a tight loop); it at most doubles or halves per check, and the ranks take the largest wish, so they agree.
+TARGET = 0.01
+K_MAX = 1024
+_clock = time.perf_counter
+
+
+def _propose(comm: Any, now: float) -> None:
+    """This rank's wish for the next K, from the last check's cost against the time since it ended."""
+    every = comm._every
+    if not comm._sampled:
+        comm._check_np[2] = 1
+        return
+    want = int(every * comm._check_cost / (TARGET * max(now - comm._check_end, 1e-9)))
+    comm._check_np[2] = min(K_MAX, max(1, every // 2, min(2 * every, want)))
+
+
+def _agree(comm: Any, start: float, cost: float) -> None:
+    """After the exchange: every rank's next check is the agreed number of calls away."""
+    comm._every = comm._left = int(comm._check_np[2]) if comm._sampled else 1
+    comm._check_cost, comm._check_end = cost, _clock()
 
 
 def _compare(comm: Any, row: tuple[int, ...]) -> None:
@@ -95,7 +132,7 @@ def _compare(comm: Any, row: tuple[int, ...]) -> None:
 def _row(comm: Any, call: str, t: torch.Tensor | None, op: ReduceOp | None, root: int,
          numel: int | None) -> tuple[int, ...]:
     """This call's row, its fingerprint and its negation written into ``comm._check_np``."""
-    comm._seq += 1
+    comm._seq += comm._every  # the call number: the calls since the last check are this many
     if t is None:
         row = (comm._seq, _CALL_ID[call], -1 if op is None else _OP_ID[op], -1, -1 if numel is None else numel, root)
     else:
@@ -129,9 +166,12 @@ def _explain(comm: Any, row: tuple[int, ...]) -> None:
         time.sleep(0.001)
     rows = table.view(comm._size, -1).tolist()
     calls = "; ".join(f"rank {r} called {_describe(v)} as collective #{v[0]}" for r, v in enumerate(rows))
+    sampled = (" Found by the default check of one collective in K: the calls before it were not compared; "
+               "UNIDIST_CHECK_COLLECTIVES=1 compares every call, and names the first that differs."
+               if comm._sampled else "")
     raise CollectiveMismatchError(
         f"collective #{row[0]} does not match across ranks: {calls}. Every rank must make the same collective "
-        "calls, with matching dtypes, sizes, ops and roots, in the same order."
+        f"calls, with matching dtypes, sizes, ops and roots, in the same order.{sampled}"
     )
 
 
@@ -140,12 +180,12 @@ def p2p_header(t: torch.Tensor) -> torch.Tensor:
     return torch.tensor([DTYPE_ID[t.dtype], t.numel(), t.dim()], dtype=torch.int64)
 
 
-def p2p_mismatch(side: str, peer: int, tag: int, mine: torch.Tensor, theirs: list[int]) -> CollectiveMismatchError:
+def p2p_mismatch(side: str, peer: int, tag: int, mine: torch.Tensor, theirs: list[int]) -> MessageMismatchError:
     """The error both sides of a mismatched send/recv raise, before any data moved."""
     def what(h: list[int]) -> str:
         return f"{h[1]} elements of {str(SUPPORTED_DTYPES[h[0]]).replace('torch.', '')}"
     other = "receiver" if side == "send" else "sender"
-    return CollectiveMismatchError(
+    return MessageMismatchError(
         f"{side} with rank {peer} (tag {tag}): this rank has {what(p2p_header(mine).tolist())} but the {other} "
         f"has {what(theirs)}; a send and its recv need the same dtype and number of elements. Nothing was "
         "transferred."

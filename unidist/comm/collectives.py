@@ -10,6 +10,7 @@ to point, Python objects), so every backend and every group behaves the same. Ra
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,7 +55,12 @@ class Collectives(abc.ABC):
 
     def _init_collectives(self) -> None:
         self._seq = 0
-        self._checked = False  # UNIDIST_CHECK_COLLECTIVES on a communicator of 2+ ranks; set when started
+        self._checked = False  # UNIDIST_CHECK_COLLECTIVES=1 on a communicator of 2+ ranks; set when started
+        # the desync check's countdown (check.py): calls until the next check, the distance the ranks agreed on,
+        # and whether it adapts (one call in K, the default); the check mode is K = 1, and NEVER is off
+        self._left = self._every = check.NEVER
+        self._sampled = False
+        self._check_cost, self._check_end = 0.0, 0.0
         self._fast_dtypes: frozenset[torch.dtype] = frozenset()  # filled by _enable_fast_path: see allreduce
         self._fast_np_dtypes: frozenset[np.dtype[Any]] = frozenset()
 
@@ -74,10 +80,16 @@ class Collectives(abc.ABC):
         self._allgather_async, self._reduce_scatter_async = engine.allgather_async, engine.reduce_scatter_async
         self._check_exchange, self._check_exchange_async = engine.check_exchange, engine.check_exchange_async
         self._check_rows = engine.check_rows
+        self._pending_mismatch = engine.pending_mismatch
 
     def _enable_fast_path(self) -> None:
         """The lean allreduce path for the common case (native dtype, contiguous)."""
-        self._checked = self.config.check_collectives and self._size > 1
+        mode = self.config.check_collectives  # True: every call; None (the default): one in K; False: none
+        multi = self._size > 1
+        self._checked = mode is True and multi
+        self._sampled = mode is None and multi
+        self._left = self._every = 1 if multi and mode is not False else check.NEVER
+        self._check_cost, self._check_end = 0.0, time.perf_counter()
         native = [d for d in SUPPORTED_DTYPES if d not in self._upcast_reduce and d is not torch.bool]
         self._fast_dtypes = frozenset(native)
         self._fast_np_dtypes = frozenset(np.dtype(str(d).replace("torch.", "")) for d in native
@@ -105,11 +117,21 @@ class Collectives(abc.ABC):
         return check.check_rank(root, self._size, what)
 
     # ----------------------------------------------------------------- desync detection
+    def _due(self) -> bool:
+        """Whether this collective is compared across ranks (check.py): every one with UNIDIST_CHECK_COLLECTIVES=1,
+        one in K by default. Every collective calls this (or its inlined form) exactly once: the ranks count
+        alike."""
+        left = self._left - 1
+        if left > 0:
+            self._left = left
+            return False
+        return True
+
     def _signature(self, call: str, t: torch.Tensor | None = None, op: ReduceOp | None = None,
                    root: int = -1, numel: int | None = None) -> None:
-        """With UNIDIST_CHECK_COLLECTIVES, every rank compares what it is about to call (see check.py)."""
+        """When the call is due (``_due``), every rank compares what it is about to call (see check.py)."""
         self._need_started()
-        if self._checked:
+        if self._due():
             check.signature(self, call, t, op, root, numel)
 
     # ----------------------------------------------------------------- reductions (shared by several calls)
@@ -173,9 +195,13 @@ class Collectives(abc.ABC):
 
     # ----------------------------------------------------------------- public collectives
     def barrier(self) -> None:
-        """Every rank waits here until all have arrived."""
+        """Every rank waits here until all have arrived. On MPI, a sender whose earlier message its receiver
+        refused (mismatched size) raises here, after the barrier (managers/mpi_checks.py)."""
         self._signature("barrier")
         self._barrier()
+        refused = self._pending_mismatch()
+        if refused is not None:
+            raise refused
 
     def _fast_tensor(self, x: Any) -> torch.Tensor | None:
         """x as a tensor when it needs none of the general path's work (the common case, kept cheap)."""
@@ -193,7 +219,7 @@ class Collectives(abc.ABC):
         if t is not None:
             fast_op = _FAST_OPS.get(op)
             if fast_op is not None and (fast_op is not ReduceOp.MEAN or t.dtype.is_floating_point):
-                if self._checked:
+                if self._due():
                     check.signature(self, "allreduce", t, fast_op, -1, None)
                 out = torch.empty_like(t)
                 self._allreduce(t, out, ReduceOp.SUM if fast_op is ReduceOp.MEAN else fast_op)
@@ -204,8 +230,9 @@ class Collectives(abc.ABC):
 
     def allreduce_(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Array:
         """In-place allreduce; returns x."""
-        if type(x) is torch.Tensor and op is _SUM and not self._checked and x.dtype in self._fast_dtypes \
+        if type(x) is torch.Tensor and op is _SUM and self._left > 1 and x.dtype in self._fast_dtypes \
                 and x.is_contiguous() and not x.requires_grad:  # the commonest call, inlined (~0.3 us)
+            self._left -= 1  # not due for the desync check (``_due``, inlined)
             self._allreduce(x, x, _SUM)
             return x
         t = self._fast_tensor(x)
@@ -213,7 +240,7 @@ class Collectives(abc.ABC):
             fast_op = op if op is _SUM else _FAST_OPS.get(op)  # (an Enum's hash is a Python call)
             if fast_op is not None and (fast_op is not ReduceOp.MEAN or t.dtype.is_floating_point):
                 engine_op = ReduceOp.SUM if fast_op is ReduceOp.MEAN else fast_op
-                if self._checked:
+                if self._due():
                     check.overlapped(self, "allreduce", t, fast_op, lambda: self._allreduce(t, t, engine_op))
                 else:
                     self._allreduce(t, t, engine_op)
@@ -245,7 +272,7 @@ class Collectives(abc.ABC):
         if t is None:
             return self.broadcast_async_(x, root).wait()
         root = self._check_root(root)  # the lean path, as allreduce_'s: no handle, no writeback
-        if self._checked:
+        if self._due():
             check.signature(self, "broadcast", t, None, root, None)
         self._broadcast(self._wired(t), root)
         return x

@@ -39,9 +39,9 @@ class Engine(abc.ABC):
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
-        # the desync check's two int64 words (comm/check.py); engines that check on a channel of their own keep
-        # a persistent request on this very buffer
-        self.check_buf = torch.zeros(2, dtype=_INT64)
+        # the desync check's three int64 words (comm/check.py: fingerprint, its negation, the next check's
+        # distance); engines that check on a channel of their own keep a persistent request on this very buffer
+        self.check_buf = torch.zeros(3, dtype=_INT64)
         self.check_np = self.check_buf.numpy()
 
     # ------------------------------------------------------------ required primitives
@@ -123,9 +123,10 @@ class Engine(abc.ABC):
         return None
 
     # ------------------------------------------------------------ the desync check's own traffic (comm/check.py)
-    def check_exchange(self) -> None:
+    def check_exchange(self, *about: object) -> None:
         """MAX allreduce of ``check_buf`` in place. Engines with a communicator to spare move it there, so a
-        check can never match a data call of a desynchronised peer."""
+        check can never match a data call of a desynchronised peer. ``about`` (the checked call and its
+        arguments) is unused: the watchdog names it when the check waits too long."""
         self.allreduce(self.check_buf, self.check_buf, ReduceOp.MAX)
 
     def check_exchange_async(self) -> Callable[[], object] | None:
@@ -137,6 +138,11 @@ class Engine(abc.ABC):
         """Start an allgather of every rank's check row (int64) after a mismatch."""
         self.allgather(mine, table, [mine.numel()] * self.size)
         return DONE
+
+    def pending_mismatch(self) -> Exception | None:
+        """An error for a message this rank sent that its receiver refused (mismatched size), if the receiver's
+        verdict has arrived; engines whose receiver cannot tell the sender return None (comm/mismatch.py)."""
+        return None
 
     # ------------------------------------------------------------ groups and the job's end
     def sub(self, lists: Sequence[Sequence[int]]) -> list[Engine | None]:

@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import torch
 
+from unidist.comm import mismatch
 from unidist.comm.engine import Engine
 from unidist.errors import UnidistError
 
@@ -164,6 +165,7 @@ def _explain(exc: Exception) -> None:
     on purpose (a typed error: bad input, a detected mismatch), which says what it needs to."""
     if failure_hook is not None and not isinstance(exc, UnidistError):
         failure_hook(_state.calls, _state.what, _state.args, exc)
+    mismatch.retype(exc, _state.what, _state.args, describe_args)  # an engine's words for a mismatch: typed
 
 
 def _watched(fn: Callable[..., Any], what: str, seq: Seq, numbered: bool = True) -> Callable[..., Any]:

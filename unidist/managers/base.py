@@ -119,12 +119,14 @@ class Manager(Communicator):
         global _active
         if not self._started:
             return
+        refused = None
         try:
             if not self._failing and self._size > 1:
                 # ranks leave together; one leaving while a peer still waits in a collective is caught here,
                 # by the watchdog (a rank that leaves on failure skips it: its peers may be gone)
                 with watchdog.watching(watchdog.LEAVING):
                     self._barrier()
+                refused = self._pending_mismatch()  # a message its receiver refused: said once all have left
                 timeline.finish(self)
             self._shutdown()
         finally:
@@ -138,6 +140,8 @@ class Manager(Communicator):
             if _active is self:
                 _active = None
             self._restore_env()
+        if refused is not None:
+            raise refused
 
     def __enter__(self) -> Manager:
         return self.start()

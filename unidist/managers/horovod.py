@@ -15,6 +15,7 @@ import torch
 
 from unidist.comm import watchdog
 from unidist.comm.engine import Engine, SortedOrder
+from unidist.comm.mismatch import Framing
 from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError
 from unidist.managers import stores
@@ -54,6 +55,7 @@ class HorovodEngine(SortedOrder, Engine):
         self._ops = {ReduceOp.SUM: hvd.Sum, ReduceOp.MIN: hvd.Min, ReduceOp.MAX: hvd.Max,
                      ReduceOp.PRODUCT: hvd.Product}
         self._calls = 0
+        self._framing = Framing(self._raw_send, self._raw_recv)
 
     def _split(self, lists: list[list[int]]) -> list[Engine | None]:
         """A process set per list (every rank registers every set, in the same order; Horovod refuses a set
@@ -135,10 +137,17 @@ class HorovodEngine(SortedOrder, Engine):
             out = out[0]
         recv.view(-1).copy_(self._from_engine_order(out, recv_counts))
 
+    # every message framed with its dtype and size (comm/mismatch.py): gloo accepts a shorter message silently
     def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
-        self._p2p.send([t], self._world(dest), tag).wait()
+        self._framing.send(t, dest, tag)
 
     def recv(self, t: torch.Tensor, source: int, tag: int) -> None:
+        self._framing.recv(t, source, tag)
+
+    def _raw_send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+        self._p2p.send([t], self._world(dest), tag).wait()
+
+    def _raw_recv(self, t: torch.Tensor, source: int, tag: int) -> None:
         self._p2p.recv([t], self._world(source), tag).wait()
 
 

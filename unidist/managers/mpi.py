@@ -20,6 +20,7 @@ from unidist.comm.work import DONE, EngineWork, Work
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.launch import family
 from unidist.managers.base import Manager
+from unidist.managers.mpi_checks import MessageGuard
 from unidist.ops import ReduceOp
 from unidist.registry import for_launcher, get
 
@@ -141,6 +142,7 @@ class MPIEngine(Engine):
         self._check_np = self.check_np
         self._check_req: Any = None
         self._persistent = shared.persistent  # persistent requests, freed before the communicators
+        self._guard = MessageGuard(MPI, comm, check_comm)
 
     def _split(self, lists: list[list[int]]) -> list[Engine | None]:
         """One ``Comm.Split`` for all the (disjoint) lists: color = the list, key = the position in it."""
@@ -220,7 +222,7 @@ class MPIEngine(Engine):
     # may run beside the call it checks. One persistent collective for every check, blocking or not (MPI matches
     # a persistent collective only with persistent ones): its schedule is built once, 1.6 us beside an 8-byte
     # call vs 2.7 us for an Iallreduce each time (measured on 2 ranks).
-    def check_exchange(self) -> None:
+    def check_exchange(self, *about: object) -> None:
         self.check_exchange_async()()
 
     def check_exchange_async(self) -> Callable[[], object]:
@@ -341,7 +343,10 @@ class MPIEngine(Engine):
     def recv(self, t: torch.Tensor, source: int, tag: int) -> None:
         if not self._device_ok(t):
             return self._staged(lambda s, r: self.recv(r, source, tag), None, t)
-        self._comm.Recv(self._spec(t), source, tag)
+        self._guard.recv(self._spec(t), t, source, tag)  # the status's count against the buffer (mpi_checks.py)
+
+    def pending_mismatch(self) -> Exception | None:
+        return self._guard.pending()
 
 
 class MPIManager(Manager):

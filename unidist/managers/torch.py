@@ -18,6 +18,7 @@ import torch
 
 from unidist.comm import watchdog
 from unidist.comm.engine import Engine, SortedOrder
+from unidist.comm.mismatch import Framing
 from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.launch import family
@@ -59,6 +60,7 @@ class TorchEngine(SortedOrder, Engine):
         ops = tdist.ReduceOp  # deepspeed.comm takes torch's ops too
         self._ops = {ReduceOp.SUM: ops.SUM, ReduceOp.MIN: ops.MIN, ReduceOp.MAX: ops.MAX,
                      ReduceOp.PRODUCT: ops.PRODUCT}
+        self._framing = Framing(self._raw_send, self._raw_recv)
 
     def _split(self, lists: list[list[int]]) -> list[Engine | None]:
         """``new_group`` for each list, on every rank in the same order (the engine requires both)."""
@@ -140,10 +142,17 @@ class TorchEngine(SortedOrder, Engine):
         return _work(self._reduce_scatter_into(recv.view(-1), flat, self._ops[op], group=self._pg, async_op=True),
                      send, flat, recv)
 
+    # every message framed with its dtype and size (comm/mismatch.py): gloo accepts a shorter message silently
     def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
-        self._dist.send(t, self._world(dest), group=self._pg, tag=tag)
+        self._framing.send(t, dest, tag)
 
     def recv(self, t: torch.Tensor, source: int, tag: int) -> None:
+        self._framing.recv(t, source, tag)
+
+    def _raw_send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+        self._dist.send(t, self._world(dest), group=self._pg, tag=tag)
+
+    def _raw_recv(self, t: torch.Tensor, source: int, tag: int) -> None:
         self._dist.recv(t, self._world(source), group=self._pg, tag=tag)
 
 

@@ -22,7 +22,7 @@ import unidist
 from unidist.compat.horovod.elastic.state import State
 from unidist.compat.horovod.elastic.store import CommitStore
 from unidist.compat.horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from unidist.errors import CollectiveTimeoutError, InvalidArgumentError, LaunchEnvironmentError
+from unidist.errors import CollectiveTimeoutError, InvalidArgumentError, LaunchEnvironmentError, PeerLostError
 
 __all__ = ["run"]
 
@@ -43,7 +43,7 @@ def _refuse_horovod_driver() -> None:
 
 def _engine_failure(err: BaseException) -> bool:
     """Is this a collective failing (a peer gone), not the training code's own error?"""
-    kinds: list[type] = [HorovodInternalError, CollectiveTimeoutError]
+    kinds: list[type] = [HorovodInternalError, CollectiveTimeoutError, PeerLostError]
     for module, name in (("torch.distributed", "DistError"), ("horovod.common.exceptions", "HorovodInternalError")):
         found = getattr(sys.modules.get(module), name, None)
         if isinstance(found, type):

@@ -1,0 +1,134 @@
+"""Mismatches caught without the check mode: point-to-point messages that do not fit, and engine errors that mean
+the ranks disagree.
+
+A ``recv`` whose buffer differs from the message in size or dtype used to return plausible garbage (MPI and gloo
+both accept a shorter message: ``[0, 1, 2, 3, -1, -1, -1, -1]`` for 4 floats sent into 8). By default:
+
+- MPI compares the receive status's element count with the buffer (no extra message); a longer message is MPI's
+  truncation error. The receiver raises; it sends a verdict to the sender on the desync check's communicator, and
+  the sender raises at its next point-to-point call on that communicator (``MPIEngine``). A message of another
+  dtype of the same element width (float32 vs int32) has the same count: only the check mode sees it.
+- gloo engines (torch, DeepSpeed, Horovod's side group) frame every message with a 32-byte header (dtype, element
+  count): in the same message as the payload up to ``INLINE_MAX`` bytes, as a message of its own above. The
+  receiver reads the header, drains a mismatched payload (so the channel stays in step) and raises. gloo has no
+  probe, so the sender is not told: it goes on, and the receiver's error ends the job unless caught.
+
+Engine errors that mean a mismatch (MPI truncation, Horovod's "Mismatched ...", gloo's lost peer) are wrapped by
+``typed`` in a unidist error naming the call and pointing to ``UNIDIST_CHECK_COLLECTIVES=1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unidist.comm.dtypes import DTYPE_ID, SUPPORTED_DTYPES
+from unidist.errors import EngineMismatchError, MessageMismatchError, PeerLostError, UnidistError
+
+__all__ = ["HEADER_BYTES", "INLINE_MAX", "Framing", "message_error", "retype", "typed"]
+
+MAGIC = 0x756E6964  # "unid": a frame from a peer that does not frame is refused, not misread
+HEADER_WORDS = 4  # magic, dtype id, element count, payload inline (1) or in a message of its own (0)
+HEADER_BYTES = 8 * HEADER_WORDS
+INLINE_MAX = 64 << 10  # payloads up to this travel in the header's message (one copy each side)
+HINT = ("run with UNIDIST_CHECK_COLLECTIVES=1 to have every call compared across ranks, naming what each "
+        "rank called")
+
+
+def _what(dtype_id: int, numel: int) -> str:
+    if not 0 <= dtype_id < len(SUPPORTED_DTYPES):
+        return f"{numel} elements"
+    return f"{numel} elements of {str(SUPPORTED_DTYPES[dtype_id]).replace('torch.', '')}"
+
+
+def message_error(side: str, peer: int, tag: int, mine: tuple[int, int], theirs: tuple[int, int] | None,
+                  later: bool = False) -> MessageMismatchError:
+    """The error of one side of a mismatched pair; ``mine``/``theirs`` are (dtype id, element count), theirs
+    None when the engine only said the message was longer than the buffer."""
+    other = "receiver's buffer" if side == "send" else "message"
+    have = "this rank sent" if side == "send" else "this rank's buffer holds"
+    told = _what(*theirs) if theirs is not None else "more than fits (the engine truncated it)"
+    when = "an earlier " if later else ""
+    way = "to" if side == "send" else "from"
+    return MessageMismatchError(
+        f"{when}{side} {way} rank {peer} (tag {tag}) did not match: {have} {_what(*mine)}, the {other} has {told}. "
+        "A send and its recv need the same dtype and number of elements; the received data was discarded. "
+        f"To find which call diverged, {HINT}.")
+
+
+class Framing:
+    """Header framing of one gloo channel's messages (``send``/``recv`` are the engine's raw blocking calls)."""
+
+    def __init__(self, send: Callable[[torch.Tensor, int, int], None],
+                 recv: Callable[[torch.Tensor, int, int], None]) -> None:
+        self._send, self._recv = send, recv
+        self._box = torch.empty(HEADER_BYTES + INLINE_MAX, dtype=torch.uint8)  # every first message lands here
+        self._words = self._box[:HEADER_BYTES].view(torch.int64)
+
+    @staticmethod
+    def _bytes(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+    def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+        nbytes = t.numel() * t.element_size()
+        inline = nbytes <= INLINE_MAX
+        frame = torch.empty(HEADER_BYTES + (nbytes if inline else 0), dtype=torch.uint8)
+        frame[:HEADER_BYTES].view(torch.int64).copy_(
+            torch.tensor([MAGIC, DTYPE_ID[t.dtype], t.numel(), int(inline)], dtype=torch.int64))
+        if inline:
+            frame[HEADER_BYTES:].copy_(self._bytes(t))
+        self._send(frame, dest, tag)
+        if not inline:
+            self._send(t, dest, tag)
+
+    def recv(self, t: torch.Tensor, source: int, tag: int) -> None:
+        self._words.fill_(0)  # a shorter message leaves the rest as it was: never read a stale header
+        self._recv(self._box, source, tag)
+        magic, dtype_id, numel, inline = self._words.tolist()
+        if magic != MAGIC:
+            raise MessageMismatchError(
+                f"recv from rank {source} (tag {tag}): the message is not one unidist framed (a raw engine send, "
+                f"or a peer running another unidist); {HINT}.")
+        mine = (DTYPE_ID[t.dtype], t.numel())
+        if (dtype_id, numel) != mine:
+            if not inline:  # drain the payload: the next message on this channel must be the next one sent
+                width = SUPPORTED_DTYPES[dtype_id].itemsize if 0 <= dtype_id < len(SUPPORTED_DTYPES) else 1
+                self._recv(torch.empty(numel * width, dtype=torch.uint8), source, tag)
+            raise message_error("recv", source, tag, mine, (dtype_id, numel))
+        if inline:
+            self._bytes(t).copy_(self._box[HEADER_BYTES:HEADER_BYTES + t.numel() * t.element_size()])
+        else:
+            self._recv(t, source, tag)
+
+
+# engine words that mean "the ranks disagree", and the typed error each becomes
+_ENGINE_MISMATCH = ("Message truncated", "MPI_ERR_TRUNCATE", "Mismatched ")
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def retype(exc: Exception, what: str, args: tuple[Any, ...], describe: Callable[[tuple[Any, ...]], str]) -> None:
+    """Raise ``typed(...)`` from ``exc`` when it differs from ``exc`` (the watchdog calls this as an engine error
+    leaves a watched call); else return, and the caller re-raises ``exc``."""
+    new = typed(exc, what, args, describe)
+    if new is not exc:
+        raise new from exc
+
+
+def typed(exc: Exception, what: str, args: tuple[Any, ...], describe: Callable[[tuple[Any, ...]], str]
+          ) -> Exception:
+    """``exc`` as a unidist error naming the call when its words mean a mismatch or a lost peer; else ``exc``."""
+    if isinstance(exc, UnidistError):
+        return exc
+    text = str(exc)
+    call = f"{what}{describe(args)}"
+    if any(w in text for w in _ENGINE_MISMATCH):
+        return EngineMismatchError(
+            f"{call}: the ranks disagree about this call (the engine said: {text.strip()[:300]}); a message or "
+            f"collective's size, dtype or op differs between ranks. {HINT}.")
+    if any(w in text for w in _PEER_LOST):
+        return PeerLostError(
+            f"{call}: a peer closed its connection (the engine said: {text.strip()[:300]}): it died, or it "
+            f"raised on a mismatched call (a size or dtype that differs between ranks) and left. {HINT}.")
+    return exc
