@@ -548,16 +548,16 @@ def plan(size: int) -> list[Case]:
         check (every call in the check mode) raises on every rank within K_MAX calls, all at the same call."""
         from unidist.comm.check import K_MAX
 
-        x = torch.ones(4)
+        x, said = torch.ones(4), ""
         for i in range(K_MAX + 1):
             try:
                 mgr.allreduce_(x, "sum" if mgr.rank == 0 else "max")
             except unidist.CollectiveMismatchError as err:
-                assert "op=sum" in str(err) and "op=max" in str(err), str(err)
-                assert not mgr.checks_collectives or i == 0, f"the check mode found it at call {i}"
+                said = str(err)
                 break
-        else:
-            raise AssertionError(f"{K_MAX + 1} mismatched allreduces and no CollectiveMismatchError")
+        assert said, f"{K_MAX + 1} mismatched allreduces and no CollectiveMismatchError"
+        assert "op=sum" in said and "op=max" in said, said
+        assert not mgr.checks_collectives or i == 0, f"the check mode found it at call {i}"
         done = mgr.allgather_object(i)  # every rank stopped at the same call
         assert len(set(done)) == 1, done
 
