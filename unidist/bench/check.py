@@ -1,9 +1,15 @@
-"""What UNIDIST_CHECK_COLLECTIVES costs: in-place sum allreduce with the check off and on, interleaved.
+"""What the mismatch guards cost: collectives with no check, the default one-in-K check, and every call checked
+(UNIDIST_CHECK_COLLECTIVES=0 / unset / 1), and point-to-point with the default size guard against the engine's
+own calls; interleaved, ratios side by side.
 
-    mpiexec -n 2 python -m unidist.bench.check        (any launcher; rank 0 prints the table)
+    mpiexec -n 2 python -m unidist.bench.check        (any launcher; rank 0 prints the tables)
 
-Rounds alternate between the two modes on the same buffer, so machine noise hits both alike; times are
-medians over rounds, per call. The check adds one two-word MAX allreduce per collective (comm/check.py).
+Rounds alternate between the modes on the same buffer, so machine noise hits all alike; times are medians over
+rounds, per call. A check is one three-word MAX allreduce (comm/check.py); by default one collective in K is
+checked, K adapting so checks take about 1% of the time (the ``K`` column: the distance the ranks agreed on at
+the end). The point-to-point guard is the receive status's count on MPI, a 32-byte header frame on gloo engines
+(comm/mismatch.py); ``raw`` is the engine's own send/recv (mpi4py, torch.distributed), a ping-pong between
+ranks 0 and 1.
 """
 
 from __future__ import annotations
@@ -12,51 +18,119 @@ import argparse
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import unidist
 
-SIZES = (8, 1024, 65536, 1 << 20, 16 << 20)
+SIZES = (8, 512, 4096, 65536, 1 << 20, 32 << 20)
+MODES = {"off": False, "1 in K": None, "every": True}
 
 
-def _mode(mgr: Any, checked: bool) -> None:
-    mgr.config = dataclasses.replace(mgr.config, check_collectives=checked)
-    mgr._enable_fast_path()  # reads the flag
+def _mode(mgr: Any, mode: bool | None, every: int | None) -> None:
+    mgr.config = dataclasses.replace(mgr.config, check_collectives=mode)
+    mgr._enable_fast_path()  # reads the flag and restarts the countdown
+    if every is not None:  # the default mode goes on from the K it had reached (it would ramp up again)
+        mgr._every = mgr._left = every
 
 
-def _time(mgr: Any, t: torch.Tensor, iters: int) -> float:
+def _time(mgr: Any, fn: Callable[[], Any], iters: int) -> float:
     mgr.barrier()
     start = time.perf_counter()
     for _ in range(iters):
-        mgr.allreduce_(t)
+        fn()
     return (time.perf_counter() - start) / iters
+
+
+def _iters(nbytes: int) -> int:
+    return max(5, min(2000, (64 << 20) // max(nbytes, 1) // 8))
+
+
+def collectives(mgr: Any, sizes: list[int], rounds: int) -> list[tuple[int, dict[str, float], int]]:
+    rows = []
+    for nbytes in sizes:
+        t = torch.zeros(max(1, nbytes // 4))
+        times: dict[str, list[float]] = {m: [] for m in MODES}
+        every: int | None = None
+
+        def call(t: torch.Tensor = t) -> None:
+            mgr.allreduce_(t)
+        for _ in range(rounds):
+            for name, mode in MODES.items():
+                _mode(mgr, mode, every if mode is None else None)
+                times[name].append(_time(mgr, call, _iters(nbytes)))
+                if mode is None:
+                    every = mgr._every
+        _mode(mgr, None, None)
+        rows.append((nbytes, {m: statistics.median(v) for m, v in times.items()}, every or 0))
+    return rows
+
+
+def _raw_p2p(mgr: Any) -> tuple[Callable[[torch.Tensor, int], Any], Callable[[torch.Tensor, int], Any]] | None:
+    """The engine's own blocking send and recv on the world, or None (Horovod has none: unidist's side group)."""
+    if mgr.backend == "mpi":
+        comm = mgr.comm
+        return (lambda t, peer: comm.Send(t.numpy(), peer, 0)), (lambda t, peer: comm.Recv(t.numpy(), peer, 0))
+    if mgr.backend in ("torch", "deepspeed"):
+        import torch.distributed as dist
+
+        return (lambda t, peer: dist.send(t, peer)), (lambda t, peer: dist.recv(t, peer))
+    return None
+
+
+def point_to_point(mgr: Any, sizes: list[int], rounds: int) -> list[tuple[int, dict[str, float]]]:
+    """Ping-pong between ranks 0 and 1 (the others wait at the barriers), per message (half a round trip)."""
+    raw = _raw_p2p(mgr)
+    ways: dict[str, tuple[Callable[[torch.Tensor, int], Any], Callable[[torch.Tensor, int], Any]]] = {
+        "guarded": (lambda t, peer: mgr.send(t, peer), lambda t, peer: mgr.recv(t, peer))}
+    if raw is not None:
+        ways["raw"] = raw
+    rows = []
+    for nbytes in sizes:
+        t = torch.zeros(max(1, nbytes // 4))
+        iters = max(3, _iters(nbytes) // 4)
+        times: dict[str, list[float]] = {w: [] for w in ways}
+
+        for _ in range(rounds):
+            for name, (send, recv) in ways.items():
+                def pingpong(send: Any = send, recv: Any = recv, t: torch.Tensor = t) -> None:
+                    if mgr.rank == 0:
+                        send(t, 1)
+                        recv(t, 1)
+                    elif mgr.rank == 1:
+                        recv(t, 0)
+                        send(t, 0)
+                times[name].append(_time(mgr, pingpong, iters) / 2)
+        rows.append((nbytes, {w: statistics.median(v) for w, v in times.items()}))
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--sizes", type=int, nargs="*", default=list(SIZES), help="bytes per buffer")
     args = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
-        rows = []
-        for nbytes in args.sizes:
-            t = torch.zeros(max(1, nbytes // 4))
-            iters = max(5, min(2000, (64 << 20) // max(nbytes, 1) // 8))
-            times: dict[bool, list[float]] = {False: [], True: []}
-            for _ in range(args.rounds):
-                for checked in (False, True):
-                    _mode(mgr, checked)
-                    times[checked].append(_time(mgr, t, iters))
-            _mode(mgr, False)
-            off, on = statistics.median(times[False]), statistics.median(times[True])
-            rows.append((nbytes, off, on))
+        coll = collectives(mgr, args.sizes, args.rounds)
+        p2p = point_to_point(mgr, args.sizes, args.rounds) if mgr.size > 1 else []
         if mgr.rank == 0:
-            print(f"backend={mgr.backend} ranks={mgr.size}: allreduce_ (sum, float32, in place), median per call")
-            print(f"{'bytes':>10} {'unchecked us':>13} {'checked us':>11} {'ratio':>6}")
-            for nbytes, off, on in rows:
-                print(f"{nbytes:>10} {off * 1e6:>13.1f} {on * 1e6:>11.1f} {on / off:>6.2f}")
+            print(f"backend={mgr.backend} ranks={mgr.size}: allreduce_ (sum, float32, in place), median us per call "
+                  f"over {args.rounds} interleaved rounds")
+            print(f"{'bytes':>10} {'off':>10} {'1 in K':>10} {'every':>10} {'1inK/off':>9} {'every/off':>9} "
+                  f"{'K':>5}")
+            for nbytes, t, every in coll:
+                print(f"{nbytes:>10} {t['off'] * 1e6:>10.1f} {t['1 in K'] * 1e6:>10.1f} {t['every'] * 1e6:>10.1f} "
+                      f"{t['1 in K'] / t['off']:>9.3f} {t['every'] / t['off']:>9.3f} {every:>5}")
+            if p2p:
+                print("send/recv ping-pong, ranks 0 and 1, median us per message: unidist (size guard) vs the "
+                      "engine's own calls")
+                print(f"{'bytes':>10} {'guarded':>10} {'raw':>10} {'ratio':>7}")
+                for nbytes, t in p2p:
+                    raw = t.get("raw")
+                    tail = f"{raw * 1e6:>10.1f} {t['guarded'] / raw:>7.3f}" if raw else f"{'n/a':>10} {'':>7}"
+                    print(f"{nbytes:>10} {t['guarded'] * 1e6:>10.1f} {tail}")
 
 
 if __name__ == "__main__":
