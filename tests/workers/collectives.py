@@ -516,6 +516,7 @@ def plan(size: int) -> list[Case]:
                  "dtype": (torch.arange(4, dtype=f64_), torch.full((4,), -1.0)),
                  "big": (torch.arange(20000, dtype=f32), torch.full((30000,), -1.0))}
         sender_told = mgr.checks_collectives or mgr.backend == "mpi"
+        problems = []  # asserted at the end: a rank leaving early would leave its peer waiting
         for what, (sent, buf) in pairs.items():
             caught: list[Exception] = []
             try:
@@ -529,18 +530,21 @@ def plan(size: int) -> list[Case]:
                 mgr.barrier()
             except unidist.MessageMismatchError as err:
                 caught.append(err)
-            if mgr.rank == 1:
-                assert len(caught) == 1 and "recv from rank 0 (tag 3)" in str(caught[0]), f"{what}: {caught}"
-                assert mgr.checks_collectives or "UNIDIST_CHECK_COLLECTIVES=1" in str(caught[0]), caught
-            elif mgr.rank == 0:
-                assert len(caught) == (1 if sender_told else 0), f"{what}: sender got {caught}"
-                assert not caught or "rank 1 (tag 3)" in str(caught[0]), caught
+            said = [str(e) for e in caught]
+            if mgr.rank == 1 and not (len(said) == 1 and "recv from rank 0 (tag 3)" in said[0]
+                                      and (mgr.checks_collectives or "UNIDIST_CHECK_COLLECTIVES=1" in said[0])):
+                problems.append(f"{what}: receiver got {said}")
+            if mgr.rank == 0 and not (len(said) == (1 if sender_told else 0)
+                                      and all("to rank 1 (tag 3)" in e for e in said)):
+                problems.append(f"{what}: sender got {said}")
             ok = torch.arange(5, dtype=f32) + mgr.rank
             if mgr.rank == 0:
                 mgr.send(ok, 1, tag=3)
             elif mgr.rank == 1:
                 got = mgr.recv(torch.zeros(5), 0, tag=3)
-                assert torch.equal(got, torch.arange(5, dtype=f32)), f"{what}: the next message read {got}"
+                if not torch.equal(got, torch.arange(5, dtype=f32)):
+                    problems.append(f"{what}: the next message read {got}")
+        assert not problems, problems
 
     @add("default_guard[allreduce_op]")
     def _(mgr: Any) -> None:
@@ -548,6 +552,8 @@ def plan(size: int) -> list[Case]:
         check (every call in the check mode) raises on every rank within K_MAX calls, all at the same call."""
         from unidist.comm.check import K_MAX
 
+        if mgr.config.check_collectives is False or mgr.size == 1:  # UNIDIST_CHECK_COLLECTIVES=0: nothing compared
+            return
         x, said, i = torch.ones(4), "", 0
         while i <= K_MAX and not said:
             try:

@@ -185,8 +185,9 @@ def p2p_mismatch(side: str, peer: int, tag: int, mine: torch.Tensor, theirs: lis
     def what(h: list[int]) -> str:
         return f"{h[1]} elements of {str(SUPPORTED_DTYPES[h[0]]).replace('torch.', '')}"
     other = "receiver" if side == "send" else "sender"
+    way = "to" if side == "send" else "from"
     return MessageMismatchError(
-        f"{side} with rank {peer} (tag {tag}): this rank has {what(p2p_header(mine).tolist())} but the {other} "
+        f"{side} {way} rank {peer} (tag {tag}): this rank has {what(p2p_header(mine).tolist())} but the {other} "
         f"has {what(theirs)}; a send and its recv need the same dtype and number of elements. Nothing was "
         "transferred."
     )
