@@ -84,11 +84,12 @@ def test_torch_rendezvous_failure_under_mpiexec_ends_the_job() -> None:
 
 def test_check_bench_smoke() -> None:
     """`python -m unidist.bench.check` (README) prints one row per size in each table (collectives: off, one in
-    K, every call, the ratios and K; point to point: guarded and raw); not a timing test."""
+    K, every call, the ratios and K; point to point: unidist, the engine, the engine with the guard, the ratio);
+    not a timing test."""
     require("mpi4py")
     proc = run(mpiexec(2, "-m", "unidist.bench.check", "--rounds", "2", "--sizes", "8", "65536"), timeout=120)
     assert proc.returncode == 0, proc.describe()
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["8", "65536", "8", "65536"], proc.stdout
     assert all(len(r) == 7 and all(float(v) > 0 for v in r[1:]) for r in rows[:2]), proc.stdout
-    assert all(len(r) == 4 and all(float(v) > 0 for v in r[1:]) for r in rows[2:]), proc.stdout
+    assert all(len(r) == 5 and all(float(v) > 0 for v in r[1:]) for r in rows[2:]), proc.stdout

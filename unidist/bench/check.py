@@ -8,8 +8,9 @@ Rounds alternate between the modes on the same buffer, so machine noise hits all
 rounds, per call. A check is one three-word MAX allreduce (comm/check.py); by default one collective in K is
 checked, K adapting so checks take about 1% of the time (the ``K`` column: the distance the ranks agreed on at
 the end). The point-to-point guard is the receive status's count on MPI, a 32-byte header frame on gloo engines
-(comm/mismatch.py); ``raw`` is the engine's own send/recv (mpi4py, torch.distributed), a ping-pong between
-ranks 0 and 1.
+(comm/mismatch.py): the second table times a ping-pong between ranks 0 and 1 through unidist, through the engine's
+own calls (mpi4py, torch.distributed), and through the engine's calls with the guard added, whose ratio is the
+guard's cost.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 import unidist
+from unidist.comm import mismatch
 
 SIZES = (8, 512, 4096, 65536, 1 << 20, 32 << 20)
 MODES = {"off": False, "1 in K": None, "every": True}
@@ -68,25 +70,38 @@ def collectives(mgr: Any, sizes: list[int], rounds: int) -> list[tuple[int, dict
     return rows
 
 
-def _raw_p2p(mgr: Any) -> tuple[Callable[[torch.Tensor, int], Any], Callable[[torch.Tensor, int], Any]] | None:
-    """The engine's own blocking send and recv on the world, or None (Horovod has none: unidist's side group)."""
+P2P = Callable[[torch.Tensor, int], Any]
+
+
+def _engine_p2p(mgr: Any) -> dict[str, tuple[P2P, P2P]]:
+    """The engine's own blocking send/recv on the world, without and with the guard unidist adds (MPI: the
+    status's count; gloo: the header frame), or nothing (Horovod's are unidist's side group)."""
     if mgr.backend == "mpi":
-        comm = mgr.comm
-        return (lambda t, peer: comm.Send(t.numpy(), peer, 0)), (lambda t, peer: comm.Recv(t.numpy(), peer, 0))
+        from mpi4py import MPI
+
+        comm, status = mgr.comm, MPI.Status()
+
+        def counted(t: torch.Tensor, peer: int) -> None:
+            comm.Recv(t.numpy(), peer, 0, status)
+            if status.Get_count(MPI.BYTE) != t.nbytes:
+                raise AssertionError("the ping-pong's sizes differ")
+        def send(t: torch.Tensor, peer: int) -> None:
+            comm.Send(t.numpy(), peer, 0)
+        return {"engine": (send, lambda t, peer: comm.Recv(t.numpy(), peer, 0)), "engine+guard": (send, counted)}
     if mgr.backend in ("torch", "deepspeed"):
         import torch.distributed as dist
 
-        return (lambda t, peer: dist.send(t, peer)), (lambda t, peer: dist.recv(t, peer))
-    return None
+        raw: tuple[P2P, P2P] = (lambda t, peer: dist.send(t, peer)), (lambda t, peer: dist.recv(t, peer))
+        framing = mismatch.Framing(lambda t, peer, tag: raw[0](t, peer), lambda t, peer, tag: raw[1](t, peer))
+        return {"engine": raw,
+                "engine+guard": (lambda t, peer: framing.send(t, peer, 0), lambda t, peer: framing.recv(t, peer, 0))}
+    return {}
 
 
 def point_to_point(mgr: Any, sizes: list[int], rounds: int) -> list[tuple[int, dict[str, float]]]:
     """Ping-pong between ranks 0 and 1 (the others wait at the barriers), per message (half a round trip)."""
-    raw = _raw_p2p(mgr)
-    ways: dict[str, tuple[Callable[[torch.Tensor, int], Any], Callable[[torch.Tensor, int], Any]]] = {
-        "guarded": (lambda t, peer: mgr.send(t, peer), lambda t, peer: mgr.recv(t, peer))}
-    if raw is not None:
-        ways["raw"] = raw
+    ways: dict[str, tuple[P2P, P2P]] = {
+        "unidist": (lambda t, peer: mgr.send(t, peer), lambda t, peer: mgr.recv(t, peer)), **_engine_p2p(mgr)}
     rows = []
     for nbytes in sizes:
         t = torch.zeros(max(1, nbytes // 4))
@@ -124,14 +139,14 @@ def main() -> None:
                 print(f"{nbytes:>10} {t['off'] * 1e6:>10.1f} {t['1 in K'] * 1e6:>10.1f} {t['every'] * 1e6:>10.1f} "
                       f"{t['1 in K'] / t['off']:>9.3f} {t['every'] / t['off']:>9.3f} {every:>5}")
             if p2p:
-                print("send/recv ping-pong, ranks 0 and 1, median us per message: unidist (size guard) vs the "
-                      "engine's own calls")
-                print(f"{'bytes':>10} {'guarded':>10} {'raw':>10} {'ratio':>7}")
+                print("send/recv ping-pong, ranks 0 and 1, median us per message: unidist's send/recv, the engine's "
+                      "own calls, and the engine's calls with the size guard (guard = engine+guard / engine)")
+                print(f"{'bytes':>10} {'unidist':>10} {'engine':>10} {'eng+guard':>10} {'guard':>7}")
                 for nbytes, t in p2p:
-                    raw = t.get("raw")
-                    tail = f"{raw * 1e6:>10.1f} {t['guarded'] / raw:>7.3f}" if raw else f"{'n/a':>10} {'':>7}"
-                    print(f"{nbytes:>10} {t['guarded'] * 1e6:>10.1f} {tail}")
-
+                    eng, guarded = t.get("engine"), t.get("engine+guard")
+                    tail = (f"{eng * 1e6:>10.1f} {guarded * 1e6:>10.1f} {guarded / eng:>7.3f}" if eng and guarded
+                            else f"{'n/a':>10} {'n/a':>10} {'':>7}")
+                    print(f"{nbytes:>10} {t['unidist'] * 1e6:>10.1f} {tail}")
 
 if __name__ == "__main__":
     main()
