@@ -31,11 +31,12 @@ SIZES = (8, 512, 4096, 65536, 1 << 20, 32 << 20)
 MODES = {"off": False, "1 in K": None, "every": True}
 
 
-def _mode(mgr: Any, mode: bool | None, every: int | None) -> None:
+def _mode(mgr: Any, mode: bool | None, every: tuple[int, float] | None) -> None:
     mgr.config = dataclasses.replace(mgr.config, check_collectives=mode)
     mgr._enable_fast_path()  # reads the flag and restarts the countdown
-    if every is not None:  # the default mode goes on from the K it had reached (it would ramp up again)
-        mgr._every = mgr._left = every
+    if every is not None:  # the default mode goes on from the K (and check cost) it had reached
+        mgr._every, mgr._check_cost = every
+        mgr._left = mgr._every
 
 
 def _time(mgr: Any, fn: Callable[[], Any], iters: int) -> float:
@@ -55,7 +56,7 @@ def collectives(mgr: Any, sizes: list[int], rounds: int) -> list[tuple[int, dict
     for nbytes in sizes:
         t = torch.zeros(max(1, nbytes // 4))
         times: dict[str, list[float]] = {m: [] for m in MODES}
-        every: int | None = None
+        every: tuple[int, float] | None = None
 
         def call(t: torch.Tensor = t) -> None:
             mgr.allreduce_(t)
@@ -64,9 +65,9 @@ def collectives(mgr: Any, sizes: list[int], rounds: int) -> list[tuple[int, dict
                 _mode(mgr, mode, every if mode is None else None)
                 times[name].append(_time(mgr, call, _iters(nbytes)))
                 if mode is None:
-                    every = mgr._every
+                    every = mgr._every, mgr._check_cost
         _mode(mgr, None, None)
-        rows.append((nbytes, {m: statistics.median(v) for m, v in times.items()}, every or 0))
+        rows.append((nbytes, {m: statistics.median(v) for m, v in times.items()}, every[0] if every else 0))
     return rows
 
 
