@@ -59,13 +59,19 @@ def message_error(side: str, peer: int, tag: int, mine: tuple[int, int], theirs:
 
 
 class Framing:
-    """Header framing of one gloo channel's messages (``send``/``recv`` are the engine's raw blocking calls)."""
+    """Header framing of one gloo channel's messages (``send``/``recv`` are the engine's raw blocking calls).
+
+    Both directions reuse one buffer each (the calls are blocking), and the header's words are written and read
+    through numpy views: a frame costs one copy of the payload each side, and no tensor is made per call."""
 
     def __init__(self, send: Callable[[torch.Tensor, int, int], None],
                  recv: Callable[[torch.Tensor, int, int], None]) -> None:
         self._send, self._recv = send, recv
+        self._out = torch.empty(HEADER_BYTES + INLINE_MAX, dtype=torch.uint8)  # every frame is built here
+        self._out_words = self._out[:HEADER_BYTES].view(torch.int64).numpy()
+        self._out_words[0] = MAGIC
         self._box = torch.empty(HEADER_BYTES + INLINE_MAX, dtype=torch.uint8)  # every first message lands here
-        self._words = self._box[:HEADER_BYTES].view(torch.int64)
+        self._words = self._box[:HEADER_BYTES].view(torch.int64).numpy()
 
     @staticmethod
     def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -74,19 +80,22 @@ class Framing:
     def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         nbytes = t.numel() * t.element_size()
         inline = nbytes <= INLINE_MAX
-        frame = torch.empty(HEADER_BYTES + (nbytes if inline else 0), dtype=torch.uint8)
-        frame[:HEADER_BYTES].view(torch.int64).copy_(
-            torch.tensor([MAGIC, DTYPE_ID[t.dtype], t.numel(), int(inline)], dtype=torch.int64))
+        words = self._out_words
+        words[1], words[2], words[3] = DTYPE_ID[t.dtype], t.numel(), inline
         if inline:
-            frame[HEADER_BYTES:].copy_(self._bytes(t))
-        self._send(frame, dest, tag)
-        if not inline:
-            self._send(t, dest, tag)
+            frame = self._out[:HEADER_BYTES + nbytes]
+            if nbytes:
+                frame[HEADER_BYTES:].copy_(self._bytes(t))
+            self._send(frame, dest, tag)
+            return
+        self._send(self._out[:HEADER_BYTES], dest, tag)
+        self._send(t, dest, tag)
 
     def recv(self, t: torch.Tensor, source: int, tag: int) -> None:
-        self._words.fill_(0)  # a shorter message leaves the rest as it was: never read a stale header
+        words = self._words
+        words[0] = 0  # a message shorter than a header leaves the rest as it was: never read a stale one
         self._recv(self._box, source, tag)
-        magic, dtype_id, numel, inline = self._words.tolist()
+        magic, dtype_id, numel, inline = words.tolist()
         if magic != MAGIC:
             raise MessageMismatchError(
                 f"recv from rank {source} (tag {tag}): the message is not one unidist framed (a raw engine send, "
@@ -97,10 +106,10 @@ class Framing:
                 width = SUPPORTED_DTYPES[dtype_id].itemsize if 0 <= dtype_id < len(SUPPORTED_DTYPES) else 1
                 self._recv(torch.empty(numel * width, dtype=torch.uint8), source, tag)
             raise message_error("recv", source, tag, mine, (dtype_id, numel))
-        if inline:
-            self._bytes(t).copy_(self._box[HEADER_BYTES:HEADER_BYTES + t.numel() * t.element_size()])
-        else:
+        if not inline:
             self._recv(t, source, tag)
+        elif numel:
+            self._bytes(t).copy_(self._box[HEADER_BYTES:HEADER_BYTES + t.numel() * t.element_size()])
 
 
 # engine words that mean "the ranks disagree", and the typed error each becomes
