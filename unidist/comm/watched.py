@@ -205,6 +205,19 @@ def _watched(fn: Callable[..., Any], what: str, seq: Seq, numbered: bool = True)
     return call
 
 
+def _watched_check(fn: Callable[..., Any], where: str, seq: Seq) -> Callable[..., Any]:
+    """The desync check (check.py), watched as the call it checks: ``desync check of allreduce(float32[4], ...)``;
+    ``fn(call, *args)`` is the engine's ``check_exchange``."""
+    named: dict[str, Callable[..., Any]] = {}
+
+    def call(name: str = "call", *args: Any) -> Any:
+        watched = named.get(name)
+        if watched is None:
+            watched = named[name] = _watched(functools.partial(fn, name), f"{where}desync check of {name}", seq)
+        return watched(*args)
+    return call
+
+
 class _WatchedWork:
     __slots__ = ("_args", "_n", "_seq", "_what", "_work")
 
@@ -243,6 +256,7 @@ class _WatchedEngine:
             setattr(self, name, _watched(getattr(engine, name), where + name, seq, name not in POINT_TO_POINT))
         for name in ASYNC_PRIMITIVES:
             setattr(self, name, _watched_async(getattr(engine, name), where + name.removesuffix("_async"), seq))
+        self.check_exchange = _watched_check(engine.check_exchange, where, seq)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
