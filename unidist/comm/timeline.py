@@ -47,7 +47,7 @@ def _nbytes(t: Any) -> int:
 def describe(name: str, args: Sequence[Any], group: str, n: int) -> dict[str, Any]:
     """An engine call's event arguments: bytes (nccl-tests' size), dtype, op, group, its size n, peer/root.
     The common primitives by :data:`_FAST`'s positions; gather and scatter take the larger buffer (root 4th),
-    grouped_allreduce sums its list, the desync check moves two int64."""
+    grouped_allreduce sums its list, the desync check moves three int64."""
     base = name.removesuffix("_async")
     if base in _FAST:
         return trace_files.call_args(_summarizer(name, group, n)(tuple(args), -1))
@@ -60,8 +60,9 @@ def describe(name: str, args: Sequence[Any], group: str, n: int) -> dict[str, An
     elif base == "grouped_allreduce" and args:
         t = args[0][0] if len(args[0]) else None
         out["bytes"] = sum(_nbytes(x) for x in args[0])
-    elif base == "check_exchange":
-        out["bytes"] = 16
+    elif base == "check_exchange":  # three int64 words; its arguments name the call it checks (check.py)
+        out["bytes"] = 24
+        return out
     if isinstance(t, torch.Tensor):
         out["bytes"] = out["bytes"] or _nbytes(t)
         out["dtype"] = str(t.dtype).removeprefix("torch.")
