@@ -180,7 +180,8 @@ class _Dog:
             self.beacon.line = (f"{time.time():.3f} {self.me} {self.host} ending the job: call #{calls} {what} "
                                 "timed out")
         pause = self.beacon.serve if self.beacon is not None else time.sleep  # peers probing still get an answer
-        processes.end_job(self.abort, TIMEOUT_EXIT_CODE, pause)
+        processes.end_job(self.abort, TIMEOUT_EXIT_CODE, pause,
+                          cut_off=any(liveness.LINK_LOST in p for p in peers))
 
     def failed(self, calls: int, what: str, args: tuple[Any, ...], exc: BaseException) -> None:
         """A watched call raised. When a peer was killed, the engine's error names no rank (gloo: "Connection
