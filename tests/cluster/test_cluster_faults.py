@@ -60,11 +60,9 @@ CULPRIT = {
 HYDRA_LOST_PROXY = r"\[mpiexec@h1\] control_cb .*assert \(!closed\) failed"
 
 
-# Open (issue 23's note; FULL_MATRIX only, 2026-11-24): cells whose job did not end within 60 s
-KNOWN_GAPS = {
-    ("horovodrun-gloo", "stop"): "a stopped far rank: nothing is printed and no rank ends (on one host the "
-                                 "faulthandler backstop ends it in ~23 s); not yet understood",
-}
+# Open cells (issue 23's note), marked xfail with their reason: none since 2026-11-25 (the torchrun c10d cut and
+# the horovodrun far stop were closed: comm/processes.py stop_agent, managers/horovod.py's gloo timeout)
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
 CASES = [pytest.param(LAUNCHES[n], f, id=f"{n}-{f}",
                       marks=[getattr(pytest.mark, LAUNCHES[n].backend),
                              *([pytest.mark.xfail(reason=KNOWN_GAPS[n, f], strict=False)] if (n, f) in KNOWN_GAPS

@@ -46,7 +46,8 @@ from unidist.comm import liveness, processes
 from unidist.comm.engine import Engine
 from unidist.errors import UnidistError
 
-__all__ = ["LEAVING", "TIMEOUT_EXIT_CODE", "describe_args", "engine_timeout", "start", "stop", "watch", "watching"]
+__all__ = ["LEAVING", "TIMEOUT_EXIT_CODE", "describe_args", "engine_timeout", "explaining", "gil_engine_timeout",
+           "start", "stop", "watch", "watching"]
 
 TIMEOUT_EXIT_CODE = 124  # what GNU timeout uses: "the command timed out"
 BACKSTOP_GRACE = 10.0  # seconds past the timeout before the GIL-free backstop ends a process (see _Dog.run):
@@ -221,6 +222,14 @@ def engine_timeout(timeout: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout + ENGINE_GRACE)
 
 
+def gil_engine_timeout(timeout: float) -> int:
+    """Whole seconds for an engine whose wait can hold the GIL (Horovod's gloo controller, see
+    managers/horovod.py): past the watchdog's timeout, but before the backstop (``BACKSTOP_GRACE``), so that
+    when the watchdog thread cannot run, the engine's own error frees the main thread and ``explaining``
+    names the peers while there is still time, instead of the backstop's bare stack dump."""
+    return int(timeout + BACKSTOP_GRACE / 2)
+
+
 def start(timeout: float, rank: int, size: int, job: str, abort: Callable[[int], None], *,
           address: str | None = None, exchange: Callable[[Any], list[Any]] | None = None) -> None:
     """Start this process's watchdog (one per process; a second start replaces the first). ``job`` is the
@@ -280,6 +289,19 @@ def watching(what: str, *args: Any) -> Iterator[None]:
         st.depth -= 1
         if outer:
             st.since, st.args = 0.0, ()
+
+
+@contextmanager
+def explaining(what: str) -> Iterator[None]:
+    """An engine call that should not wait on peers but can (Horovod's enqueue in a backward hook, see
+    managers/horovod.py): not timed, as computing happens inside it, but an engine error leaving it names the
+    peers that died or stopped, as one leaving a watched region does."""
+    try:
+        yield
+    except Exception as exc:
+        if _state.depth == 0 and _dog is not None and not isinstance(exc, UnidistError):
+            _dog.failed(_state.calls, what, (), exc)
+        raise
 
 
 def _explain(exc: Exception) -> None:

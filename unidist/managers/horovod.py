@@ -8,6 +8,7 @@ on a TCPStore whose address rank 0 broadcasts with Horovod itself.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -153,6 +154,14 @@ class HorovodManager(Manager):
         except ImportError as err:
             raise BackendUnavailableError(f"the 'horovod' backend needs horovod.torch ({err}); {INSTALL_HINT}") \
                 from err
+        # Horovod's gloo controller times out after HOROVOD_GLOO_TIMEOUT_SECONDS (30 s by default). With dynamic
+        # process sets its background loop holds the process-set table's mutex across a gloo allgather of every
+        # rank each cycle (horovod 0.28.1 common/process_set.cc:179-187), and every enqueue takes that mutex
+        # (common/operations.cc:1449,1456) from a binding that keeps the GIL (torch/mpi_ops_v2.cc:76,1142):
+        # with a peer stopped, a rank entering a backward waits there holding the GIL, its watchdog thread cannot
+        # run, and only the backstop would end it, naming nobody. A gloo timeout before the backstop frees it
+        # with an error that unidist names (train/horovod.py, watchdog.explaining). A user's own value stays.
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(watchdog.gil_engine_timeout(self.config.timeout)))
         hvd.init(process_sets="dynamic")  # groups are registered at run time (split, new_group)
         self._hvd = hvd  # train/horovod.py uses Horovod's own training calls
         self._process_sets: dict[tuple[int, ...], Any] = {}
