@@ -25,6 +25,8 @@ from unidist.ops import ReduceOp
 
 __all__ = ["HorovodEngine", "HorovodManager"]
 
+HOROVOD_GLOO_TIMEOUT = 30  # Horovod's own default for HOROVOD_GLOO_TIMEOUT_SECONDS (common/gloo/gloo_context.cc:63)
+
 INSTALL_HINT = ("Horovod 0.28.1 needs a patched build against torch >= 2.1: run "
                 "`bash launch_scripts/install_horovod.sh` in this environment (see README, Horovod)")
 
@@ -160,8 +162,10 @@ class HorovodManager(Manager):
         # (common/operations.cc:1449,1456) from a binding that keeps the GIL (torch/mpi_ops_v2.cc:76,1142):
         # with a peer stopped, a rank entering a backward waits there holding the GIL, its watchdog thread cannot
         # run, and only the backstop would end it, naming nobody. A gloo timeout before the backstop frees it
-        # with an error that unidist names (train/horovod.py, watchdog.explaining). A user's own value stays.
-        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(watchdog.gil_engine_timeout(self.config.timeout)))
+        # with an error that unidist names (train/horovod.py, watchdog.explaining). Never later than Horovod's
+        # default; a user's own value stays.
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS",
+                              str(min(HOROVOD_GLOO_TIMEOUT, watchdog.gil_engine_timeout(self.config.timeout))))
         hvd.init(process_sets="dynamic")  # groups are registered at run time (split, new_group)
         self._hvd = hvd  # train/horovod.py uses Horovod's own training calls
         self._process_sets: dict[tuple[int, ...], Any] = {}
