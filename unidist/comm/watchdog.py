@@ -46,12 +46,14 @@ from unidist.comm import liveness, processes
 from unidist.comm.engine import Engine
 from unidist.errors import UnidistError
 
-__all__ = ["LEAVING", "TIMEOUT_EXIT_CODE", "describe_args", "engine_timeout", "explaining", "gil_engine_timeout",
-           "start", "stop", "watch", "watching"]
+__all__ = ["LEAVING", "TIMEOUT_EXIT_CODE", "describe_args", "engine_timeout", "explaining", "start", "stop",
+           "watch", "watching"]
 
 TIMEOUT_EXIT_CODE = 124  # what GNU timeout uses: "the command timed out"
-BACKSTOP_GRACE = 10.0  # seconds past the timeout before the GIL-free backstop ends a process (see _Dog.run):
-# 2 s fired once in a healthy rank whose watchdog thread was starved while it imported torch._dynamo under load
+BACKSTOP_GRACE = 15.0  # seconds past the timeout before the GIL-free backstop ends a process (see _Dog.run):
+# 2 s fired once in a healthy rank whose watchdog thread was starved while it imported torch._dynamo under load;
+# past ENGINE_GRACE, so an engine's own timeout frees a main thread blocked holding the GIL first, and the error
+# names the peers (Horovod's enqueue: managers/horovod.py)
 ENGINE_GRACE = 10.0  # seconds the engines wait beyond UNIDIST_TIMEOUT: see engine_timeout
 LEAVING = "shutdown barrier (this rank is leaving its `with` block while a peer is still in a collective or stuck)"
 
@@ -220,14 +222,6 @@ def engine_timeout(timeout: float) -> datetime.timedelta:
     """The timeout handed to an engine (gloo, torch's store): a little longer than the watchdog's, so the
     watchdog, which names the call and the ranks, fires first; the engine's own error is the fallback."""
     return datetime.timedelta(seconds=timeout + ENGINE_GRACE)
-
-
-def gil_engine_timeout(timeout: float) -> int:
-    """Whole seconds for an engine whose wait can hold the GIL (Horovod's gloo controller, see
-    managers/horovod.py): past the watchdog's timeout, but before the backstop (``BACKSTOP_GRACE``), so that
-    when the watchdog thread cannot run, the engine's own error frees the main thread and ``explaining``
-    names the peers while there is still time, instead of the backstop's bare stack dump."""
-    return int(timeout + BACKSTOP_GRACE / 2)
 
 
 def start(timeout: float, rank: int, size: int, job: str, abort: Callable[[int], None], *,

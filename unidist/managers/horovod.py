@@ -161,11 +161,12 @@ class HorovodManager(Manager):
         # rank each cycle (horovod 0.28.1 common/process_set.cc:179-187), and every enqueue takes that mutex
         # (common/operations.cc:1449,1456) from a binding that keeps the GIL (torch/mpi_ops_v2.cc:76,1142):
         # with a peer stopped, a rank entering a backward waits there holding the GIL, its watchdog thread cannot
-        # run, and only the backstop would end it, naming nobody. A gloo timeout before the backstop frees it
-        # with an error that unidist names (train/horovod.py, watchdog.explaining). Never later than Horovod's
-        # default; a user's own value stays.
-        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS",
-                              str(min(HOROVOD_GLOO_TIMEOUT, watchdog.gil_engine_timeout(self.config.timeout))))
+        # run, and only the backstop would end it, naming nobody. The engines' timeout (UNIDIST_TIMEOUT + 10 s),
+        # before the backstop's, frees it with an error that unidist names (train/horovod.py,
+        # watchdog.explaining). Never later than Horovod's default (it also bounds how far apart the ranks may
+        # reach hvd.init: 8 s failed a third of the starts under load); a user's own value stays.
+        seconds = int(watchdog.engine_timeout(self.config.timeout).total_seconds())
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(min(HOROVOD_GLOO_TIMEOUT, seconds)))
         hvd.init(process_sets="dynamic")  # groups are registered at run time (split, new_group)
         self._hvd = hvd  # train/horovod.py uses Horovod's own training calls
         self._process_sets: dict[tuple[int, ...], Any] = {}
