@@ -207,7 +207,11 @@ def test_a_cut_off_rank_ends_its_torchrun_agent(tmp_path: Path, behaviour: str, 
     agent.write_text(_AGENT)
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, str(agent), behaviour, _WORKER], stderr=subprocess.PIPE, text=True)
-    _, err = proc.communicate(timeout=25)
+    try:
+        _, err = proc.communicate(timeout=25)
+    finally:  # a failing case must not leave the stand-in (or its worker) behind
+        proc.kill()
+        proc.wait()
     assert proc.returncode == code, err
     assert ("did not act on SIGTERM" in err) == (behaviour == "stuck"), err
     assert time.monotonic() - t0 < 20
