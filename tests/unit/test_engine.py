@@ -114,3 +114,34 @@ def test_a_failed_call_names_the_peer_that_died(tmp_path: object, capfd: pytest.
     finally:
         peer.kill()
         watchdog.stop()
+
+
+def test_an_error_leaving_an_explained_region_names_the_dead_peer(tmp_path: object,
+                                                                  capfd: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``explaining`` (Horovod's backward, whose enqueue can block until Horovod's own timeout) is not timed,
+    but an engine error leaving it names the peers as a watched call's does; a typed error stays alone."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(watchdog, "_HEARTBEATS", str(tmp_path))
+    watchdog.start(60.0, 0, 2, "job", lambda code: None)
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        beat = os.path.join(str(tmp_path), "unidist-job", "1")
+        os.makedirs(os.path.dirname(beat), exist_ok=True)
+        with open(beat, "w") as f:
+            f.write(f"{__import__('time').time():.3f} {processes.identity(peer.pid)} hostB at call #9 computing")
+        peer.kill()
+        peer.wait()
+        with pytest.raises(unidist.errors.InvalidArgumentError), watchdog.explaining("hvd backward"):
+            raise unidist.errors.InvalidArgumentError("bad")
+        assert "failed" not in capfd.readouterr().err
+        with pytest.raises(RuntimeError, match="shut down"), watchdog.explaining("hvd backward"):
+            raise RuntimeError("Horovod has been shut down")
+        err = capfd.readouterr().err
+        assert "rank 0 of 2: call #0 hvd backward failed (RuntimeError): rank 1 has died" in err, err
+        assert "on host hostB" in err, err
+    finally:
+        peer.kill()
+        watchdog.stop()

@@ -7,9 +7,12 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -175,3 +178,48 @@ def test_under_mpiexec_a_rank_asks_hydra_to_end_the_job(monkeypatch: pytest.Monk
         os.close(w)
     monkeypatch.delenv("PMI_FD")
     processes.launcher_abort(124)  # not under hydra: nothing to do
+
+
+# A stand-in for torchrun's agent (a script named torchrun): it starts one worker that, as a rank of a host that
+# lost its link does, calls processes.stop_agent; then either acts on SIGTERM by stopping the worker and exiting
+# (its main thread in Python) or cannot (torchrun blocked in the store's recv, which restarts after a signal).
+_AGENT = """
+import os, signal, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[2]], env={**os.environ, "TORCHELASTIC_RUN_ID": "x"})
+if sys.argv[1] == "acts":
+    def stop(sig, frame):
+        worker.terminate()
+        sys.exit(15)
+    signal.signal(signal.SIGTERM, stop)
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+worker.wait()
+time.sleep(30)  # the worker is gone but the agent is not: only a signal ends it here
+"""
+_WORKER = (f"import importlib.util as u; s = u.spec_from_file_location('p', {processes.__file__!r}); "
+           "m = u.module_from_spec(s); s.loader.exec_module(m); m.stop_agent(1.0)")
+
+
+@pytest.mark.parametrize(("behaviour", "code"), [("acts", 15), ("stuck", -9)])
+def test_a_cut_off_rank_ends_its_torchrun_agent(tmp_path: Path, behaviour: str, code: int) -> None:
+    """SIGTERM, which an agent back in Python acts on; SIGKILL after the grace when it cannot."""
+    agent = tmp_path / "torchrun"
+    agent.write_text(_AGENT)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(agent), behaviour, _WORKER], stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=25)
+    finally:  # a failing case must not leave the stand-in (or its worker) behind
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == code, err
+    assert ("did not act on SIGTERM" in err) == (behaviour == "stuck"), err
+    assert time.monotonic() - t0 < 20
+
+
+def test_only_torchrun_is_ended(tmp_path: Path) -> None:
+    """A parent that is not torchrun's agent (a shell, another launcher) is never signalled."""
+    agent = tmp_path / "launcher"
+    agent.write_text(_AGENT.replace("time.sleep(30)", "time.sleep(2)"))
+    proc = subprocess.run([sys.executable, str(agent), "stuck", _WORKER], capture_output=True, text=True, timeout=25)
+    assert proc.returncode == 0, proc.stderr

@@ -31,8 +31,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-__all__ = ["PROBE_SECONDS", "Answer", "Beacon", "Endpoint", "describe", "link_down", "probe"]
+__all__ = ["LINK_LOST", "PROBE_SECONDS", "Answer", "Beacon", "Endpoint", "describe", "link_down", "probe"]
 
+LINK_LOST = "has lost its network link"  # how ``describe`` says this host is the one cut off (see its first line)
 PROBE_SECONDS = 1.0  # how long a probe waits for a far rank: a healthy host on a cluster network answers in ms
 _MAX_LINE = 16384  # a heartbeat line with its position (one count per group the rank is in)
 
@@ -210,7 +211,7 @@ def describe(far: Sequence[Endpoint], tag: str, host: str, address: str, serving
     if address and out and all(" is unreachable " in p for p in out):
         nic = link_down(address)
         if nic:
-            out.insert(0, f"this host, {host}, has lost its network link ({nic} has no carrier)")
+            out.insert(0, f"this host, {host}, {LINK_LOST} ({nic} has no carrier)")
     return out
 
 

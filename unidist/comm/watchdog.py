@@ -38,15 +38,17 @@ from collections.abc import Callable
 from typing import Any
 
 from unidist.comm import liveness, processes, stall, trace_hooks, watched
-from unidist.comm.watched import calls, describe_args, watch, watching
+from unidist.comm.watched import calls, describe_args, explaining, watch, watching
 
-__all__ = ["DESYNC_EXIT_CODE", "LEAVING", "TIMEOUT_EXIT_CODE", "calls", "describe_args", "engine_timeout", "start",
-           "stop", "watch", "watching"]
+__all__ = ["DESYNC_EXIT_CODE", "LEAVING", "TIMEOUT_EXIT_CODE", "calls", "describe_args", "engine_timeout",
+           "explaining", "start", "stop", "watch", "watching"]
 
 TIMEOUT_EXIT_CODE = 124  # what GNU timeout uses: "the command timed out"
 DESYNC_EXIT_CODE = 1  # a desync is the program's error, as an exception would be
-BACKSTOP_GRACE = 10.0  # seconds past the timeout before the GIL-free backstop ends a process (see _Dog.run):
-# 2 s fired once in a healthy rank whose watchdog thread was starved while it imported torch._dynamo under load
+BACKSTOP_GRACE = 15.0  # seconds past the timeout before the GIL-free backstop ends a process (see _Dog.run):
+# 2 s fired once in a healthy rank whose watchdog thread was starved while it imported torch._dynamo under load;
+# past ENGINE_GRACE, so an engine's own timeout frees a main thread blocked holding the GIL first, and the error
+# names the peers (Horovod's enqueue: managers/horovod.py)
 ENGINE_GRACE = 10.0  # seconds the engines wait beyond UNIDIST_TIMEOUT: see engine_timeout
 LEAVING = "shutdown barrier (this rank is leaving its `with` block while a peer is still in a collective or stuck)"
 _clock = time.monotonic
@@ -238,7 +240,8 @@ class _Dog:
             self.beacon.line = (f"{time.time():.3f} {self.me} {self.host} ending the job: call #{calls} {what} "
                                 "timed out")
         pause = self.beacon.serve if self.beacon is not None else time.sleep  # peers probing still get an answer
-        processes.end_job(self.abort, TIMEOUT_EXIT_CODE, pause)
+        processes.end_job(self.abort, TIMEOUT_EXIT_CODE, pause,
+                          cut_off=any(liveness.LINK_LOST in p for p in peers))
 
     def failed(self, calls: int, what: str, args: tuple[Any, ...], exc: BaseException) -> None:
         """A watched call raised. When a peer was killed, the engine's error names no rank (gloo: "Connection
@@ -330,5 +333,3 @@ def stop() -> None:
 
 # times, 0.1 s apart, a failed watched call looks for a dead peer (see _Dog.failed): only errors pay for it
 FAILED_LOOKS = 5
-
-

@@ -31,7 +31,7 @@ from unidist.comm import mismatch
 from unidist.comm.engine import Engine
 from unidist.errors import UnidistError
 
-__all__ = ["Seq", "calls", "describe_args", "failure_hook", "position", "watch", "watching"]
+__all__ = ["Seq", "calls", "describe_args", "explaining", "failure_hook", "position", "watch", "watching"]
 
 # the engine primitives of comm/engine.py: every wait on peers goes through one of them
 PRIMITIVES = ("barrier", "broadcast", "allreduce", "allgather", "alltoall", "send", "recv", "gather", "scatter",
@@ -158,6 +158,19 @@ def _region(what: str, args: tuple[Any, ...], seq: Seq | None, n: int) -> Iterat
         st.depth -= 1
         if outer:
             st.token, st.args = 0, ()
+
+
+@contextmanager
+def explaining(what: str) -> Iterator[None]:
+    """An engine call that should not wait on peers but can (Horovod's enqueue in a backward hook, see
+    managers/horovod.py): not timed, as computing happens inside it, but an engine error leaving it names the
+    peers that died or stopped, as one leaving a watched region does."""
+    try:
+        yield
+    except Exception as exc:
+        if _state.depth == 0 and failure_hook is not None and not isinstance(exc, UnidistError):
+            failure_hook(_state.calls, what, (), exc)
+        raise
 
 
 def _explain(exc: Exception) -> None:

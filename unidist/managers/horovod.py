@@ -8,6 +8,7 @@ on a TCPStore whose address rank 0 broadcasts with Horovod itself.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -24,6 +25,8 @@ from unidist.net import listener, rendezvous_address
 from unidist.ops import ReduceOp
 
 __all__ = ["HorovodEngine", "HorovodManager"]
+
+HOROVOD_GLOO_TIMEOUT = 30  # Horovod's own default for HOROVOD_GLOO_TIMEOUT_SECONDS (common/gloo/gloo_context.cc:63)
 
 INSTALL_HINT = ("Horovod 0.28.1 needs a patched build against torch >= 2.1: run "
                 "`bash launch_scripts/install_horovod.sh` in this environment (see README, Horovod)")
@@ -162,6 +165,17 @@ class HorovodManager(Manager):
         except ImportError as err:
             raise BackendUnavailableError(f"the 'horovod' backend needs horovod.torch ({err}); {INSTALL_HINT}") \
                 from err
+        # Horovod's gloo controller times out after HOROVOD_GLOO_TIMEOUT_SECONDS (30 s by default). With dynamic
+        # process sets its background loop holds the process-set table's mutex across a gloo allgather of every
+        # rank each cycle (horovod 0.28.1 common/process_set.cc:179-187), and every enqueue takes that mutex
+        # (common/operations.cc:1449,1456) from a binding that keeps the GIL (torch/mpi_ops_v2.cc:76,1142):
+        # with a peer stopped, a rank entering a backward waits there holding the GIL, its watchdog thread cannot
+        # run, and only the backstop would end it, naming nobody. The engines' timeout (UNIDIST_TIMEOUT + 10 s),
+        # before the backstop's, frees it with an error that unidist names (train/horovod.py,
+        # watchdog.explaining). Never later than Horovod's default (it also bounds how far apart the ranks may
+        # reach hvd.init: 8 s failed a third of the starts under load); a user's own value stays.
+        seconds = int(watchdog.engine_timeout(self.config.timeout).total_seconds())
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(min(HOROVOD_GLOO_TIMEOUT, seconds)))
         hvd.init(process_sets="dynamic")  # groups are registered at run time (split, new_group)
         self._hvd = hvd  # train/horovod.py uses Horovod's own training calls
         self._process_sets: dict[tuple[int, ...], Any] = {}

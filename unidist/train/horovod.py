@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from unidist.checkpoint.layout import FullLayout
-from unidist.comm import timeline
+from unidist.comm import timeline, watchdog
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.options import SyncOptions, TrainOptions, one_way_to_accumulate
@@ -29,6 +29,13 @@ __all__ = ["HorovodOptimizer", "HorovodTrainer"]
 
 class HorovodTrainer(Trainer):
     """Horovod's optimizer for the whole world; with ``group=`` unidist's own over that group."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Horovod's hooks enqueue each gradient during the backward; an enqueue can block holding the GIL
+        while a peer is stopped (managers/horovod.py says why) until Horovod's own gloo timeout ends it, so
+        the error that frees it names the peers that stopped or died."""
+        with watchdog.explaining("hvd backward (gradient enqueue)"):
+            super().backward(loss)
 
     def broadcast_parameters(self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]
                              | Iterable[tuple[str, torch.Tensor]], root: int = 0) -> None:
