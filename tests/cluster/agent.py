@@ -10,6 +10,7 @@ Usage: agent.py CLUSTER_DIR  (reads CLUSTER_DIR/hosts.json, listens on CLUSTER_D
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -77,7 +78,8 @@ def serve(conn: socket.socket, hosts: dict[str, dict[str, object]], profile: dic
         while True:
             ready, _, _ = select.select([conn], [], [], 0.2)
             if proc.poll() is not None:
-                conn.sendall(f"{proc.returncode if proc.returncode >= 0 else 128 - proc.returncode}\n".encode())
+                with contextlib.suppress(OSError):  # the stand-in may be gone already (its job was killed)
+                    conn.sendall(f"{proc.returncode if proc.returncode >= 0 else 128 - proc.returncode}\n".encode())
                 return
             if ready and not conn.recv(1):  # the stand-in died: end the session
                 try:
