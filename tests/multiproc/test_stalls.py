@@ -24,7 +24,11 @@ VERDICTS = {  # what the healthy rank 0 must say of each stall
     "stopped": "rank 1 is not responding (stopped",
     "desync": "unidist.errors.CollectiveMismatchError: ranks are in different calls",
 }
-LAUNCHES = {n: v for n, v in main_launches(2).items() if v.backend in ("mpi", "torch", "deepspeed", "horovod")}
+# Every engine's main launcher; CI leaves out DeepSpeed's (~60 s of its env): its engine is torchrun's gloo
+# engine under another launcher, and the inspector reads the same heartbeats. FULL_MATRIX=1 runs it (it passed
+# on 2026-11-25 with the others: 3.0 / 4.0 / 3.9 s).
+LAUNCHES = {n: v for n, v in main_launches(2).items() if v.backend in ("mpi", "torch", "horovod")
+            or (v.backend == "deepspeed" and os.environ.get("FULL_MATRIX") == "1")}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS[v.backend]) for n, v in LAUNCHES.items()])
