@@ -11,8 +11,7 @@ both accept a shorter message: ``[0, 1, 2, 3, -1, -1, -1, -1]`` for 4 floats sen
 - gloo engines (torch, DeepSpeed, Horovod's side group) frame every message with a 32-byte header (dtype, element
   count): in the same message as the payload up to ``INLINE_MAX`` bytes, as a message of its own above. The
   receiver reads the header, drains a mismatched payload (so the channel stays in step) and raises. gloo has no
-  probe, so the sender learns of it at its next barrier: the engine's barrier is a MAX allreduce of every
-  rank's verdicts (``Framing.verdicts``, ``VERDICT_WORDS`` a sender), after which the sender raises.
+  probe, so the sender is not told: it goes on, and the receiver's error ends the job unless caught.
 
 Engine errors that mean a mismatch (MPI truncation, Horovod's "Mismatched ...", gloo's lost peer) are wrapped by
 ``typed`` in a unidist error naming the call and pointing to ``UNIDIST_CHECK_COLLECTIVES=1``.
@@ -28,15 +27,12 @@ import torch
 from unidist.comm.dtypes import DTYPE_ID, SUPPORTED_DTYPES
 from unidist.errors import EngineMismatchError, MessageMismatchError, PeerLostError, UnidistError
 
-__all__ = ["HEADER_BYTES", "INLINE_MAX", "VERDICT_WORDS", "Framing", "message_error", "retype", "typed"]
+__all__ = ["HEADER_BYTES", "INLINE_MAX", "Framing", "message_error", "retype", "typed"]
 
 MAGIC = 0x756E6964  # "unid": a frame from a peer that does not frame is refused, not misread
 HEADER_WORDS = 4  # magic, dtype id, element count, payload inline (1) or in a message of its own (0)
 HEADER_BYTES = 8 * HEADER_WORDS
 INLINE_MAX = 64 << 10  # payloads up to this travel in the header's message (one copy each side)
-# a receiver's verdict on one sender's message, carried by the barrier: receiver, tag, the buffer's dtype id and
-# elements, the message's dtype id and elements, each + 1 (0: no verdict; merged by a MAX allreduce)
-VERDICT_WORDS = 6
 HINT = ("run with UNIDIST_CHECK_COLLECTIVES=1 to have every call compared across ranks, naming what each "
         "rank called")
 
@@ -76,7 +72,6 @@ class Framing:
         self._out_words[0] = MAGIC
         self._box = torch.empty(HEADER_BYTES + INLINE_MAX, dtype=torch.uint8)  # every first message lands here
         self._words = self._box[:HEADER_BYTES].view(torch.int64).numpy()
-        self._refused: dict[int, tuple[int, int, int, int, int]] = {}  # sender -> tag, buffer's, message's
 
     @staticmethod
     def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -110,31 +105,11 @@ class Framing:
             if not inline:  # drain the payload: the next message on this channel must be the next one sent
                 width = SUPPORTED_DTYPES[dtype_id].itemsize if 0 <= dtype_id < len(SUPPORTED_DTYPES) else 1
                 self._recv(torch.empty(numel * width, dtype=torch.uint8), source, tag)
-            self._refused[source] = (tag, *mine, dtype_id, numel)
             raise message_error("recv", source, tag, mine, (dtype_id, numel))
         if not inline:
             self._recv(t, source, tag)
         elif numel:
             self._bytes(t).copy_(self._box[HEADER_BYTES:HEADER_BYTES + t.numel() * t.element_size()])
-
-
-    def verdicts(self, rank: int, size: int) -> torch.Tensor:
-        """What this rank (``rank`` of ``size``) refused since the last barrier, as the words the barrier's MAX
-        allreduce merges: ``VERDICT_WORDS`` for each sender, zero where none was refused."""
-        words = torch.zeros(size * VERDICT_WORDS, dtype=torch.int64)
-        for source, (tag, *sizes) in self._refused.items():
-            words[source * VERDICT_WORDS:(source + 1) * VERDICT_WORDS] = torch.tensor([rank, tag, *sizes]) + 1
-        self._refused.clear()
-        return words
-
-    @staticmethod
-    def told(words: torch.Tensor, rank: int) -> MessageMismatchError | None:
-        """After the barrier: the sender's error for a message of ``rank``'s that its receiver refused, if any."""
-        row = [int(v) - 1 for v in words[rank * VERDICT_WORDS:(rank + 1) * VERDICT_WORDS].tolist()]
-        if row[0] < 0:
-            return None
-        receiver, tag, buf_dtype, buf_numel, msg_dtype, msg_numel = row
-        return message_error("send", receiver, tag, (msg_dtype, msg_numel), (buf_dtype, buf_numel), later=True)
 
 
 # engine words that mean "the ranks disagree", and the typed error each becomes

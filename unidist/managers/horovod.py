@@ -59,7 +59,6 @@ class HorovodEngine(SortedOrder, Engine):
                      ReduceOp.PRODUCT: hvd.Product}
         self._calls = 0
         self._framing = Framing(self._raw_send, self._raw_recv)
-        self._told: Exception | None = None  # a refused send's error, from the last barrier
 
     def _split(self, lists: list[list[int]]) -> list[Engine | None]:
         """A process set per list (every rank registers every set, in the same order; Horovod refuses a set
@@ -108,14 +107,7 @@ class HorovodEngine(SortedOrder, Engine):
         return EngineWork(lambda: hvd.synchronize(handle), lambda: hvd.poll(handle), *keep)
 
     def barrier(self) -> None:
-        # the receivers' verdicts on mismatched messages travel with it (comm/mismatch.py): gloo cannot probe
-        words = self._framing.verdicts(self.rank, self.size)
-        self._hvd.allreduce_(words, op=self._ops[ReduceOp.MAX], name=self._name("barrier"), process_set=self._ps)
-        self._told = Framing.told(words, self.rank)
-
-    def pending_mismatch(self) -> Exception | None:
-        told, self._told = self._told, None
-        return told
+        self._hvd.barrier(process_set=self._ps)
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         self._hvd.broadcast_(t, self._world(root), name=self._name("bc"), process_set=self._ps)

@@ -61,7 +61,6 @@ class TorchEngine(SortedOrder, Engine):
         self._ops = {ReduceOp.SUM: ops.SUM, ReduceOp.MIN: ops.MIN, ReduceOp.MAX: ops.MAX,
                      ReduceOp.PRODUCT: ops.PRODUCT}
         self._framing = Framing(self._raw_send, self._raw_recv)
-        self._told: Exception | None = None  # a refused send's error, from the last barrier
 
     def _split(self, lists: list[list[int]]) -> list[Engine | None]:
         """``new_group`` for each list, on every rank in the same order (the engine requires both)."""
@@ -77,14 +76,7 @@ class TorchEngine(SortedOrder, Engine):
         return rank if self._members is None else self._members[rank]
 
     def barrier(self) -> None:
-        # the receivers' verdicts on mismatched messages travel with it (comm/mismatch.py): gloo cannot probe
-        words = self._framing.verdicts(self.rank, self.size)
-        self._dist.all_reduce(words, self._ops[ReduceOp.MAX], group=self._pg)
-        self._told = Framing.told(words, self.rank)
-
-    def pending_mismatch(self) -> Exception | None:
-        told, self._told = self._told, None
-        return told
+        self._dist.barrier(group=self._pg)
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         self._dist.broadcast(t, self._world(root), group=self._pg)
