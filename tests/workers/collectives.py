@@ -516,7 +516,10 @@ def plan(size: int) -> list[Case]:
                  "dtype": (torch.arange(4, dtype=f64_), torch.full((4,), -1.0)),
                  "big": (torch.arange(20000, dtype=f32), torch.full((30000,), -1.0))}
         # the active Manager's backend: ``mgr`` may be a Group (the group suite runs these cases too)
-        sender_told = mgr.checks_collectives or unidist.get_manager().backend == "mpi"
+        backend = unidist.get_manager().backend
+        if backend not in ("mpi", "torch", "deepspeed", "horovod"):
+            return  # a backend registered from outside frames its own messages (the tests' mpi_pickle raises its own)
+        sender_told = mgr.checks_collectives or backend == "mpi"
         problems = []  # asserted at the end: a rank leaving early would leave its peer waiting
         for what, (sent, buf) in pairs.items():
             caught: list[Exception] = []
