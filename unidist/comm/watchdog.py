@@ -75,7 +75,7 @@ class _Dog:
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.run, name="unidist-watchdog", daemon=True)
         # the wait being timed: its token (watched.py) and when a sample first found it
-        self.token, self.found = 0, 0.0
+        self.token, self.found, self.found_wall = 0, 0.0, 0.0
         self.said, self.said_at, self.desync = "", 0.0, False  # the inspector's last warning, and a desync seen
 
     def run(self) -> None:
@@ -91,6 +91,7 @@ class _Dog:
             now = _clock()
             if token != self.token:  # a new wait, or none: timed from now, to within one period
                 self.token, self.found, self.said, self.desync = token, now, "", False
+                self.found_wall = time.time()
             self.beat(f"at call #{calls} " + (f"waiting in {what}{describe_args(args)}" if token else "computing"))
             waited = now - self.found
             if token and waited > self.timeout and st.token == token:
@@ -190,8 +191,9 @@ class _Dog:
 
     def inspect(self, waited: float) -> bool:
         """A wait past UNIDIST_STALL_WARNING: say why (stall.py). True when a desync ended the job."""
-        began = time.time() - (_clock() - self.found)  # when a sample first found this wait, in wall time
-        seen, _, _ = self.survey(since=began)
+        # positions written a period after a sample first found this wait (wall time: heartbeats carry it); a
+        # live rank beats every period, and one written just around the wait's start may predate it
+        seen, _, _ = self.survey(since=self.found_wall + self.period)
         verdict = stall.classify(self.rank, self.size, watched.position(), seen)
         if verdict.kind == "unknown":  # nothing seen since the wait began (a stopped rank not yet stale)
             return False
