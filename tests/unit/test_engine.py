@@ -77,6 +77,14 @@ class _Lost(_Pair):
         raise unidist.errors.InvalidArgumentError("bad root")
 
 
+def _peer_heartbeat(tmp_path: object, pid: int, doing: str) -> None:
+    """Rank 1's heartbeat in job ``job``'s directory, written as its watchdog would, for process ``pid``."""
+    beat = os.path.join(str(tmp_path), "unidist-job", "1")
+    os.makedirs(os.path.dirname(beat), exist_ok=True)
+    with open(beat, "w") as f:
+        f.write(f"{__import__('time').time():.3f} {processes.identity(pid)} {doing}")
+
+
 def test_a_failed_call_names_the_peer_that_died(tmp_path: object, capfd: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's error names no rank; the watchdog names the one whose process is gone (a real process,
@@ -90,10 +98,7 @@ def test_a_failed_call_names_the_peer_that_died(tmp_path: object, capfd: pytest.
     watchdog.start(60.0, 0, 2, "job", lambda code: None)
     peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        beat = os.path.join(str(tmp_path), "unidist-job", "1")
-        os.makedirs(os.path.dirname(beat), exist_ok=True)
-        with open(beat, "w") as f:
-            f.write(f"{__import__('time').time():.3f} {processes.identity(peer.pid)} hostA at call #7 computing")
+        _peer_heartbeat(tmp_path, peer.pid, "hostA at call #7 computing")
         with pytest.raises(RuntimeError, match="reset"):
             engine.allreduce(t, t, ReduceOp.SUM)
         assert "failed" not in capfd.readouterr().err  # the peer lives: the engine's error stands alone
@@ -128,10 +133,7 @@ def test_an_error_leaving_an_explained_region_names_the_dead_peer(tmp_path: obje
     watchdog.start(60.0, 0, 2, "job", lambda code: None)
     peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        beat = os.path.join(str(tmp_path), "unidist-job", "1")
-        os.makedirs(os.path.dirname(beat), exist_ok=True)
-        with open(beat, "w") as f:
-            f.write(f"{__import__('time').time():.3f} {processes.identity(peer.pid)} hostB at call #9 computing")
+        _peer_heartbeat(tmp_path, peer.pid, "hostB at call #9 computing")
         peer.kill()
         peer.wait()
         with pytest.raises(unidist.errors.InvalidArgumentError), watchdog.explaining("hvd backward"):

@@ -183,30 +183,15 @@ def _explain(exc: Exception) -> None:
 
 def _watched(fn: Callable[..., Any], what: str, seq: Seq, numbered: bool = True) -> Callable[..., Any]:
     st = _state
-    if not numbered:  # point-to-point: its order is per pair
-        @functools.wraps(fn)
-        def p2p(*args: Any) -> Any:
-            st.calls += 1
-            if st.depth:
-                return fn(*args)
-            st.what, st.args, st.seq, st.n, st.token = what, args, seq, 0, st.calls
-            st.depth = 1
-            try:
-                return fn(*args)
-            except Exception as exc:
-                _explain(exc)
-                raise
-            finally:
-                st.depth, st.token, st.args = 0, 0, ()
-        return p2p
+    step = 1 if numbered else 0  # point-to-point (not numbered): its order is per pair; its n is 0
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
         st.calls += 1
-        seq.n += 1
+        seq.n += step
         if st.depth:
             return fn(*args)
-        st.what, st.args, st.seq, st.n, st.token = what, args, seq, seq.n, st.calls
+        st.what, st.args, st.seq, st.n, st.token = what, args, seq, seq.n * step, st.calls
         st.depth = 1
         try:
             return fn(*args)
