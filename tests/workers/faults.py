@@ -6,8 +6,9 @@
         kind    broadcast while the others allreduce
         outside the test does it (cuts the rank's host off, kills the host): the rank writes <out>/asked and
                 waits for <out>/fault (written by the test, with the time), then goes on with the step
-Every rank writes <out>/pid<R>; the faulty rank writes <out>/fault (the wall time of the fault), so the
-test can time the job's end from the fault and clean up a stopped rank the launcher left behind. The
+Every rank writes <out>/pid<R>, and the ranks start together when all are there; the faulty rank writes
+<out>/fault (the wall time of the fault), so the test can time the job's end from the fault and clean up a
+stopped rank the launcher left behind. The
 healthy ranks' step makes the backend's own gradient exchange wait (DeepSpeed's engine, Horovod's
 optimizer, unidist's hooks), then an allreduce.
 """
@@ -31,10 +32,22 @@ parser.add_argument("--fault", required=True, choices=["kill", "stop", "raise", 
 parser.add_argument("--local_rank", type=int)  # the deepspeed launcher appends it
 args = parser.parse_args(unidist.script_args())
 
+
+def start_together(out: Path, size: int) -> None:
+    """Wait (up to 120 s) until every rank has written its pid file: the faults are run with a short
+    UNIDIST_TIMEOUT (3 s), and on a loaded machine the ranks of one host reached the first collective 3 s after
+    another host's (after init: imports, the model), which ended the job before its fault. The files are
+    outside unidist, so this wait is not bounded by UNIDIST_TIMEOUT."""
+    end = time.monotonic() + 120
+    while sum(1 for _ in out.glob("pid*")) < size and time.monotonic() < end:
+        time.sleep(0.02)
+
+
 with unidist.init() as mgr:
-    (args.out / f"pid{mgr.rank}").write_text(str(os.getpid()))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    (args.out / f"pid{mgr.rank}").write_text(str(os.getpid()))
+    start_together(args.out, mgr.size)
     model, opt = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
     faulty = mgr.rank == mgr.size - 1
     gen = torch.Generator().manual_seed(mgr.rank)
