@@ -71,6 +71,49 @@ def test_a_mismatched_message_raises_and_the_channel_stays_in_step(sent: torch.T
     assert torch.equal(nxt, torch.arange(3.0))
 
 
+def test_the_sender_is_told_through_the_store() -> None:
+    """Rank 1 refuses rank 0's message: it leaves rank 0's error in the store (under rank 0's world rank) and says
+    so; rank 0 finds it at its next look, once, naming the receiver, the tag and both sizes; a rank that sent
+    nothing since its last look does not ask the store."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    wire = _Gloo()
+    sender = mismatch.Framing(wire.send, wire.recv, rank=0, verdicts=mismatch.Verdicts(store, 0))
+    receiver_verdicts = mismatch.Verdicts(store, 1)
+    receiver = mismatch.Framing(wire.send, wire.recv, rank=1, world=lambda r: r, verdicts=receiver_verdicts)
+    sender.send(torch.arange(4, dtype=torch.int32), 1, 9)
+    with pytest.raises(unidist.MessageMismatchError, match="the sender is told at its next barrier"):
+        receiver.recv(torch.zeros(8), 0, 9)
+    assert receiver_verdicts.pending() is None  # rank 1 sent nothing: no look
+    told = sender._verdicts.pending()  # type: ignore[union-attr]
+    assert told is not None and str(told).startswith(
+        "an earlier send to rank 1 (tag 9) did not match: this rank sent 4 elements of int32, the receiver's buffer "
+        "has 8 elements of float32")
+    sender.send(torch.arange(3.0), 1, 9)
+    assert sender._verdicts.pending() is None  # type: ignore[union-attr]  said once
+    got = torch.zeros(3)
+    receiver.recv(got, 0, 9)
+    assert torch.equal(got, torch.arange(3.0))
+
+
+def test_a_group_tells_the_senders_world_rank() -> None:
+    """In a group, the receiver names the sender's group rank to find its world rank (the store's key) and names
+    itself by its group rank (the sender's numbering)."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    wire = _Gloo()
+    world = {0: 2, 1: 3}.__getitem__  # group ranks 0, 1 are world ranks 2, 3
+    sender = mismatch.Framing(wire.send, wire.recv, rank=0, world=world, verdicts=mismatch.Verdicts(store, 2))
+    receiver = mismatch.Framing(wire.send, wire.recv, rank=1, world=world, verdicts=mismatch.Verdicts(store, 3))
+    sender.send(torch.arange(4.0), 1, 5)
+    with pytest.raises(unidist.MessageMismatchError):
+        receiver.recv(torch.zeros(5), 0, 5)
+    told = sender._verdicts.pending()  # type: ignore[union-attr]
+    assert told is not None and "send to rank 1 (tag 5)" in str(told)
+
+
 def test_an_unframed_message_is_refused() -> None:
     wire = _Gloo()
     framing = mismatch.Framing(wire.send, wire.recv)

@@ -11,7 +11,8 @@ both accept a shorter message: ``[0, 1, 2, 3, -1, -1, -1, -1]`` for 4 floats sen
 - gloo engines (torch, DeepSpeed, Horovod's side group) frame every message with a 32-byte header (dtype, element
   count): in the same message as the payload up to ``INLINE_MAX`` bytes, as a message of its own above. The
   receiver reads the header, drains a mismatched payload (so the channel stays in step) and raises. gloo has no
-  probe, so the sender is not told: it goes on, and the receiver's error ends the job unless caught.
+  probe: the receiver leaves its verdict for the sender in the job's key-value store (``Verdicts``), and the
+  sender raises at its next barrier and when it leaves its ``with`` block, as on MPI.
 
 Engine errors that mean a mismatch (MPI truncation, Horovod's "Mismatched ...", gloo's lost peer) are wrapped by
 ``typed`` in a unidist error naming the call and pointing to ``UNIDIST_CHECK_COLLECTIVES=1``.
@@ -19,6 +20,7 @@ Engine errors that mean a mismatch (MPI truncation, Horovod's "Mismatched ...", 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +29,7 @@ import torch
 from unidist.comm.dtypes import DTYPE_ID, SUPPORTED_DTYPES
 from unidist.errors import EngineMismatchError, MessageMismatchError, PeerLostError, UnidistError
 
-__all__ = ["HEADER_BYTES", "INLINE_MAX", "Framing", "message_error", "retype", "typed"]
+__all__ = ["HEADER_BYTES", "INLINE_MAX", "Framing", "Verdicts", "message_error", "retype", "typed"]
 
 MAGIC = 0x756E6964  # "unid": a frame from a peer that does not frame is refused, not misread
 HEADER_WORDS = 4  # magic, dtype id, element count, payload inline (1) or in a message of its own (0)
@@ -44,9 +46,10 @@ def _what(dtype_id: int, numel: int) -> str:
 
 
 def message_error(side: str, peer: int, tag: int, mine: tuple[int, int], theirs: tuple[int, int] | None,
-                  later: bool = False) -> MessageMismatchError:
+                  later: bool = False, sender_told: bool = False) -> MessageMismatchError:
     """The error of one side of a mismatched pair; ``mine``/``theirs`` are (dtype id, element count), theirs
-    None when the engine only said the message was longer than the buffer."""
+    None when the engine only said the message was longer than the buffer; ``sender_told``: the receiver has left
+    the sender its verdict (it raises at its next barrier)."""
     other = "receiver's buffer" if side == "send" else "message"
     have = "this rank sent" if side == "send" else "this rank's buffer holds"
     told = _what(*theirs) if theirs is not None else "more than fits (the engine truncated it)"
@@ -54,19 +57,57 @@ def message_error(side: str, peer: int, tag: int, mine: tuple[int, int], theirs:
     way = "to" if side == "send" else "from"
     return MessageMismatchError(
         f"{when}{side} {way} rank {peer} (tag {tag}) did not match: {have} {_what(*mine)}, the {other} has {told}. "
-        "A send and its recv need the same dtype and number of elements; the received data was discarded. "
-        f"To find which call diverged, {HINT}.")
+        "A send and its recv need the same dtype and number of elements; the received data was discarded"
+        f"{' (the sender is told at its next barrier)' if sender_told else ''}. To find which call diverged, {HINT}.")
+
+
+class Verdicts:
+    """Refused messages told to their senders through the job's key-value store (the rendezvous store the gloo
+    group was made on), one object per Manager, shared by its groups.
+
+    A receiver that refuses a message leaves the sender's error under the sender's world rank (the first one
+    stays); the sender looks at its next barrier and when it leaves (``pending``), after the call, so no peer is
+    left waiting. A look is one store round trip (22 us on one host, measured), paid only by a rank that sent a
+    message since its last look: the fast path only sets ``sent``.
+    """
+
+    def __init__(self, store: Any, world_rank: int) -> None:
+        self._store, self._key = store, f"unidist/refused/{world_rank}"
+        self.sent = False  # a message left this rank since the last look
+
+    def tell(self, sender: int, error: MessageMismatchError) -> None:
+        """Leave ``error`` for the rank ``sender`` (its world rank); best effort: the receiver raises anyway."""
+        with contextlib.suppress(Exception):  # the store may be gone with a failing job; the receiver's error stands
+            self._store.compare_set(f"unidist/refused/{sender}", "", str(error))
+
+    def pending(self) -> MessageMismatchError | None:
+        """The sender's side: the error a receiver left for this rank, if any (taken: it is said once)."""
+        if not self.sent:
+            return None
+        self.sent = False
+        try:
+            if not self._store.check([self._key]):
+                return None
+            text = self._store.get(self._key).decode()
+            self._store.delete_key(self._key)
+        except Exception:  # a store gone at the job's end: nothing more can be said
+            return None
+        return MessageMismatchError(text)
 
 
 class Framing:
     """Header framing of one gloo channel's messages (``send``/``recv`` are the engine's raw blocking calls).
 
     Both directions reuse one buffer each (the calls are blocking), and the header's words are written and read
-    through numpy views: a frame costs one copy of the payload each side, and no tensor is made per call."""
+    through numpy views: a frame costs one copy of the payload each side, and no tensor is made per call.
+    ``verdicts`` tells a sender whose message this rank refused (``rank`` is this rank in the channel's
+    numbering, ``world`` maps the channel's ranks to the store's); without it only the receiver raises."""
 
     def __init__(self, send: Callable[[torch.Tensor, int, int], None],
-                 recv: Callable[[torch.Tensor, int, int], None]) -> None:
+                 recv: Callable[[torch.Tensor, int, int], None], *, rank: int = -1,
+                 world: Callable[[int], int] = int, verdicts: Verdicts | None = None) -> None:
         self._send, self._recv = send, recv
+        self._rank, self._world, self._verdicts = rank, world, verdicts
         self._out = torch.empty(HEADER_BYTES + INLINE_MAX, dtype=torch.uint8)  # every frame is built here
         self._out_words = self._out[:HEADER_BYTES].view(torch.int64).numpy()
         self._out_words[0] = MAGIC
@@ -82,6 +123,8 @@ class Framing:
         inline = nbytes <= INLINE_MAX
         words = self._out_words
         words[1], words[2], words[3] = DTYPE_ID[t.dtype], t.numel(), inline
+        if self._verdicts is not None:
+            self._verdicts.sent = True
         if inline:
             frame = self._out[:HEADER_BYTES + nbytes]
             if nbytes:
@@ -105,7 +148,11 @@ class Framing:
             if not inline:  # drain the payload: the next message on this channel must be the next one sent
                 width = SUPPORTED_DTYPES[dtype_id].itemsize if 0 <= dtype_id < len(SUPPORTED_DTYPES) else 1
                 self._recv(torch.empty(numel * width, dtype=torch.uint8), source, tag)
-            raise message_error("recv", source, tag, mine, (dtype_id, numel))
+            if self._verdicts is not None:
+                self._verdicts.tell(self._world(source),
+                                    message_error("send", self._rank, tag, (dtype_id, numel), mine, later=True))
+            raise message_error("recv", source, tag, mine, (dtype_id, numel),
+                                sender_told=self._verdicts is not None)
         if not inline:
             self._recv(t, source, tag)
         elif numel:

@@ -16,7 +16,7 @@ import torch
 
 from unidist.comm import watchdog
 from unidist.comm.engine import Engine, SortedOrder
-from unidist.comm.mismatch import Framing
+from unidist.comm.mismatch import Framing, Verdicts
 from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError
 from unidist.managers import stores
@@ -47,7 +47,7 @@ class HorovodEngine(SortedOrder, Engine):
     wire_dtypes: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.bfloat16: torch.float16, torch.bool: torch.uint8}
 
     def __init__(self, hvd: Any, p2p: Any, process_set: Any, sets: dict[tuple[int, ...], Any],
-                 members: Sequence[int] | None = None) -> None:
+                 members: Sequence[int] | None = None, verdicts: Verdicts | None = None) -> None:
         world = hvd.rank()
         super().__init__(world if members is None else list(members).index(world),
                          hvd.size() if members is None else len(members))
@@ -58,7 +58,8 @@ class HorovodEngine(SortedOrder, Engine):
         self._ops = {ReduceOp.SUM: hvd.Sum, ReduceOp.MIN: hvd.Min, ReduceOp.MAX: hvd.Max,
                      ReduceOp.PRODUCT: hvd.Product}
         self._calls = 0
-        self._framing = Framing(self._raw_send, self._raw_recv)
+        self._verdicts = verdicts  # refused messages told to their senders (the Manager's, shared by its groups)
+        self._framing = Framing(self._raw_send, self._raw_recv, rank=self.rank, world=self._world, verdicts=verdicts)
 
     def _split(self, lists: list[list[int]]) -> list[Engine | None]:
         """A process set per list (every rank registers every set, in the same order; Horovod refuses a set
@@ -71,7 +72,7 @@ class HorovodEngine(SortedOrder, Engine):
                 ps = self._hvd.global_process_set if len(key) == self._hvd.size() else self._hvd.add_process_set(key)
                 self._sets[key] = ps
             member = self._hvd.rank() in ranks
-            out.append(HorovodEngine(self._hvd, self._p2p, ps, self._sets, ranks) if member else None)
+            out.append(HorovodEngine(self._hvd, self._p2p, ps, self._sets, ranks, self._verdicts) if member else None)
         return out
 
     def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp, inplace: bool) -> list[Any] | None:
@@ -147,6 +148,9 @@ class HorovodEngine(SortedOrder, Engine):
     def recv(self, t: torch.Tensor, source: int, tag: int) -> None:
         self._framing.recv(t, source, tag)
 
+    def pending_mismatch(self) -> Exception | None:
+        return None if self._verdicts is None else self._verdicts.pending()
+
     def _raw_send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         self._p2p.send([t], self._world(dest), tag).wait()
 
@@ -184,7 +188,8 @@ class HorovodManager(Manager):
         self._p2p_store: Any = None  # rank 0 hosts it: closed after the others left (managers/stores.py)
         if hvd.size() > 1:
             self._p2p = self._p2p_group()
-        return HorovodEngine(hvd, self._p2p, hvd.global_process_set, self._process_sets)
+        verdicts = Verdicts(self._p2p_store, hvd.rank()) if self._p2p_store is not None else None
+        return HorovodEngine(hvd, self._p2p, hvd.global_process_set, self._process_sets, verdicts=verdicts)
 
     def _p2p_group(self) -> Any:
         import torch.distributed

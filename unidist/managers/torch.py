@@ -18,7 +18,7 @@ import torch
 
 from unidist.comm import watchdog
 from unidist.comm.engine import Engine, SortedOrder
-from unidist.comm.mismatch import Framing
+from unidist.comm.mismatch import Framing, Verdicts
 from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.launch import family
@@ -45,7 +45,8 @@ class TorchEngine(SortedOrder, Engine):
     upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.int16: torch.int32}
     wire_dtypes: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.int16: torch.float16}
 
-    def __init__(self, dist: Any, rank: int, size: int, pg: Any = None, members: Sequence[int] | None = None) -> None:
+    def __init__(self, dist: Any, rank: int, size: int, pg: Any = None, members: Sequence[int] | None = None,
+                 verdicts: Verdicts | None = None) -> None:
         super().__init__(rank, size)
         self._dist, self._pg = dist, pg
         self._members = None if members is None else tuple(members)  # world ranks in group order; None: the world
@@ -60,7 +61,8 @@ class TorchEngine(SortedOrder, Engine):
         ops = tdist.ReduceOp  # deepspeed.comm takes torch's ops too
         self._ops = {ReduceOp.SUM: ops.SUM, ReduceOp.MIN: ops.MIN, ReduceOp.MAX: ops.MAX,
                      ReduceOp.PRODUCT: ops.PRODUCT}
-        self._framing = Framing(self._raw_send, self._raw_recv)
+        self._verdicts = verdicts  # refused messages told to their senders (the Manager's, shared by its groups)
+        self._framing = Framing(self._raw_send, self._raw_recv, rank=self.rank, world=self._world, verdicts=verdicts)
 
     def _split(self, lists: list[list[int]]) -> list[Engine | None]:
         """``new_group`` for each list, on every rank in the same order (the engine requires both)."""
@@ -68,8 +70,8 @@ class TorchEngine(SortedOrder, Engine):
         for ranks in lists:
             pg = self._dist.new_group(ranks)
             me = self._world(self.rank)
-            out.append(TorchEngine(self._dist, ranks.index(me), len(ranks), pg, [self._world(r) for r in ranks])
-                       if me in ranks else None)
+            out.append(TorchEngine(self._dist, ranks.index(me), len(ranks), pg, [self._world(r) for r in ranks],
+                                   self._verdicts) if me in ranks else None)
         return out
 
     def _world(self, rank: int) -> int:
@@ -148,6 +150,9 @@ class TorchEngine(SortedOrder, Engine):
 
     def recv(self, t: torch.Tensor, source: int, tag: int) -> None:
         self._framing.recv(t, source, tag)
+
+    def pending_mismatch(self) -> Exception | None:
+        return None if self._verdicts is None else self._verdicts.pending()
 
     def _raw_send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         self._dist.send(t, self._world(dest), group=self._pg, tag=tag)
@@ -263,7 +268,10 @@ class TorchManager(Manager):
                 f"the process group says rank {rank} of {size} but the {launch.launcher} launcher "
                 f"announced rank {launch.rank} of {launch.size}"
             )
-        return TorchEngine(self._dist, rank, size)
+        # a receiver tells the sender of a refused message through the store (comm/mismatch.py); a group made
+        # outside unidist leaves no store in hand: only the receiver raises there
+        verdicts = Verdicts(self._store, rank) if self._store is not None and size > 1 else None
+        return TorchEngine(self._dist, rank, size, verdicts=verdicts)
 
     def _shutdown(self) -> None:
         # Manager.shutdown has made the ranks meet first: a rank destroying its gloo group while a peer was still
