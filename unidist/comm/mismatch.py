@@ -72,13 +72,17 @@ class Verdicts:
     """
 
     def __init__(self, store: Any, world_rank: int) -> None:
-        self._store, self._key = store, f"unidist/refused/{world_rank}"
+        self._store, self._key = store, self._key_of(world_rank)
         self.sent = False  # a message left this rank since the last look
+
+    @staticmethod
+    def _key_of(world_rank: int) -> str:
+        return f"unidist/refused/{world_rank}"
 
     def tell(self, sender: int, error: MessageMismatchError) -> None:
         """Leave ``error`` for the rank ``sender`` (its world rank); best effort: the receiver raises anyway."""
         with contextlib.suppress(Exception):  # the store may be gone with a failing job; the receiver's error stands
-            self._store.compare_set(f"unidist/refused/{sender}", "", str(error))
+            self._store.compare_set(self._key_of(sender), "", str(error))
 
     def pending(self) -> MessageMismatchError | None:
         """The sender's side: the error a receiver left for this rank, if any (taken: it is said once)."""
@@ -107,7 +111,8 @@ class Framing:
                  recv: Callable[[torch.Tensor, int, int], None], *, rank: int = -1,
                  world: Callable[[int], int] = int, verdicts: Verdicts | None = None) -> None:
         self._send, self._recv = send, recv
-        self._rank, self._world, self._verdicts = rank, world, verdicts
+        self._rank, self._world = rank, world
+        self.verdicts = verdicts  # shared with the channels of the same Manager's groups
         self._out = torch.empty(HEADER_BYTES + INLINE_MAX, dtype=torch.uint8)  # every frame is built here
         self._out_words = self._out[:HEADER_BYTES].view(torch.int64).numpy()
         self._out_words[0] = MAGIC
@@ -118,13 +123,17 @@ class Framing:
     def _bytes(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
+    def pending(self) -> MessageMismatchError | None:
+        """A refused message's error left for this rank by its receiver (``Verdicts.pending``), or None."""
+        return None if self.verdicts is None else self.verdicts.pending()
+
     def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         nbytes = t.numel() * t.element_size()
         inline = nbytes <= INLINE_MAX
         words = self._out_words
         words[1], words[2], words[3] = DTYPE_ID[t.dtype], t.numel(), inline
-        if self._verdicts is not None:
-            self._verdicts.sent = True
+        if self.verdicts is not None:
+            self.verdicts.sent = True
         if inline:
             frame = self._out[:HEADER_BYTES + nbytes]
             if nbytes:
@@ -148,11 +157,10 @@ class Framing:
             if not inline:  # drain the payload: the next message on this channel must be the next one sent
                 width = SUPPORTED_DTYPES[dtype_id].itemsize if 0 <= dtype_id < len(SUPPORTED_DTYPES) else 1
                 self._recv(torch.empty(numel * width, dtype=torch.uint8), source, tag)
-            if self._verdicts is not None:
-                self._verdicts.tell(self._world(source),
-                                    message_error("send", self._rank, tag, (dtype_id, numel), mine, later=True))
-            raise message_error("recv", source, tag, mine, (dtype_id, numel),
-                                sender_told=self._verdicts is not None)
+            if self.verdicts is not None:
+                self.verdicts.tell(self._world(source),
+                                   message_error("send", self._rank, tag, (dtype_id, numel), mine, later=True))
+            raise message_error("recv", source, tag, mine, (dtype_id, numel), sender_told=self.verdicts is not None)
         if not inline:
             self._recv(t, source, tag)
         elif numel:

@@ -58,7 +58,6 @@ class HorovodEngine(SortedOrder, Engine):
         self._ops = {ReduceOp.SUM: hvd.Sum, ReduceOp.MIN: hvd.Min, ReduceOp.MAX: hvd.Max,
                      ReduceOp.PRODUCT: hvd.Product}
         self._calls = 0
-        self._verdicts = verdicts  # refused messages told to their senders (the Manager's, shared by its groups)
         self._framing = Framing(self._raw_send, self._raw_recv, rank=self.rank, world=self._world, verdicts=verdicts)
 
     def _split(self, lists: list[list[int]]) -> list[Engine | None]:
@@ -72,7 +71,8 @@ class HorovodEngine(SortedOrder, Engine):
                 ps = self._hvd.global_process_set if len(key) == self._hvd.size() else self._hvd.add_process_set(key)
                 self._sets[key] = ps
             member = self._hvd.rank() in ranks
-            out.append(HorovodEngine(self._hvd, self._p2p, ps, self._sets, ranks, self._verdicts) if member else None)
+            out.append(HorovodEngine(self._hvd, self._p2p, ps, self._sets, ranks, self._framing.verdicts)
+                       if member else None)
         return out
 
     def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp, inplace: bool) -> list[Any] | None:
@@ -149,7 +149,7 @@ class HorovodEngine(SortedOrder, Engine):
         self._framing.recv(t, source, tag)
 
     def pending_mismatch(self) -> Exception | None:
-        return None if self._verdicts is None else self._verdicts.pending()
+        return self._framing.pending()
 
     def _raw_send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         self._p2p.send([t], self._world(dest), tag).wait()

@@ -61,7 +61,6 @@ class TorchEngine(SortedOrder, Engine):
         ops = tdist.ReduceOp  # deepspeed.comm takes torch's ops too
         self._ops = {ReduceOp.SUM: ops.SUM, ReduceOp.MIN: ops.MIN, ReduceOp.MAX: ops.MAX,
                      ReduceOp.PRODUCT: ops.PRODUCT}
-        self._verdicts = verdicts  # refused messages told to their senders (the Manager's, shared by its groups)
         self._framing = Framing(self._raw_send, self._raw_recv, rank=self.rank, world=self._world, verdicts=verdicts)
 
     def _split(self, lists: list[list[int]]) -> list[Engine | None]:
@@ -71,7 +70,7 @@ class TorchEngine(SortedOrder, Engine):
             pg = self._dist.new_group(ranks)
             me = self._world(self.rank)
             out.append(TorchEngine(self._dist, ranks.index(me), len(ranks), pg, [self._world(r) for r in ranks],
-                                   self._verdicts) if me in ranks else None)
+                                   self._framing.verdicts) if me in ranks else None)
         return out
 
     def _world(self, rank: int) -> int:
@@ -152,7 +151,7 @@ class TorchEngine(SortedOrder, Engine):
         self._framing.recv(t, source, tag)
 
     def pending_mismatch(self) -> Exception | None:
-        return None if self._verdicts is None else self._verdicts.pending()
+        return self._framing.pending()
 
     def _raw_send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         self._dist.send(t, self._world(dest), group=self._pg, tag=tag)
