@@ -5,7 +5,7 @@ Importing this package imports nothing heavy: each benchmark imports torch and i
 """
 
 MEASURE = ("collectives", "gradsync", "train")  # measured inside one unidist.init()
-OFFLINE = ("plot", "report")  # no launcher: they read JSON files or start the launchers themselves
+OFFLINE = ("plot", "report", "model")  # no launcher: they read JSON files or start the launchers themselves
 DELEGATED = {"check": "unidist.bench.check", "zero": "unidist.bench.zero", "checkpoint": "unidist.bench.checkpoint",
              "ddp_digits": "unidist.bench.ddp_digits", "parallel": "unidist.bench.parallel",
              "accumulate": "unidist.bench.accumulate"}

@@ -7,9 +7,10 @@
 
 Measuring (inside one ``unidist.init()``): ``collectives``, ``gradsync``, ``train``, and ``all`` (the three in
 one launch, one JSON file: what ``report`` runs per launcher). Each prints markdown tables on rank 0 and
-writes ``--json FILE``. Offline: ``plot`` (bandwidth against size from JSON files, one line per run) and
-``report``. The older single-purpose benchmarks are reachable here too: ``check``, ``zero``,
-``checkpoint`` and ``ddp_digits`` (as ``python -m unidist.bench.check`` and so on).
+writes ``--json FILE``. Offline: ``plot`` (bandwidth against size from JSON files, one line per run),
+``report``, and ``model`` (a latency/bandwidth cost model fitted to collectives JSON files, checked against
+them and projected to 1024 ranks). The older single-purpose benchmarks are reachable here too: ``check``,
+``zero``, ``checkpoint`` and ``ddp_digits`` (as ``python -m unidist.bench.check`` and so on).
 
 This file also runs as a script path (the deepspeed launcher and ``unidist bench`` start scripts by path).
 """
@@ -64,9 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     p_all.add_argument("--benches", default=",".join(MEASURE), help="which of them, comma-separated")
     for name in MEASURE:
         mods[name].add_arguments(p_all)
-    from unidist.bench import report
+    from unidist.bench import model, report
 
     report.add_arguments(sub)
+    model.add_arguments(sub)
     return parser
 
 
@@ -107,13 +109,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         runpy.run_module(DELEGATED[raw[0]], run_name="__main__", alter_sys=True)
         return 0
     rest: list[str] = []
-    if raw[:1] == ["report"] and "--" in raw:  # options for every run's `all`
+    if raw[:1] in (["report"], ["model"]) and "--" in raw:  # options for every run's `all` (or collectives)
         cut = raw.index("--")
         raw, rest = raw[:cut], raw[cut + 1:]
     args = _parser().parse_args(raw)
     args.bench_args = rest
     if args.sub in (*MEASURE, "all"):
         return measure(args)
+    if args.sub == "model":
+        from unidist.bench import model
+
+        return model.main(args)
     from unidist.bench import report
 
     return report.main(args)

@@ -1,0 +1,144 @@
+"""``model --measure``: the measurements the cost model is fitted to and checked against.
+
+    python -m unidist.bench model --measure --out-dir benchmarks/model --runs mpi,torch --ranks 2,3,4
+
+Each run is one launch of ``python -m unidist.bench all --benches collectives --compare`` on ``n`` ranks,
+spelled exactly as ``report`` spells its launches (same launcher rows, same ``--bin`` directories, same
+environment: this tree on ``PYTHONPATH``, ``OMP_NUM_THREADS`` = cores / ranks), writing
+``<out-dir>/<run>-<n>.json``. Why a sample of sizes (``SIZES``) and a short budget: the model needs a few
+points per regime (latency-bound, in cache, out of cache) at 2, 3 and 4 ranks, and the whole set must take
+minutes on a shared 2-core machine, not the half hour of a full ``report``. First, ``gamma.json``: the
+reduction cost per byte, a local add timed here (``local_gamma``), which the collectives cannot separate
+from the copy cost. Runs go one after the other;
+a failed one is reported, the others still written. Nothing here imports torch (``report`` does, lazily,
+to list the runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from unidist.errors import InvalidArgumentError
+
+__all__ = ["GAMMA_SIZES", "SIZES", "gamma_params", "local_gamma", "measure", "run_name"]
+
+SIZES = "8,1K,16K,64K,256K,1M,4M,16M"
+DEFAULTS = ["--sizes", SIZES, "--budget", "0.1", "--rounds", "5", "--warmup", "2"]
+GAMMA_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+
+
+def local_gamma(sizes: tuple[int, ...] = GAMMA_SIZES, rounds: int = 5) -> list[dict[str, Any]]:
+    """The reduction cost gamma, measured: seconds of an in-place float32 ``a.add_(b)`` of ``n`` bytes (the
+    local step of every sum reduction), median of ``rounds`` rounds of calls lasting ~20 ms each, one row per
+    size (``{"bench": "gamma", "bytes", "seconds"}``). One thread, as each rank of a 2-core run has."""
+    import statistics
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = []
+        for n in sizes:
+            a, b = torch.ones(n // 4), torch.ones(n // 4)
+            a.add_(b)
+            start = time.perf_counter()
+            a.add_(b)
+            iters = max(1, int(0.02 / max(time.perf_counter() - start, 1e-7)))
+            samples = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                for _ in range(iters):
+                    a.add_(b)
+                samples.append((time.perf_counter() - start) / iters)
+            rows.append({"bench": "gamma", "bytes": n, "seconds": statistics.median(samples)})
+        return rows
+    finally:
+        torch.set_num_threads(threads)
+
+
+def gamma_params(rows: list[dict[str, Any]]) -> tuple[float, float, float]:
+    """(gamma, gamma_mem, split bytes) from ``local_gamma`` rows: the step between a cache and a memory cost
+    per byte that fits the rows best (relative error; one level, split infinity, if that fits best)."""
+    pts = sorted((float(r["bytes"]), float(r["seconds"]) / float(r["bytes"])) for r in rows)
+    if not pts:
+        raise InvalidArgumentError("no gamma rows: run `model --measure`, or give a gamma.json it wrote")
+    best = (math.inf, 0.0, 0.0, math.inf)
+    for split in [*(n for n, _ in pts), math.inf]:
+        low = [g for n, g in pts if n <= split] or [pts[0][1]]
+        high = [g for n, g in pts if n > split] or low
+        lo, hi = statistics.median(low), statistics.median(high)
+        resid = sum(((lo if n <= split else hi) / g - 1) ** 2 for n, g in pts)
+        if resid < best[0] - 1e-12:
+            best = (resid, lo, hi, split)
+    return best[1], best[2], best[3]
+
+
+def run_name(run: str, ranks: int) -> str:
+    """The JSON file's stem: ``mpi-3``."""
+    return f"{run}-{ranks}"
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 2:
+        raise InvalidArgumentError(f"--ranks {text!r}: give rank counts of 2 or more, comma-separated (2,3,4)")
+    return ranks
+
+
+def measure(args: argparse.Namespace) -> list[Path]:
+    """Launch every chosen run at every rank count; returns the JSON files written (failed runs left out).
+
+    ``args``: ``out_dir`` (JSON and logs go there), ``runs`` (names from ``report.runs()``, comma-separated),
+    ``ranks`` (``"2,3,4"``), ``bin`` (``ENGINE=DIR`` specs as ``report --bin``), ``timeout`` (seconds per
+    launch) and ``bench_args`` (options after ``--``, appended after the defaults so they win).
+    """
+    from unidist.bench import report
+
+    known = {r.name: r for r in report.runs()}
+    chosen = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = [r for r in chosen if r not in known]
+    if unknown:
+        raise InvalidArgumentError(f"--runs: unknown {', '.join(unknown)}; use some of {', '.join(known)}")
+    bins = report._bins(args.bin)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    gamma = args.out_dir / "gamma.json"
+    gamma.write_text(json.dumps({"meta": {"bench": "gamma", "host": platform.node()}, "rows": local_gamma()},
+                                indent=1) + "\n")
+    written: list[Path] = [gamma]
+    failed: list[str] = []
+    for n in _ranks(args.ranks):
+        for name in chosen:
+            run = known[name]
+            out = (args.out_dir / f"{run_name(name, n)}.json").resolve()
+            rest = ["--benches", "collectives", "--compare", *DEFAULTS, *args.bench_args, "--json", str(out)]
+            argv = report.command(run, bins.get(run.backend, Path(sys.executable).parent), n, rest)
+            print(f"== {run_name(name, n)}: {' '.join(argv)}", flush=True)
+            start = time.perf_counter()
+            log_path = args.out_dir / f"{run_name(name, n)}.log"
+            with open(log_path, "w") as log:
+                try:
+                    code = subprocess.run(argv, env=report._env(run, n), stdout=log, stderr=subprocess.STDOUT,
+                                          timeout=args.timeout, check=False).returncode
+                except subprocess.TimeoutExpired:
+                    code = -1
+            print(f"   exit {code} after {time.perf_counter() - start:.0f} s (log: {log_path})", flush=True)
+            if code == 0 and out.exists():
+                written.append(out)
+            else:
+                failed.append(run_name(name, n))
+    if failed:
+        print(f"FAILED: {', '.join(failed)} (see their logs in {args.out_dir})", flush=True)
+    return written
