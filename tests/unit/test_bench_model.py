@@ -48,6 +48,9 @@ def test_formulas_match_hand_computed_values() -> None:
     assert cm.bruck_alltoall(4, n) == (2, n, 0)
     # the ring's bandwidth term tends to 2n beta: the bus-bandwidth factor of nccl-tests
     assert cm.ring_allreduce(1024, n)[1] == pytest.approx(2 * n, rel=1e-3)
+    # 4 ranks on 2 cores: each step's copies and adds take twice as long; latency terms unchanged
+    assert cm.coefficients("allreduce", "ring", 4, n, cores=2) == (6, 3600, 1800)
+    assert cm.coefficients("allreduce", "ring", 2, n, cores=2) == cm.ring_allreduce(2, n)
 
 
 def test_time_is_the_linear_combination_and_regimes_follow_the_size() -> None:
@@ -95,6 +98,13 @@ def test_fit_recovers_known_parameters(kind: str) -> None:
     # and, fitted on 2 ranks, it predicts 3 and 4 exactly: the rank count enters through the formulas only
     for op, p, n, seconds in _samples(kind, (3, 4)):
         assert cm.predict(fitted, kind, op, p, n)[0] == pytest.approx(seconds, rel=1e-6)
+    # fitted on every rank count with ranks sharing 2 cores, from data that shared them: the same links
+    truth = _truth()
+    shared = [(op, p, float(n), truth.time(op, cm.coefficients(op, cm.choose(kind, op, p, n), p, n, 2), n))
+              for op in TRUE for p in (2, 3, 4) for n in SIZES]
+    again = cm.fit(shared, kind, GAMMA, cores=2)
+    assert again.links["allreduce"].alpha == pytest.approx(TRUE["allreduce"].alpha, rel=1e-6)
+    assert again.links["alltoall"].beta == pytest.approx(TRUE["alltoall"].beta, rel=1e-6)
 
 
 def test_gamma_step_is_recovered() -> None:
@@ -122,7 +132,10 @@ def _fixture(tmp_path: Path) -> list[str]:
     gamma = [{"bench": "gamma", "bytes": n, "seconds": n * (100e-12 if n <= 4 << 20 else 250e-12)}
              for n in (1 << 20, 4 << 20, 16 << 20)]
     (tmp_path / "gamma.json").write_text(json.dumps({"meta": {"bench": "gamma"}, "rows": gamma}))
-    return [*files, str(tmp_path / "gamma.json")]
+    runs = [{"bench": "measure", "run": "mpi-2", "ranks": 2, "exit": 0, "seconds": 24.0, "load_before": 0.4,
+             "load_after": 1.9, "quiet_at_start": True, "date": "2026-11-26T22:45:44Z"}]
+    (tmp_path / "measure.json").write_text(json.dumps({"meta": {"bench": "measure"}, "rows": runs}))
+    return [*files, str(tmp_path / "gamma.json"), str(tmp_path / "measure.json")]
 
 
 def test_command_on_a_fixture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -131,7 +144,8 @@ def test_command_on_a_fixture(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     out = tmp_path / "model.json"
     assert main(["model", *_fixture(tmp_path), "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    for heading in ("### Fitted parameters", "### Prediction against measurement", "### Worst error",
+    for heading in ("### Measurement runs", "| mpi-2 | 2026-11-26T22:45:44Z | 24 | 0.40 | 1.90 | yes | 0 |",
+                    "### Fitted parameters", "### Prediction against measurement", "### Worst error",
                     "InfiniBand HDR-like", "10 Gb/s Ethernet", "this machine: mpi (mpich), fitted"):
         assert heading in text
     assert "| mpi (mpich) | 4 | 40 of 40 | 0% |" in text  # formulas in, formulas out
@@ -153,6 +167,12 @@ def test_cli_dispatches_model_offline(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "model" in OFFLINE
     assert main(["bench", "model", "--", *_fixture(tmp_path)]) == 0
     assert "### Projected gradient sync" in capsys.readouterr().out
+
+
+def test_wait_quiet_gives_up_after_its_limit() -> None:
+    from unidist.bench.model_measure import wait_quiet
+
+    assert wait_quiet(0.0, samples=1) in (True, False)  # one look, no waiting beyond it
 
 
 def test_projection_counts_buckets() -> None:

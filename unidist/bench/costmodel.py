@@ -196,19 +196,25 @@ def choose(kind: str, op: str, p: int, n: float, params: Params | None = None, p
     return min(algs, key=lambda name: params.time(op, algs[name](p, n), n))
 
 
-def coefficients(op: str, algorithm: str, p: int, n: float) -> Coeffs:
-    """(a, b, c) of ``algorithm`` for an ``n``-byte ``op`` on ``p`` ranks."""
+def coefficients(op: str, algorithm: str, p: int, n: float, cores: int = 0) -> Coeffs:
+    """(a, b, c) of ``algorithm`` for an ``n``-byte ``op`` on ``p`` ranks. ``cores`` > 0 and fewer than
+    ``p``: the ranks share that many cores, so the copies and adds of one step, concurrent in the model,
+    take p / cores as long (b and c scaled; an approximation: a tree's early steps keep fewer ranks busy)."""
     try:
-        return ALGORITHMS[op][algorithm](p, n)
+        a, b, c = ALGORITHMS[op][algorithm](p, n)
     except KeyError:
         raise InvalidArgumentError(f"no formula for {op} {algorithm!r}; known: "
                                    f"{', '.join(f'{o}/{a}' for o in ALGORITHMS for a in ALGORITHMS[o])}") from None
+    share = p / cores if 0 < cores < p else 1.0
+    return a, b * share, c * share
 
 
-def predict(params: Params, kind: str, op: str, p: int, n: float, policy: str = "known") -> tuple[float, str]:
-    """Predicted seconds of an ``n``-byte ``op`` on ``p`` ranks, and the algorithm it assumed."""
+def predict(params: Params, kind: str, op: str, p: int, n: float, policy: str = "known", cores: int = 0
+            ) -> tuple[float, str]:
+    """Predicted seconds of an ``n``-byte ``op`` on ``p`` ranks (sharing ``cores``, 0: one each), and the
+    algorithm it assumed."""
     name = choose(kind, op, p, n, params, policy)
-    return params.time(op, coefficients(op, name, p, n), n), name
+    return params.time(op, coefficients(op, name, p, n, cores), n), name
 
 
 def _solve(rows: Sequence[Sequence[float]], rhs: Sequence[float], cols: Sequence[int]) -> list[float]:
@@ -264,7 +270,7 @@ MIN_SPLIT = 1 << 20  # caches are MiB: L2 here is 2 MiB per core
 
 
 def fit_link(samples: Sequence[Sample], kind: str, gamma: Params, *, caches: Sequence[float] = (),
-             policy: str = "known") -> Link:
+             policy: str = "known", cores: int = 0) -> Link:
     """Fit one collective's ``Link`` by non-negative least squares on relative error (each row divided by
     its measured time, so 8 B and 16 MiB count alike, as a 25% target wants), with the reduction cost
     known: ``gamma`` (a ``Params`` whose gamma fields are set) is subtracted first. Why not fit gamma too:
@@ -274,14 +280,15 @@ def fit_link(samples: Sequence[Sample], kind: str, gamma: Params, *, caches: Seq
     ``samples``: (op, ranks, bytes, seconds), one op; ``kind``: the engine's algorithms (``engine_kind``);
     ``caches``: candidate sizes for the two-regime split (the least residual wins; one regime, infinity, is
     always tried); ``policy``: "known" or "min" (see ``choose``; while fitting, "min" and unknown
-    selections use the first listed algorithm, since there are no parameters yet)."""
+    selections use the first listed algorithm, since there are no parameters yet); ``cores``: see
+    ``coefficients``."""
     if not samples:
         raise InvalidArgumentError("no measurements to fit: give collectives JSON files with rows at 2 or more ranks")
     best: tuple[float, Link] = (math.inf, Link())
     for cache in sorted({math.inf, *caches}):
         rows, rhs, terms = [], [], []
         for op, p, n, seconds in samples:
-            a, b, c = coefficients(op, choose(kind, op, p, n, None, policy), p, n)
+            a, b, c = coefficients(op, choose(kind, op, p, n, None, policy), p, n, cores)
             known = c * (gamma.gamma if n <= gamma.gamma_cache else gamma.gamma_mem)
             rows.append([a / seconds, (b if n <= cache else 0.0) / seconds, (b if n > cache else 0.0) / seconds])
             rhs.append(1.0 - known / seconds)
@@ -296,7 +303,7 @@ def fit_link(samples: Sequence[Sample], kind: str, gamma: Params, *, caches: Seq
     return best[1]
 
 
-def fit(samples: Sequence[Sample], kind: str, gamma: Params, *, policy: str = "known") -> Params:
+def fit(samples: Sequence[Sample], kind: str, gamma: Params, *, policy: str = "known", cores: int = 0) -> Params:
     """``fit_link`` for every collective in ``samples``; the result carries ``gamma``'s reduction costs.
     Candidate cache splits: the measured sizes from ``MIN_SPLIT`` up, below the largest (a split among
     small sizes would only let one noisy point pull a meaningless beta). Arguments as ``fit_link``."""
@@ -306,5 +313,5 @@ def fit(samples: Sequence[Sample], kind: str, gamma: Params, *, policy: str = "k
         sizes = sorted({s[2] for s in mine})
         # a split is a cache boundary (MiB), with at least one size above it and two below
         caches = [n for n in sizes[1:-1] if n >= MIN_SPLIT]
-        params.links[op] = fit_link(mine, kind, gamma, caches=caches, policy=policy)
+        params.links[op] = fit_link(mine, kind, gamma, caches=caches, policy=policy, cores=cores)
     return params

@@ -48,6 +48,8 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--fit-ranks", default="2", help="rank counts whose rows the fit uses (default 2; 'all')")
     p.add_argument("--policy", choices=("known", "min"), default="known",
                    help="algorithm per size: the one the engine is documented to run (known), or the fastest")
+    p.add_argument("--cores", type=int, help="cores the ranks shared (default: as the runs recorded; 0: model "
+                                             "one core per rank)")
     p.add_argument("--reference", help="the engine whose gamma and fitted values the projection uses "
                                        "(default: the mpi one, else the first)")
     p.add_argument("--json", type=Path, help="also write parameters, predictions and projections here")
@@ -57,6 +59,8 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--ranks", default="2,3,4", help="--measure: rank counts")
     p.add_argument("--bin", action="append", default=[], metavar="ENGINE=DIR", help="--measure: as report --bin")
     p.add_argument("--timeout", type=float, default=900, help="--measure: seconds per launch")
+    p.add_argument("--wait-quiet", type=float, default=120,
+                   help="--measure: seconds to wait for an idle machine before each launch (default 120)")
     p.epilog = "With --measure, options after -- go to every collectives run (-- --budget 0.2 --rounds 7)."
 
 
@@ -78,14 +82,15 @@ def gamma_of(docs: list[dict[str, Any]]) -> tuple[Params, str]:
 
 def samples(docs: list[dict[str, Any]], column: str = "raw") -> tuple[Samples, dict[str, str]]:
     """Measurements per engine label (op, ranks, bytes, seconds) from ``collectives`` rows, and each label's
-    engine kind. ``column``: "raw" (the engine's call) or "unidist"."""
+    engine kind. ``column``: "raw" (the engine's call) or "unidist". Files that are not measurements (this
+    command's own ``--json``, ``gamma.json``) are passed over, so a directory's ``*.json`` can be given."""
     from unidist.bench.output import label
 
     key = "raw_time_us" if column == "raw" else "time_us"
     out: Samples = {}
     kinds: dict[str, str] = {}
     for doc in docs:
-        if doc["meta"].get("bench") == "gamma":
+        if "meta" not in doc or "backend" not in doc["meta"]:
             continue
         name = label({k: v for k, v in doc["meta"].items() if k != "label"})
         kinds[name] = costmodel.engine_kind(doc["meta"]["backend"], doc["meta"]["launcher"])
@@ -107,25 +112,27 @@ def _fit_ranks(text: str, data: Samples) -> set[int]:
         raise InvalidArgumentError(f"--fit-ranks {text!r}: give rank counts (2 or 2,3) or 'all'") from None
 
 
-def fit_all(data: Samples, kinds: dict[str, str], ranks: set[int], policy: str, gamma: Params
+def fit_all(data: Samples, kinds: dict[str, str], ranks: set[int], policy: str, gamma: Params, cores: int = 0
             ) -> dict[str, Params]:
-    """One ``Params`` per engine, fitted on its rows at ``ranks`` with the reduction cost ``gamma``."""
+    """One ``Params`` per engine, fitted on its rows at ``ranks`` with the reduction cost ``gamma`` (and
+    ``cores`` shared, see ``costmodel.coefficients``)."""
     out = {}
     for name, rows in data.items():
         mine = [s for s in rows if s[1] in ranks]
         if not mine:
             raise InvalidArgumentError(f"{name}: no rows at {sorted(ranks)} ranks to fit; measured at "
                                        f"{sorted({s[1] for s in rows})} (use --fit-ranks)")
-        out[name] = costmodel.fit(mine, kinds[name], gamma, policy=policy)
+        out[name] = costmodel.fit(mine, kinds[name], gamma, policy=policy, cores=cores)
     return out
 
 
-def check(data: Samples, kinds: dict[str, str], params: dict[str, Params], policy: str) -> list[dict[str, Any]]:
+def check(data: Samples, kinds: dict[str, str], params: dict[str, Params], policy: str, cores: int = 0
+          ) -> list[dict[str, Any]]:
     """Every measurement beside its prediction: one dict per (engine, op, ranks, bytes)."""
     out = []
     for name, rows in data.items():
         for op, p, n, seconds in rows:
-            pred, alg = costmodel.predict(params[name], kinds[name], op, p, n, policy)
+            pred, alg = costmodel.predict(params[name], kinds[name], op, p, n, policy, cores)
             out.append({"engine": name, "op": op, "ranks": p, "bytes": n, "measured_us": seconds * 1e6,
                         "predicted_us": pred * 1e6, "error": pred / seconds - 1, "algorithm": alg})
     return out
@@ -154,22 +161,26 @@ def networks(reference: Params, name: str) -> dict[str, Params]:
 
 
 def render(kinds: dict[str, str], params: dict[str, Params], rows: list[dict[str, Any]], reference: str,
-           fit_ranks: set[int], column: str, policy: str, gamma_note: str) -> tuple[str, dict[str, Any]]:
-    """The markdown report and its JSON form."""
-    from unidist.bench.model_tables import checks_md, params_md, projection_md, summary_md
+           fit_ranks: set[int], column: str, policy: str, gamma_note: str, cores: int,
+           runs: list[dict[str, Any]] | None = None) -> tuple[str, dict[str, Any]]:
+    """The markdown report and its JSON form; ``runs``: ``measure.json``'s rows (each launch's load)."""
+    from unidist.bench.model_tables import checks_md, params_md, projection_md, runs_md, summary_md
 
     nets = networks(params[reference], reference)
     proj = {net: {wl: {p: project(prm, nbytes, p) for p in PROJECT_RANKS} for wl, nbytes in WORKLOADS.items()}
             for net, prm in nets.items()}
     text = "\n\n".join([
+        *(["### Measurement runs (1-minute load average before and after each launch)", runs_md(runs)]
+          if runs else []),
         f"### Fitted parameters ({column} calls; fitted on {', '.join(map(str, sorted(fit_ranks)))} ranks; "
-        f"algorithms: {policy}; gamma {gamma_note})", params_md(params, kinds),
+        f"algorithms: {policy}; gamma {gamma_note}; "
+        + (f"ranks share {cores} cores)" if cores else "one core per rank)"), params_md(params, kinds),
         "### Prediction against measurement (us; error = predicted / measured - 1)", checks_md(rows),
         "### Worst error per engine and rank count", summary_md(rows),
         f"### Projected gradient sync, ms per step (fp32 gradients in 25 MiB fused buckets, no overlap; "
         f"gamma and 'this machine' from {reference})",
         projection_md(proj, nets)])
-    doc = {"column": column, "policy": policy, "fit_ranks": sorted(fit_ranks),
+    doc = {"column": column, "policy": policy, "fit_ranks": sorted(fit_ranks), "cores": cores,
            "params": {k: _jsonable(v) for k, v in params.items()},
            "kinds": kinds, "checks": rows,
            "projection": {net: {wl: {str(p): v for p, v in per.items()} for wl, per in wls.items()}
@@ -200,12 +211,15 @@ def main(args: argparse.Namespace) -> int:
     data, kinds = samples(docs, args.column)
     gamma, gamma_note = gamma_of(docs)
     ranks = _fit_ranks(args.fit_ranks, data)
-    params = fit_all(data, kinds, ranks, args.policy, gamma)
+    cores = args.cores if args.cores is not None else min(
+        (int(d["meta"]["cpus"]) for d in docs if d.get("meta", {}).get("cpus")), default=0)
+    params = fit_all(data, kinds, ranks, args.policy, gamma, cores)
     reference = args.reference or next((n for n in params if n.startswith("mpi ")), next(iter(params)))
     if reference not in params:
         raise InvalidArgumentError(f"--reference {reference!r}: not among {', '.join(params)}")
-    rows = check(data, kinds, params, args.policy)
-    text, doc = render(kinds, params, rows, reference, ranks, args.column, args.policy, gamma_note)
+    rows = check(data, kinds, params, args.policy, cores)
+    runs = [r for d in docs for r in d.get("rows", []) if r.get("bench") == "measure"]
+    text, doc = render(kinds, params, rows, reference, ranks, args.column, args.policy, gamma_note, cores, runs)
     print(text, flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -98,12 +99,35 @@ def _ranks(text: str) -> list[int]:
     return ranks
 
 
+def _running() -> int:
+    """Processes running or runnable right now, this one included (/proc/loadavg's 4th field; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def wait_quiet(limit: float, samples: int = 10) -> bool:
+    """Wait up to ``limit`` seconds for a quiet machine: ``samples`` successive looks, 0.2 s apart, that see
+    no runnable process but this one. Why: on a shared machine a neighbour's job moves a 5-round median by
+    2-3x, and the 1-minute load average lags the truth by a minute. Returns whether it got quiet."""
+    deadline, quiet = time.monotonic() + limit, 0
+    while quiet < samples:
+        quiet = quiet + 1 if _running() <= 1 else 0
+        if quiet < samples and time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def measure(args: argparse.Namespace) -> list[Path]:
     """Launch every chosen run at every rank count; returns the JSON files written (failed runs left out).
 
     ``args``: ``out_dir`` (JSON and logs go there), ``runs`` (names from ``report.runs()``, comma-separated),
     ``ranks`` (``"2,3,4"``), ``bin`` (``ENGINE=DIR`` specs as ``report --bin``), ``timeout`` (seconds per
-    launch) and ``bench_args`` (options after ``--``, appended after the defaults so they win).
+    launch), ``wait_quiet`` (seconds to wait for a quiet machine before each launch) and ``bench_args``
+    (options after ``--``, appended after the defaults so they win). Each launch's load (1-minute average
+    before and after, and whether the machine was quiet when it started) goes to ``measure.json``.
     """
     from unidist.bench import report
 
@@ -119,13 +143,17 @@ def measure(args: argparse.Namespace) -> list[Path]:
                                 indent=1) + "\n")
     written: list[Path] = [gamma]
     failed: list[str] = []
+    log_rows: list[dict[str, Any]] = []
     for n in _ranks(args.ranks):
         for name in chosen:
             run = known[name]
             out = (args.out_dir / f"{run_name(name, n)}.json").resolve()
             rest = ["--benches", "collectives", "--compare", *DEFAULTS, *args.bench_args, "--json", str(out)]
             argv = report.command(run, bins.get(run.backend, Path(sys.executable).parent), n, rest)
-            print(f"== {run_name(name, n)}: {' '.join(argv)}", flush=True)
+            quiet = wait_quiet(args.wait_quiet)
+            before = os.getloadavg()[0]
+            print(f"== {run_name(name, n)} (load {before:.2f}, {'quiet' if quiet else 'NOT quiet'}): "
+                  f"{' '.join(argv)}", flush=True)
             start = time.perf_counter()
             log_path = args.out_dir / f"{run_name(name, n)}.log"
             with open(log_path, "w") as log:
@@ -134,11 +162,19 @@ def measure(args: argparse.Namespace) -> list[Path]:
                                           timeout=args.timeout, check=False).returncode
                 except subprocess.TimeoutExpired:
                     code = -1
-            print(f"   exit {code} after {time.perf_counter() - start:.0f} s (log: {log_path})", flush=True)
+            took = time.perf_counter() - start
+            after = os.getloadavg()[0]
+            print(f"   exit {code} after {took:.0f} s, load {after:.2f} (log: {log_path})", flush=True)
+            log_rows.append({"bench": "measure", "run": run_name(name, n), "ranks": n, "exit": code,
+                             "seconds": took, "load_before": before, "load_after": after, "quiet_at_start": quiet,
+                             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
             if code == 0 and out.exists():
                 written.append(out)
             else:
                 failed.append(run_name(name, n))
+    (args.out_dir / "measure.json").write_text(json.dumps({"meta": {"bench": "measure"}, "rows": log_rows},
+                                                          indent=1) + "\n")
+    written.append(args.out_dir / "measure.json")
     if failed:
         print(f"FAILED: {', '.join(failed)} (see their logs in {args.out_dir})", flush=True)
     return written

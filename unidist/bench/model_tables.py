@@ -12,7 +12,7 @@ from typing import Any
 from unidist.bench.costmodel import Params
 from unidist.bench.output import Column, human_bytes, markdown
 
-__all__ = ["checks_md", "params_md", "projection_md", "summary_md"]
+__all__ = ["checks_md", "nominal", "params_md", "projection_md", "runs_md", "summary_md"]
 
 TARGET = 0.25
 _SHORT = {"ring": "ring", "rabenseifner": "rab", "recursive_doubling": "rd", "recursive_halving": "rh",
@@ -47,13 +47,20 @@ def params_md(params: dict[str, Params], kinds: dict[str, str]) -> str:
     return markdown(cols, rows) + f"\n\ngamma (every engine; a local float32 add): {_ps(any_p.gamma)}{split}."
 
 
+def nominal(nbytes: float) -> int:
+    """The size a row was asked for: allgather, reduce_scatter and alltoall round to whole float32 chunks
+    per rank (asked 8 B, 1 KiB: 12 B and 1020 B on 3 ranks), so rows of one size line up across rank counts."""
+    return 8 if nbytes <= 16 else 1 << round(math.log2(nbytes))
+
+
 def checks_md(rows: list[dict[str, Any]]) -> str:
-    """Measured / predicted us (error) per engine, op and size, one column per rank count."""
+    """Measured / predicted us (error) per engine, op and (nominal) size, one column per rank count."""
     ranks = sorted({r["ranks"] for r in rows})
-    table: dict[tuple[str, str, float], dict[str, Any]] = {}
+    table: dict[tuple[str, str, int], dict[str, Any]] = {}
     for r in rows:
-        cell = table.setdefault((r["engine"], r["op"], r["bytes"]),
-                                {"engine": r["engine"], "op": r["op"], "size": human_bytes(r["bytes"]), "algs": []})
+        size = nominal(r["bytes"])
+        cell = table.setdefault((r["engine"], r["op"], size),
+                                {"engine": r["engine"], "op": r["op"], "size": human_bytes(size), "algs": []})
         cell[str(r["ranks"])] = f"{r['measured_us']:.1f} / {r['predicted_us']:.1f} ({r['error']:+.0%})" + (
             "" if abs(r["error"]) <= TARGET else " **x**")
         cell["algs"].append(_SHORT.get(r["algorithm"], r["algorithm"]))
@@ -61,9 +68,10 @@ def checks_md(rows: list[dict[str, Any]]) -> str:
         cell["alg"] = "/".join(dict.fromkeys(cell.pop("algs")))
     cols: list[Column] = [("engine", "engine", _s), ("op", "op", _s), ("size", "size", _s),
                           ("alg", "algorithm", _s), *((str(p), f"{p} ranks: measured / predicted", _s) for p in ranks)]
-    return markdown(cols, table.values()) + ("\n\n**x**: off by more than 25%. Algorithms: rd recursive doubling, "
-                                            "rab Rabenseifner, rh recursive halving, binom binomial tree, "
-                                            "pair pairwise exchange.")
+    return markdown(cols, table.values()) + (
+        "\n\n**x**: off by more than 25%. Sizes are nominal (at 3 ranks allgather, reduce_scatter and alltoall "
+        "move whole float32 chunks per rank: 12 B, 1020 B, ...; the model uses the exact bytes). Algorithms: rd "
+        "recursive doubling, rab Rabenseifner, rh recursive halving, binom binomial tree, pair pairwise exchange.")
 
 
 def summary_md(rows: list[dict[str, Any]]) -> str:
@@ -112,3 +120,11 @@ def projection_md(proj: dict[str, dict[str, dict[int, dict[str, float]]]], nets:
                 f"{_ps(prm.gamma_mem)} (buckets of 25 MiB)")
         parts.append(head + "\n\n" + markdown(cols, rows))
     return "\n\n".join(parts)
+
+
+def runs_md(runs: list[dict[str, Any]]) -> str:
+    """Each launch of ``--measure``: when, how long, the load around it, and whether it started quiet."""
+    return markdown([("run", "run", _s), ("date", "date (UTC)", _s), ("seconds", "s", lambda v: f"{v:.0f}"),
+                     ("load_before", "load before", lambda v: f"{v:.2f}"),
+                     ("load_after", "load after", lambda v: f"{v:.2f}"),
+                     ("quiet_at_start", "idle at start", lambda v: "yes" if v else "no"), ("exit", "exit", _s)], runs)
