@@ -27,6 +27,15 @@ def test_pack_reverse_order_by_size_and_key() -> None:
     assert [[id(p) for p in s] for s in slots] == [[id(ps[3])], [id(ps[2])], [id(ps[1]), id(ps[0])]]
 
 
+def test_pack_puts_large_parameters_in_slots_of_their_own() -> None:
+    """From ``alone_from`` bytes a parameter is a slot alone (reduced where it is); the order stays reversed and the
+    small ones around it still fuse."""
+    ps = [torch.zeros(2), torch.zeros(2), torch.zeros(64), torch.zeros(2), torch.zeros(2)]
+    slots = pack(ps, limit_bytes=1024, key=lambda p: p.dtype, alone_from=256)
+    assert [[id(p) for p in s] for s in slots] == [[id(ps[4]), id(ps[3])], [id(ps[2])], [id(ps[1]), id(ps[0])]]
+    assert pack(ps, limit_bytes=1024, key=lambda p: p.dtype) == [list(reversed(ps))]
+
+
 def test_wire_copy_scales_before_the_narrow_cast() -> None:
     """A mean over 4 ranks of 60000 each: undivided, 60000 already nears fp16's limit (65504) and the sum
     overflows; divided first, each piece is 15000 and the sum is exact."""

@@ -45,6 +45,7 @@ BAD = [
     ({"zero_stage": 4}, "zero_stage=4"),
     ({"deepspeed_config": {}}, "deepspeed backend only, and this run uses local"),
     ({"deepspeed_config": 3}, "takes a dict or a JSON file path"),
+    ({"reducer": "fastest"}, "reducer='fastest'); use one of auto, engine, unidist"),
 ]
 
 

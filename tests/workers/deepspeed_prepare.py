@@ -3,6 +3,9 @@
 Each rank starts from a different random model (prepare must make them equal), trains on its own data,
 and records per stage: the loss before and after (averaged across ranks) and whether every parameter is
 bitwise identical across ranks (full parameters gathered under stage 3).
+
+Also ``prepare(reducer=...)`` at stage 0: DeepSpeed's own allreduce against unidist's buckets on the same engine
+(gradient norms well above 1, so a clip or a rescale would show), and the refusals.
 """
 
 from __future__ import annotations
@@ -36,9 +39,46 @@ def run_stage(mgr: unidist.DeepSpeedManager, stage: int) -> dict[str, object]:
             "optimizer": type(engine.optimizer).__name__}
 
 
+def train_with(mgr: unidist.DeepSpeedManager, reducer: str) -> tuple[torch.Tensor, bool, float]:
+    """(final parameters, whether the engine's own allreduce stayed on, the first global gradient norm)."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    engine, opt = mgr.prepare(model, opt, reducer=reducer, bucket_mb=0.001)  # several buckets
+    gen = torch.Generator().manual_seed(11 + mgr.rank)
+    x = torch.randn(12, 8, generator=gen)
+    y = 30.0 * torch.randn(12, 3, generator=gen)  # large targets: gradient norms far above DeepSpeed's clip of 1
+    norm = 0.0
+    for i in range(5):
+        mgr.backward(torch.nn.functional.mse_loss(engine(x), y))
+        if i == 0:
+            norm = float(torch.cat([p.grad.reshape(-1) for p in mgr.unwrap(engine).parameters()]).norm())
+        opt.step()
+        opt.zero_grad()
+    flat = torch.cat([p.detach().reshape(-1) for p in mgr.unwrap(engine).parameters()])
+    return flat, bool(engine.enable_backward_allreduce), norm
+
+
+def reducers(mgr: unidist.DeepSpeedManager) -> dict[str, object]:
+    mine, mine_on, norm = train_with(mgr, "auto")
+    theirs, theirs_on, _ = train_with(mgr, "engine")
+    out: dict[str, object] = {"auto_engine_allreduce_on": mine_on, "engine_allreduce_on": theirs_on,
+                              "first_grad_norm": norm, "max_diff": float((mine - theirs).abs().max()),
+                              "spread": float((mgr.allreduce(mine, "max") - mgr.allreduce(mine, "min")).abs().max())}
+    model = torch.nn.Linear(2, 2)
+    for name, kwargs in {"bad": {"reducer": "fastest"}, "zero1": {"reducer": "unidist", "zero_stage": 1}}.items():
+        try:
+            mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)  # type: ignore[arg-type]
+            out[name] = "accepted"
+        except unidist.InvalidArgumentError as err:
+            out[name] = str(err)
+    return out
+
+
 def fill(mgr: unidist.DeepSpeedManager, report: dict[str, object]) -> None:
     for stage in (0, 1, 2, 3):
         report[f"stage{stage}"] = run_stage(mgr, stage)
+    report["reducers"] = reducers(mgr)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,35 @@ def no_sync_equals_summed_loss(mgr: Any) -> dict[str, Any]:
     return {"diff": diff, "spread": spread(mgr, model)}
 
 
+def _large_loss(model: torch.nn.ModuleList, rank: int) -> torch.Tensor:
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(40 + rank))
+    h = torch.tanh(model[0](x))
+    loss = 10 * model[1](h).pow(2).sum()
+    return loss + model[2](h).sum() if rank != 0 else loss  # model[2] gets no gradient on rank 0
+
+
+def large_gradient_in_place(mgr: Any) -> dict[str, Any]:
+    """A 4.5 MB gradient next to small ones (one of them missing on rank 0): on MPI, from reduce_alone_from up, it is
+    reduced in its own storage rather than copied into a bucket. Two steps against the ranks' mean gradient by
+    hand."""
+    torch.manual_seed(3)
+    model = torch.nn.ModuleList([torch.nn.Linear(1024, 1100), torch.nn.Linear(1100, 2), torch.nn.Linear(1100, 1)])
+    ref = torch.nn.ModuleList([torch.nn.Linear(1024, 1100), torch.nn.Linear(1100, 2), torch.nn.Linear(1100, 1)])
+    ref.load_state_dict(model.state_dict())
+    model, opt = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    for _ in range(2):
+        mgr.backward(_large_loss(model, mgr.rank))
+        opt.step()
+        opt.zero_grad()
+        (sum(_large_loss(ref, r) for r in range(mgr.size)) / mgr.size).backward()  # type: ignore[union-attr]
+        ref_opt.step()
+        ref_opt.zero_grad()
+    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters(), strict=True))
+    big = opt.bucket_of(model[0].weight)
+    return {"diff": diff, "spread": spread(mgr, model), "alone": bool(big.inplace), "backend": mgr.backend}
+
+
 def optimizer_state(mgr: Any) -> dict[str, Any]:
     torch.manual_seed(2)
     model = torch.nn.Linear(4, 3)
@@ -106,7 +135,7 @@ def sampler(mgr: Any) -> dict[str, Any]:
 
 
 def fill(mgr: Any, report: dict[str, Any]) -> None:
-    for fn in (unused_parameters, no_sync_equals_summed_loss, optimizer_state, sampler):
+    for fn in (unused_parameters, no_sync_equals_summed_loss, large_gradient_in_place, optimizer_state, sampler):
         report[fn.__name__] = fn(mgr)
 
 

@@ -15,9 +15,12 @@ cannot be left out of the unit):
 - ``ddp``: torch's ``DistributedDataParallel`` reducer (gloo), where torch.distributed is initialised.
 
 Each method has its own copy of the model (hooks of one must not fire in another's backward). The forward
-is ``sum((p * c).sum())`` and runs before each unit, untimed; gradients are cleared after it (the fused
-method's ``opt.step()`` with lr=0, then ``opt.zero_grad()``, as a training loop does). Reported: ms per unit,
-sync ms = unit - baseline, and the ratio of each method's sync ms to ``raw_per_tensor``'s.
+is ``sum((p * c).sum())`` and runs before each unit, untimed. The unit starts by clearing the previous step's
+gradients, as a training loop's ``zero_grad()`` does: ``p.grad = None`` for the plain methods (free, but
+backward then allocates every gradient anew), ``opt.zero_grad()`` for the fused one (which may keep its
+gradients as bucket views and zero them: a real cost, so it is timed). After the unit, untimed, the fused
+method's ``opt.step()`` (lr=0). Reported: ms per unit, sync ms = unit - baseline, and the ratio of each
+method's sync ms to ``raw_per_tensor``'s.
 """
 
 from __future__ import annotations
@@ -48,11 +51,8 @@ def _ddp_available() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _clear(params: list[torch.nn.Parameter]) -> Callable[[], None]:
-    def clear() -> None:
-        for p in params:
-            p.grad = None
-    return clear
+def _nothing() -> None:
+    """No clean-up after a unit: each unit clears the gradients it will make (timed, as a loop's zero_grad)."""
 
 
 def fused_label(backend: str) -> str:
@@ -75,8 +75,11 @@ def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float
             state[key] = model(c)
         return run
 
-    def backward_then(key: str, sync: Callable[[], Any] | None) -> Callable[[], None]:
+    def backward_then(key: str, sync: Callable[[], Any] | None, owned: list[torch.nn.Parameter] = params
+                      ) -> Callable[[], None]:
         def unit() -> None:
+            for p in owned:
+                p.grad = None
             state.pop(key).backward()  # type: ignore[no-untyped-call]
             if sync is not None:
                 sync()
@@ -89,13 +92,13 @@ def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float
         return sync
 
     methods: dict[str, Method] = {
-        "backward": (forward(plain, "plain"), backward_then("plain", None), _clear(params)),
+        "backward": (forward(plain, "plain"), backward_then("plain", None), _nothing),
         "per_tensor": (forward(plain, "plain"), backward_then("plain", each(lambda g: mgr.allreduce_(g, op="mean"))),
-                       _clear(params)),
+                       _nothing),
     }
     raw = engines.grad_mean(mgr)
     if raw is not None:
-        methods["raw_per_tensor"] = (forward(plain, "plain"), backward_then("plain", each(raw)), _clear(params))
+        methods["raw_per_tensor"] = (forward(plain, "plain"), backward_then("plain", each(raw)), _nothing)
 
     fused_model = ShapeModel(shapes)
     opt = torch.optim.SGD(fused_model.parameters(), lr=0.0)
@@ -103,14 +106,11 @@ def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float
     keep += [prepared, popt]
 
     def fused_unit() -> None:
+        popt.zero_grad()
         mgr.backward(state.pop("fused"))
         popt.synchronize()  # type: ignore[attr-defined]
 
-    def fused_after() -> None:
-        popt.step()
-        popt.zero_grad()
-
-    methods["fused"] = (forward(prepared, "fused"), fused_unit, fused_after)
+    methods["fused"] = (forward(prepared, "fused"), fused_unit, popt.step)
     owners["fused"] = list(mgr.unwrap(prepared).parameters())
 
     if _ddp_available():
@@ -118,7 +118,7 @@ def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float
         ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
         keep.append(ddp)
         owners["ddp"] = list(ddp_model.parameters())
-        methods["ddp"] = (forward(ddp, "ddp"), backward_then("ddp", None), _clear(owners["ddp"]))
+        methods["ddp"] = (forward(ddp, "ddp"), backward_then("ddp", None, owners["ddp"]), _nothing)
     return methods, owners, keep
 
 

@@ -36,6 +36,20 @@ class Communicator(Collectives):
         return self._engine
 
     @property
+    def overlaps(self) -> bool:
+        """Whether an async collective progresses while this process computes (``Engine.progresses_alone``):
+        where it does not, starting one early, during backward, gains nothing."""
+        self._need_started()
+        return bool(self._engine.progresses_alone)
+
+    @property
+    def reduce_alone_from(self) -> float:
+        """Bytes from which a gradient is cheaper to reduce in its own storage than to copy into a fusion bucket
+        (``Engine.reduce_alone_from``)."""
+        self._need_started()
+        return float(self._engine.reduce_alone_from)
+
+    @property
     def checks_collectives(self) -> bool:
         """Whether calls are compared across ranks before they run (UNIDIST_CHECK_COLLECTIVES, 2+ ranks)."""
         return self._checked

@@ -13,6 +13,7 @@ one-rank group is a ``SoloEngine`` on every backend. ``abort`` is how the job en
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -36,6 +37,14 @@ class Engine(abc.ABC):
     wire_dtypes: ClassVar[Mapping[torch.dtype, torch.dtype]] = {}
     # True where ``abort`` ends every rank of the job (MPI_Abort); elsewhere a failing rank just exits
     aborts_job: ClassVar[bool] = False
+    # True where a collective started by an ``*_async`` call moves on while the caller computes (gloo's and
+    # Horovod's threads do); False where it moves only inside the caller's test/wait (MPI without a progress
+    # thread), so starting it early overlaps nothing and only puts several collectives in flight at once
+    progresses_alone: ClassVar[bool] = True
+    # gradients of at least this many bytes are reduced where they are, in their own call, rather than copied into
+    # a fusion bucket: worth it where a call costs less than copying that many bytes (shared memory), never where a
+    # call costs a millisecond (gloo, Horovod)
+    reduce_alone_from: ClassVar[float] = math.inf
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
@@ -116,6 +125,17 @@ class Engine(abc.ABC):
     def allgather_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Work:
         self.allgather(send, recv, counts)
         return DONE
+
+    def prepared_sum(self, t: torch.Tensor) -> Any:
+        """What ``allreduce_prepared`` needs to sum ``t`` in place (contiguous, a natively reduced dtype), made
+        once and kept by the communicator under t's address, size and dtype; None where the engine has no such
+        shortcut (its ``allreduce`` is then called every time)."""
+        return None
+
+    def allreduce_prepared(self, t: torch.Tensor, prepared: Any, op: ReduceOp) -> None:
+        """Sum ``t`` in place with what ``prepared_sum(t)`` made (``op`` is SUM: it names the call for the
+        watchdog, as ``allreduce(t, t, SUM)`` would)."""
+        raise NotImplementedError
 
     def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp, inplace: bool) -> list[Any] | None:
         """The library's own fused allreduce of many tensors (Horovod's), or None: then the communicator fuses

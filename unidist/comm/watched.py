@@ -35,7 +35,7 @@ __all__ = ["Seq", "calls", "describe_args", "explaining", "failure_hook", "posit
 
 # the engine primitives of comm/engine.py: every wait on peers goes through one of them
 PRIMITIVES = ("barrier", "broadcast", "allreduce", "allgather", "alltoall", "send", "recv", "gather", "scatter",
-              "reduce_scatter", "check_exchange", "grouped_allreduce")
+              "reduce_scatter", "check_exchange", "grouped_allreduce", "allreduce_prepared")
 ASYNC_PRIMITIVES = ("allreduce_async", "reduce_scatter_async", "broadcast_async", "allgather_async")
 POINT_TO_POINT = ("send", "recv")
 # engine regions (DeepSpeed's and Horovod's own exchanges, an engine's start) are numbered on one sequence
@@ -251,7 +251,9 @@ class _WatchedEngine:
         self._made: dict[tuple[int, ...], int] = {}  # groups of these members made so far (their keys' #k)
         _seqs.add(seq)
         for name in PRIMITIVES:  # instance attributes: a call costs what the engine's own method does, plus ~0.1 us
-            setattr(self, name, _watched(getattr(engine, name), where + name, seq, name not in POINT_TO_POINT))
+            # (allreduce_prepared is the same collective as allreduce for the heartbeat and the stall inspector)
+            setattr(self, name, _watched(getattr(engine, name), where + name.removesuffix("_prepared"), seq,
+                                         name not in POINT_TO_POINT))
         for name in ASYNC_PRIMITIVES:
             setattr(self, name, _watched_async(getattr(engine, name), where + name.removesuffix("_async"), seq))
         self.check_exchange = _watched_check(engine.check_exchange, where, seq)

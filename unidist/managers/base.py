@@ -307,7 +307,7 @@ class Manager(Communicator):
                 compression: str | None = None, backward_passes_per_step: int | None = None,
                 bucket_mb: float | None = None, group: Group | None = None,
                 deepspeed_config: Mapping[str, Any] | str | None = None, precision: str | None = None,
-                loss_scaling: Mapping[str, Any] | None = None, **unknown: Any
+                loss_scaling: Mapping[str, Any] | None = None, reducer: str = "auto", **unknown: Any
                 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Make ``model`` and ``optimizer`` data parallel; then ``mgr.backward(loss); opt.step();
         opt.zero_grad()`` is the whole loop, the same on every backend.
@@ -345,11 +345,17 @@ class Manager(Communicator):
                 ``{"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}``,
                 and DeepSpeed's (``dynamic``, ``hysteresis``, ``consecutive_hysteresis``, ``min_scale``,
                 ``growth_rule``, ``raise_at_min_scale``: ``unidist.train.precision.ScalerOptions``).
+            reducer: who averages the gradients where the engine has a reducer of its own: ``"engine"``
+                (DeepSpeed's engine, ``hvd.DistributedOptimizer``), ``"unidist"`` (unidist's fusion buckets over
+                the engine's collectives; the engine's optimizer step, clipping and loss scaling unchanged) or
+                ``"auto"`` (default: unidist's where it was measured faster and keeps the engine's math, see
+                ``unidist.train.reducer``). The mpi, torch and local backends always use unidist's.
         """
         return self._training().prepare(  # type: ignore[no-any-return]
             model, optimizer, zero_stage=zero_stage, clip_grad_norm=clip_grad_norm, op=op, compression=compression,
             backward_passes_per_step=backward_passes_per_step, bucket_mb=bucket_mb, group=group,
-            deepspeed_config=deepspeed_config, precision=precision, loss_scaling=loss_scaling, unknown=unknown)
+            deepspeed_config=deepspeed_config, precision=precision, loss_scaling=loss_scaling, reducer=reducer,
+            unknown=unknown)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` for the prepared model (divided by ``backward_passes_per_step``; on DeepSpeed

@@ -18,12 +18,13 @@ from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.comm import timeline
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
-from unidist.train import ds_config
+from unidist.train import ds_config, ds_reducer
 from unidist.train.ds_layout import DeepSpeedLayout
 from unidist.train.ds_scaler import AgreedGradScaler
 from unidist.train.memory import optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import TrainOptions, one_way_to_accumulate
 from unidist.train.precision import Precision, cast_floats
+from unidist.train.reducer import GradientReducer
 from unidist.train.trainer import Trainer
 from unidist.train.view import OptimizerView
 
@@ -43,6 +44,8 @@ class EngineOptimizer(OptimizerView):
         self.full_groups = full_groups
         self.scaler: AgreedGradScaler | None = None  # fp16-mixed's loss scale (installed by DeepSpeedTrainer)
         self._hooks: list[Any] = []  # the precision's forward hooks on the user's module
+        # unidist's buckets in place of the engine's allreduce at stage 0 (prepare(reducer=...)), or None
+        self.reducer: GradientReducer | None = None
 
     def remove_hooks(self) -> None:
         """Detach the precision's forward hooks from the user's module (the engine itself keeps running)."""
@@ -132,6 +135,9 @@ class EngineOptimizer(OptimizerView):
         if int(self.engine.zero_optimization_stage()) == 0:
             with self.engine.no_sync():
                 yield
+            if self.reducer is not None:
+                self.reducer.synchronize()
+                return
             with timeline.watching("deepspeed engine.allreduce_gradients (gradient exchange)"):
                 self.engine.allreduce_gradients()
             return
@@ -230,6 +236,9 @@ class DeepSpeedTrainer(Trainer):
         self.engine = engine
         self.prepared = EngineOptimizer(engine, optimizer, self.full_groups, self.mgr)
         self.prepared._hooks += hooks
+        if ds_reducer.wanted(opts, config, stage, user_config=self.mgr.config.deepspeed_config):
+            self.prepared.reducer = ds_reducer.install(engine, self.mgr, opts.bucket_mb * 2**20)
+            self.prepared._hooks += self.prepared.reducer.hooks
         self._install_scaler(self.prepared, precision, opts)
         self.prepared_for[model] = self.prepared
         return engine, self.prepared
@@ -271,6 +280,10 @@ class DeepSpeedTrainer(Trainer):
         if isinstance(self.prepared, EngineOptimizer):
             with timeline.watching("deepspeed engine.backward (gradient exchange)"):
                 self.engine.backward(loss)
+            reducer = self.prepared.reducer
+            if reducer is not None and not self.engine.inside_no_sync_ctxt \
+                    and self.engine.is_gradient_accumulation_boundary():
+                reducer.synchronize()
         else:
             super().backward(loss)
 

@@ -20,6 +20,7 @@ slot's ``launch`` and ``finish``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, Protocol, TypeVar
 
@@ -100,14 +101,22 @@ class Compression:
 P = TypeVar("P", bound=torch.Tensor)
 
 
-def pack(params: Sequence[P], limit_bytes: float, key: Callable[[P], Hashable]) -> list[list[P]]:
+def pack(params: Sequence[P], limit_bytes: float, key: Callable[[P], Hashable], alone_from: float = math.inf
+         ) -> list[list[P]]:
     """Fusion slots: ``params`` in reverse order, a new slot when the next would pass ``limit_bytes`` or has
-    another ``key`` (dtype, device, param group: what one flat buffer cannot mix)."""
+    another ``key`` (dtype, device, param group: what one flat buffer cannot mix). A parameter of
+    ``alone_from`` bytes or more is a slot of its own (reduced where it is, not copied into a shared buffer)."""
     slots: list[list[P]] = []
     current: list[P] = []
     size = 0.0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
+        if nbytes >= alone_from:
+            if current:
+                slots.append(current)
+                current, size = [], 0.0
+            slots.append([p])
+            continue
         if current and (size + nbytes > limit_bytes or key(current[0]) != key(p)):
             slots.append(current)
             current, size = [], 0.0

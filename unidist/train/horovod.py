@@ -86,7 +86,10 @@ class HorovodTrainer(Trainer):
     def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions
                  ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Model on ``device``, rank 0's parameters and optimizer state everywhere, Horovod's optimizer behind
-        the uniform loop."""
+        the uniform loop; with ``reducer='unidist'`` unidist's DistributedOptimizer over Horovod's collectives
+        (its buckets are one ``hvd.allreduce_async_`` each; the same sum, divided by the ranks)."""
+        if opts.reducer == "unidist":
+            return self._prepare_unidist(model, optimizer, opts)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidArgumentError(f"prepare(optimizer=...) takes a torch.optim.Optimizer, got "
                                        f"{type(optimizer).__name__}")

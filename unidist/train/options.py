@@ -21,7 +21,10 @@ from unidist.train.precision import Precision, ScalerOptions
 if TYPE_CHECKING:
     from unidist.config import Config
 
-__all__ = ["PREPARE_ARGS", "SyncOptions", "TrainOptions"]
+__all__ = ["PREPARE_ARGS", "REDUCERS", "SyncOptions", "TrainOptions"]
+
+# prepare(reducer=...): who averages the gradients on an engine with a reducer of its own (DeepSpeed, Horovod)
+REDUCERS = ("auto", "engine", "unidist")
 
 
 def _check_sync_op(op: ReduceOp | str, where: str) -> ReduceOp:
@@ -122,6 +125,7 @@ class TrainOptions:
     deepspeed_config: Mapping[str, Any] | str | Path | None = None
     precision: str = "32"
     loss_scaling: ScalerOptions = field(default_factory=ScalerOptions)
+    reducer: str = "auto"
     # where each explicitly set option came from ("prepare(zero_stage=3)", "UNIDIST_ZERO_STAGE=3"); an engine
     # config that disagrees names it (train/ds_config.py)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -131,7 +135,7 @@ class TrainOptions:
               op: ReduceOp | str, compression: str | None, backward_passes_per_step: int | None,
               bucket_mb: float | None, group: Any, deepspeed_config: Mapping[str, Any] | str | Path | None,
               precision: str | None = None, loss_scaling: Mapping[str, Any] | None = None,
-              unknown: Mapping[str, Any]) -> TrainOptions:
+              reducer: str = "auto", unknown: Mapping[str, Any]) -> TrainOptions:
         """``None`` takes the UNIDIST_* default; ``unknown`` are the keywords prepare did not recognise."""
         if unknown:
             hints = {"config": "deepspeed_config", "gradient_clipping": "clip_grad_norm",
@@ -158,6 +162,8 @@ class TrainOptions:
                                        f"runs precision={mode!r}; pass it with precision='fp16-mixed'")
         if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
             raise InvalidArgumentError(f"prepare(zero_stage={stage!r}); use 0, 1, 2 or 3")
+        if reducer not in REDUCERS:
+            raise InvalidArgumentError(f"prepare(reducer={reducer!r}); use one of {', '.join(REDUCERS)}")
         if deepspeed_config is not None and not isinstance(deepspeed_config, (Mapping, str, Path)):
             raise InvalidArgumentError(f"prepare(deepspeed_config=...) takes a dict or a JSON file path, got "
                                        f"{type(deepspeed_config).__name__}")
@@ -167,7 +173,8 @@ class TrainOptions:
             bucket_mb=config.bucket_mb if bucket_mb is None else bucket_mb, clip_grad_norm=clip_grad_norm)
         return cls(zero_stage=stage, clip_grad_norm=sync.clip_grad_norm, op=sync.op, compression=sync.compression,
                    backward_passes_per_step=sync.backward_passes_per_step, bucket_mb=sync.bucket_mb, group=group,
-                   deepspeed_config=deepspeed_config, precision=mode, loss_scaling=scaling, sources=sources)
+                   deepspeed_config=deepspeed_config, precision=mode, loss_scaling=scaling, reducer=reducer,
+                   sources=sources)
 
     @property
     def sync(self) -> SyncOptions:

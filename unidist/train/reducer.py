@@ -1,0 +1,198 @@
+"""GradientReducer: gradients averaged in fusion buckets launched from backward's hooks, over any communicator.
+
+What ``DistributedOptimizer`` reduces with, and what a DeepSpeed engine at ZeRO stage 0 can reduce with in place
+of its own (train/deepspeed.py): the buckets, the hooks and the drain, without the optimizer protocol around them.
+The caller says which backward passes reduce (``sync_pass``: the last of an accumulation window).
+
+How a bucket is reduced depends on what the engine costs, not on a setting (``Communicator.overlaps`` and
+``reduce_alone_from``, from the engine's class):
+
+- a gradient of ``reduce_alone_from`` bytes or more is reduced in its own storage, in its own call: nothing is
+  copied (on MPI's shared memory a call costs microseconds, and copying a large gradient into a bucket and back
+  costs a pass over memory that the fused call does not win back; measured in ``benchmarks/RESULTS.md``);
+- smaller gradients are views into one flat buffer per bucket (DDP's ``gradient_as_bucket_view``);
+- where collectives move while the process computes (gloo, Horovod) a bucket starts as soon as its gradients are
+  ready, overlapping the rest of backward; where they move only inside a wait (MPI) starting early overlaps
+  nothing and puts several collectives in flight at once, which MPICH runs at half the speed: the buckets are
+  reduced one after another when backward is over.
+
+Buckets start strictly in order on every rank, so a parameter that gets no gradient on one rank cannot reorder
+the collectives (``gradcore.InOrder``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unidist.comm import buffers, trace_hooks
+from unidist.ops import ReduceOp
+from unidist.train.gradcore import Compressor, InOrder, pack
+
+if TYPE_CHECKING:
+    from unidist.comm.work import Handle
+    from unidist.train.protocol import Comm
+
+__all__ = ["GradientReducer"]
+
+
+class _Bucket:
+    """Parameters whose gradients are reduced in one call. Without compression the gradients *are* the bucket:
+    each ``p.grad`` is a view into ``buffer`` (DDP's ``gradient_as_bucket_view``), so nothing is copied in or out;
+    a gradient autograd made anew (after ``zero_grad()``, which sets gradients to None as torch does) is copied
+    in once and replaced by its view; ``zero_grad(set_to_none=False)`` zeroes the views in place and then no copy
+    is made at all. With a narrower wire dtype the buffer is a separate, compressed copy."""
+
+    __slots__ = ("buffer", "handle", "inplace", "numels", "offsets", "params", "ready", "views")
+
+    def __init__(self, params: list[torch.nn.Parameter], compressor: Compressor, inplace: bool = False) -> None:
+        self.params = params
+        first = params[0]
+        # one large parameter reduced in its own gradient's storage: nothing copied, no buffer kept
+        self.inplace = inplace and len(params) == 1 and not compressor.copies(first.dtype)
+        self.views = not compressor.copies(first.dtype) and not self.inplace
+        self.numels = [p.numel() for p in params]
+        self.buffer = first.new_empty(0) if self.inplace else \
+            buffers.zeros(sum(self.numels), compressor.wire_dtype(first.dtype), first.device)
+        self.offsets = [0]
+        for n in self.numels:
+            self.offsets.append(self.offsets[-1] + n)
+        self.ready: set[int] = set()
+        self.handle: Handle[torch.Tensor] | None = None
+
+    def piece(self, i: int) -> torch.Tensor:
+        """Parameter i's part of the buffer, shaped like it. (Never kept: a second reference to a gradient
+        makes autograd accumulate out of place, into a new tensor.)"""
+        return self.buffer[self.offsets[i]:self.offsets[i + 1]].view(self.params[i].shape)
+
+    def own(self) -> None:
+        """An in-place slot's buffer is its parameter's gradient (zeros if it has none; made contiguous)."""
+        p = self.params[0]
+        g = p.grad
+        if g is None:
+            g = p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        elif not g.is_contiguous():
+            g = p.grad = g.contiguous()
+        self.buffer = g
+
+    def adopt(self) -> None:
+        """Make every gradient a view of the buffer: copy in those autograd made anew, zeros for missing ones."""
+        base, size = self.buffer.data_ptr(), self.buffer.element_size()
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is not None and g.data_ptr() == base + self.offsets[i] * size and g.is_contiguous():
+                continue  # already the view
+            view = self.piece(i)
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g)
+            p.grad = view
+
+    def finish(self) -> None:
+        """Wait for the allreduce; a compressed copy is written back into the gradients."""
+        if self.handle is not None:
+            if trace_hooks.active:  # the timeline: off, this bool test is all it costs
+                with trace_hooks.span("bucket wait", bytes=self.buffer):
+                    self.handle.wait()
+            else:
+                self.handle.wait()
+            self.handle = None
+        if self.inplace:  # reduced in the gradient itself; drop the second reference to it (see piece())
+            self.buffer = self.buffer.new_empty(0)
+            return
+        if self.views:  # the gradients were reduced in place
+            return
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                avg = self.piece(i)
+                if p.grad is None:
+                    p.grad = avg.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(avg)
+
+
+class GradientReducer:
+    """Averages (``op`` MEAN) or sums the gradients of ``params`` over ``comm`` in fusion buckets.
+
+    Args:
+        comm: the ranks gradients are combined over (the world or a data-parallel Group).
+        params: the parameters whose gradients are reduced (hooks are registered on each).
+        op: ReduceOp.MEAN or ReduceOp.SUM.
+        compressor: the wire dtype (``gradcore.Compression``).
+        bucket_bytes: the most bytes in one bucket.
+        sync_pass: called in each gradient hook; False means this backward only accumulates locally.
+    """
+
+    def __init__(self, comm: Comm, params: Iterable[torch.nn.Parameter], op: ReduceOp, compressor: Compressor,
+                 bucket_bytes: float, sync_pass: Callable[[], bool]) -> None:
+        self.dp, self.op, self._compressor, self._bucket_bytes = comm, op, compressor, bucket_bytes
+        self._sync_pass = sync_pass
+        self._order: InOrder[_Bucket] = InOrder(self._launch)
+        self.hooks: list[Any] = []
+        self._overlap = comm.overlaps
+        self._alone_from = comm.reduce_alone_from
+        self.track(list(params))
+
+    @property
+    def buckets(self) -> list[_Bucket]:
+        """The fusion buckets, in launch order (their buffers persist between steps)."""
+        return self._order.slots
+
+    def bucket_of(self, p: torch.Tensor) -> _Bucket | None:
+        """The bucket ``p``'s gradient travels in (None: not tracked)."""
+        return self._order.slot_of(p)
+
+    def track(self, params: list[torch.nn.Parameter]) -> None:
+        """Bucket ``params`` (new buckets after the existing ones) and hook their gradients."""
+        for members in pack(params, self._bucket_bytes, lambda p: (p.dtype, p.device), self._alone_from):
+            # a slot of one parameter from alone_from bytes up is reduced in place (see _Bucket.inplace)
+            self._order.add(_Bucket(members, self._compressor, inplace=len(members) == 1 and
+                                    members[0].numel() * members[0].element_size() >= self._alone_from))
+        self.hooks += [p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+                       for p in params]
+
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The fusion buffers this reducer keeps beyond the model's gradients."""
+        return [b.buffer for b in self.buckets if not b.inplace]
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._overlap or not self._sync_pass() or self.dp.size == 1:
+            return
+        self._order.ready(p)
+        self._order.launch_ready()
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if trace_hooks.active:  # the timeline: launches against backward (off, this bool test is all it costs)
+            with trace_hooks.span("bucket launch", bytes=bucket.buffer):
+                self._launch_now(bucket)
+        else:
+            self._launch_now(bucket)
+
+    def _launch_now(self, bucket: _Bucket) -> None:
+        scale = 1.0 / self.dp.size if self.op is ReduceOp.MEAN else 1.0
+        with torch.no_grad():
+            if bucket.inplace or bucket.views:
+                bucket.own() if bucket.inplace else bucket.adopt()
+                if scale != 1.0:  # divided before the sum, as the copying path does: the same rounding
+                    bucket.buffer.mul_(scale)
+            else:
+                self._compressor.write(bucket.buffer, [p.grad for p in bucket.params], bucket.numels, scale)
+        if self._overlap:
+            bucket.handle = self.dp.allreduce_async_(bucket.buffer, ReduceOp.SUM)
+        else:
+            self.dp.allreduce_(bucket.buffer, ReduceOp.SUM)
+
+    def synchronize(self) -> None:
+        """Finish every bucket's allreduce (launching those whose gradients never all arrived) and leave the
+        result in ``p.grad``."""
+        if self.dp.size > 1:
+            self._order.drain()
+
+    def remove_hooks(self) -> None:
+        """Stop reducing: detach the gradient hooks."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
