@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 def measure(args: argparse.Namespace) -> int:
     """Run the chosen benchmarks in one ``unidist.init()``; rank 0 prints and writes."""
     import unidist
-    from unidist.bench.output import meta, plot_bandwidth, write_json
+    from unidist.bench.output import machine_line, meta, plot_bandwidth, write_json
 
     mods = _modules()
     names = [b.strip() for b in args.benches.split(",") if b.strip()] if args.sub == "all" else [args.sub]
@@ -87,10 +87,12 @@ def measure(args: argparse.Namespace) -> int:
         if args.label:
             run_meta["label"] = args.label
         rows: list[dict[str, Any]] = []
-        for name in names:
+        for i, name in enumerate(names):
             mine = mods[name].run(mgr, args)
             rows += mine
             if mgr.is_main:
+                if i == 0:  # once per run, above its tables (measured before them: output.meta)
+                    print(machine_line(run_meta["machine"]) + "\n", flush=True)
                 print(mods[name].table(mine, run_meta) + "\n", flush=True)
         if mgr.is_main:
             if args.json:

@@ -2,7 +2,8 @@
 
 Tables are markdown so that what a run prints can be pasted into benchmarks/RESULTS.md unchanged (the
 ``report`` command does exactly that from the JSON files). A JSON file is ``{"meta": {...}, "rows": [...]}``:
-``meta`` says where and how the run was made (backend, launcher, ranks, versions, host, command line), and
+``meta`` says where and how the run was made (backend, launcher, ranks, versions, host, command line, and the
+machine: CPU, THP, a measured copy bandwidth), and
 every row repeats ``bench``, ``backend``, ``launcher`` and ``ranks`` so rows from several files can be
 mixed. matplotlib is imported only to plot.
 """
@@ -10,7 +11,6 @@ mixed. matplotlib is imported only to plot.
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import json
 import math
 import os
@@ -20,21 +20,21 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Column", "human_bytes", "label", "load", "markdown", "meta", "plot_bandwidth", "write_json"]
+from unidist.bench.machine import line as machine_line
+from unidist.bench.machine import version as _version
+
+__all__ = ["Column", "human_bytes", "label", "load", "machine_line", "markdown", "meta", "plot_bandwidth",
+           "write_json"]
 
 Column = tuple[str, str, Callable[[Any], str]]  # (row key, header, formatter of the value)
 
 
-def _version(pkg: str) -> str:
-    try:
-        return importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def meta(mgr: Any) -> dict[str, Any]:
-    """Where and how this run was made: enough to tell two JSON files apart and to reproduce them."""
+    """Where and how this run was made: enough to tell two JSON files apart and to reproduce them, and
+    ``machine`` (``unidist.bench.machine``: CPU, THP, measured copy bandwidth, ...) to tell two machines
+    apart. The bandwidth is measured on rank 0 only, the rank that writes the JSON (why: machine.py)."""
     import unidist
+    from unidist.bench.machine import machine
 
     launch = unidist.detect(os.environ)
     return {
@@ -45,6 +45,7 @@ def meta(mgr: Any) -> dict[str, Any]:
         "omp_threads": os.environ.get("OMP_NUM_THREADS", ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
+        "machine": machine(bandwidth=bool(getattr(mgr, "is_main", True))),
     }
 
 
