@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import unidist
+from unidist.bench.machine import line as machine_line
 from unidist.bench.zero import make_model
 from unidist.comm import watchdog
 
@@ -75,6 +76,7 @@ def main() -> int:
                 times[stage, blocked] += t
         if mgr.is_main:
             psi = sum(p.numel() for p in make_model(args.width, args.layers).parameters())
+            print(machine_line(), flush=True)
             print(f"backend={mgr.backend} ranks={mgr.size} Psi={psi} ({psi * 4 / 2**20:.1f} MiB fp32), "
                   f"{args.micro} micro-batches of {args.batch} rows per step; median of {len(times[ways[0]])} steps")
             print("| stage | way | engine calls per step | gradient MiB reduced per step | step ms | vs accumulate |")

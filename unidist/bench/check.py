@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import unidist
+from unidist.bench.machine import line as machine_line
 from unidist.comm import mismatch
 
 SIZES = (8, 512, 4096, 65536, 1 << 20, 32 << 20)
@@ -132,6 +133,7 @@ def main() -> None:
         coll = collectives(mgr, args.sizes, args.rounds)
         p2p = point_to_point(mgr, args.sizes, args.rounds) if mgr.size > 1 else []
         if mgr.rank == 0:
+            print(machine_line(), flush=True)
             print(f"backend={mgr.backend} ranks={mgr.size}: allreduce_ (sum, float32, in place), median us per call "
                   f"over {args.rounds} interleaved rounds")
             print(f"{'bytes':>10} {'off':>10} {'1 in K':>10} {'every':>10} {'1inK/off':>9} {'every/off':>9} "

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from unidist.bench.machine import line as machine_line
+
 
 def main() -> int:
     parser = argparse.ArgumentParser()
@@ -52,6 +54,7 @@ def main() -> int:
             samples += per_rank * size
     elapsed = time.perf_counter() - started
     if rank == 0:
+        print(machine_line(), flush=True)
         print(f"ddp(gloo) ranks={size} | {samples / elapsed:.0f} samples/s ({os.environ.get('OMP_NUM_THREADS')} "
               "OMP threads)", flush=True)
     dist.destroy_process_group()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import unidist
+from unidist.bench.machine import line as machine_line
 from unidist.parallel import ColumnParallelLinear, Pipeline, RowParallelLinear
 
 
@@ -95,6 +96,7 @@ def main() -> None:
         rows = pipeline_rows(mgr, args)
         tp = tensor_rows(mgr, args)
         if mgr.rank == 0:
+            print(machine_line(), flush=True)
             print(f"pipeline: {mgr.size} stages ({mgr.backend}), {args.layers} x Linear({args.width}) + Tanh per "
                   f"stage, batch {args.batch}, median of {args.steps} steps")
             print("| schedule | micro-batches | step ms | busy share per stage | bubble | theory | peak "

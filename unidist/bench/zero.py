@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import unidist
+from unidist.bench.machine import line as machine_line
 
 
 def make_model(width: int, layers: int) -> torch.nn.Module:
@@ -72,6 +73,7 @@ def main() -> int:
             n = mgr.size
             paper = {0: (4, 4, 8), 1: (4, 4, 8 / n), 2: (4, 4 / n, 8 / n), 3: (4 / n, 4 / n, 8 / n)}
             base = statistics.median(times[0])
+            print(machine_line(), flush=True)
             print(f"backend={mgr.backend} ranks={n} Psi={psi} ({psi * 4 / 2**20:.1f} MiB fp32), Adam; MiB per rank "
                   "measured (paper model); step time median of "
                   f"{len(times[0])}")
