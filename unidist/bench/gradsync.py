@@ -10,8 +10,10 @@ cannot be left out of the unit):
 - ``backward``: backward alone, no communication: the baseline each method's sync cost is measured from;
 - ``per_tensor``: ``mgr.allreduce_(p.grad, op="mean")`` on every gradient after backward;
 - ``raw_per_tensor``: the engine's own in-place allreduce (and divide) on every gradient (``engines.py``);
-- ``fused``: ``mgr.prepare(model, SGD)``, ``mgr.backward(loss)`` and ``opt.synchronize()``: unidist's
-  bucketed DistributedOptimizer (a DeepSpeed engine on deepspeed, ``hvd.DistributedOptimizer`` on horovod);
+- ``fused``: ``mgr.prepare(model, SGD)``, ``mgr.backward(loss)`` and ``opt.synchronize()``: what prepare gives
+  by default (``reducer='auto'``); on deepspeed and horovod also ``fused_engine`` and ``fused_unidist``, the
+  engine's own reducer (a DeepSpeed engine's allreduce, ``hvd.DistributedOptimizer``) and unidist's buckets over
+  the engine's collectives, side by side;
 - ``ddp``: torch's ``DistributedDataParallel`` reducer (gloo), where torch.distributed is initialised.
 
 Each method has its own copy of the model (hooks of one must not fire in another's backward). The forward
@@ -55,9 +57,13 @@ def _nothing() -> None:
     """No clean-up after a unit: each unit clears the gradients it will make (timed, as a loop's zero_grad)."""
 
 
+ENGINE_REDUCERS = {"deepspeed": "DeepSpeed engine's allreduce", "horovod": "hvd.DistributedOptimizer"}
+
+
 def fused_label(backend: str) -> str:
-    return {"deepspeed": "prepare: DeepSpeed engine", "horovod": "prepare: hvd.DistributedOptimizer"}.get(
-        backend, "prepare: unidist DistributedOptimizer")
+    if backend in ENGINE_REDUCERS:
+        return "prepare (reducer='auto')"
+    return "prepare: unidist DistributedOptimizer"
 
 
 def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float
@@ -100,18 +106,25 @@ def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float
     if raw is not None:
         methods["raw_per_tensor"] = (forward(plain, "plain"), backward_then("plain", each(raw)), _nothing)
 
-    fused_model = ShapeModel(shapes)
-    opt = torch.optim.SGD(fused_model.parameters(), lr=0.0)
-    prepared, popt = mgr.prepare(fused_model, opt)
-    keep += [prepared, popt]
+    variants = {"fused": "auto"}
+    if mgr.backend in ENGINE_REDUCERS:
+        variants.update(fused_engine="engine", fused_unidist="unidist")
+    for key, reducer in variants.items():
+        fused_model = ShapeModel(shapes)
+        opt = torch.optim.SGD(fused_model.parameters(), lr=0.0)
+        prepared, popt = mgr.prepare(fused_model, opt, reducer=reducer)
+        keep += [prepared, popt]
 
-    def fused_unit() -> None:
-        popt.zero_grad()
-        mgr.backward(state.pop("fused"))
-        popt.synchronize()  # type: ignore[attr-defined]
+        # each DeepSpeed engine's own backward: mgr.backward drives the engine prepare made last
+        backward = prepared.backward if mgr.backend == "deepspeed" else mgr.backward
 
-    methods["fused"] = (forward(prepared, "fused"), fused_unit, popt.step)
-    owners["fused"] = list(mgr.unwrap(prepared).parameters())
+        def fused_unit(key: str = key, popt: Any = popt, backward: Callable[[torch.Tensor], Any] = backward) -> None:
+            popt.zero_grad()
+            backward(state.pop(key))
+            popt.synchronize()
+
+        methods[key] = (forward(prepared, key), fused_unit, popt.step)
+        owners[key] = list(mgr.unwrap(prepared).parameters())
 
     if _ddp_available():
         ddp_model = ShapeModel(shapes).to(mgr.device)
@@ -172,6 +185,8 @@ def _describe(method: str, backend: str) -> str:
             "per_tensor": "mgr.allreduce_(grad, 'mean') per tensor",
             "raw_per_tensor": f"{engines.engine_name(backend)} allreduce per tensor",
             "fused": fused_label(backend),
+            "fused_engine": f"prepare(reducer='engine'): {ENGINE_REDUCERS.get(backend)}",
+            "fused_unidist": f"prepare(reducer='unidist'): unidist's buckets on {engines.engine_name(backend)}",
             "ddp": "torch DDP reducer (gloo)"}.get(method, method)
 
 

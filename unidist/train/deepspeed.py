@@ -44,8 +44,10 @@ class EngineOptimizer(OptimizerView):
         self.full_groups = full_groups
         self.scaler: AgreedGradScaler | None = None  # fp16-mixed's loss scale (installed by DeepSpeedTrainer)
         self._hooks: list[Any] = []  # the precision's forward hooks on the user's module
-        # unidist's buckets in place of the engine's allreduce at stage 0 (prepare(reducer=...)), or None
+        # unidist's buckets in place of the engine's allreduce at stage 0 (prepare(reducer=...)), or None; drained
+        # by synchronize() or the step at the accumulation boundary, once (_synced)
         self.reducer: GradientReducer | None = None
+        self._synced = False
 
     def remove_hooks(self) -> None:
         """Detach the precision's forward hooks from the user's module (the engine itself keeps running)."""
@@ -106,6 +108,9 @@ class EngineOptimizer(OptimizerView):
         if closure is not None:
             raise InvalidArgumentError("a DeepSpeed engine step takes no closure")
         boundary = self.engine.is_gradient_accumulation_boundary()
+        if boundary:
+            self.synchronize()  # unidist's reducer, if any, before the engine clips and steps
+            self._synced = False
         scaler = self.scaler if boundary else None
         if scaler is not None:
             scaler.begin_step()
@@ -136,7 +141,7 @@ class EngineOptimizer(OptimizerView):
             with self.engine.no_sync():
                 yield
             if self.reducer is not None:
-                self.reducer.synchronize()
+                self.synchronize()
                 return
             with timeline.watching("deepspeed engine.allreduce_gradients (gradient exchange)"):
                 self.engine.allreduce_gradients()
@@ -152,7 +157,12 @@ class EngineOptimizer(OptimizerView):
             block.__exit__(None, None, None)
 
     def synchronize(self) -> None:
-        """Nothing to wait for: the engine averages gradients inside ``backward`` at the accumulation boundary."""
+        """With unidist's reducer (``prepare(reducer=...)``), finish its buckets: the averaged gradients are then in
+        ``p.grad`` and the next ``step()`` uses them as they are. Otherwise nothing to wait for: the engine averages
+        gradients inside ``backward`` at the accumulation boundary."""
+        if self.reducer is not None and not self._synced:
+            self.reducer.synchronize()
+            self._synced = True
 
     def __getattr__(self, name: str) -> Any:  # engine-specific attributes such as loss_scale
         if name.startswith("_"):
@@ -280,10 +290,6 @@ class DeepSpeedTrainer(Trainer):
         if isinstance(self.prepared, EngineOptimizer):
             with timeline.watching("deepspeed engine.backward (gradient exchange)"):
                 self.engine.backward(loss)
-            reducer = self.prepared.reducer
-            if reducer is not None and not self.engine.inside_no_sync_ctxt \
-                    and self.engine.is_gradient_accumulation_boundary():
-                reducer.synchronize()
         else:
             super().backward(loss)
 
