@@ -8,6 +8,9 @@
 # (one directory for every engine) or BENCH_MPI_BIN, BENCH_TORCH_BIN, BENCH_DEEPSPEED_BIN, BENCH_HOROVOD_BIN.
 # Arguments go to `python -m unidist.bench report`: --runs mpi,torch (a subset), --render-only (no runs),
 # -n 3, and after -- options for every run (-- --max-size 32M). Long: run it on a quiet machine.
+# Last, it prints which figures moved beyond the noise (10%, --noise) since the committed results/*.json (read
+# before the runs overwrite them), and on what machines (RESULTS.md's header says how rows match);
+# --render-only --out-dir OTHER --against benchmarks compares another result set with these, running nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bindir() { local name="BENCH_$1_BIN"; echo "${!name:-${BENCH_BIN:-.tox/$2/bin}}"; }

@@ -3,6 +3,7 @@ the JSON format and the RESULTS.md rendering. The launches are in tests/multipro
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import subprocess
@@ -12,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from unidist.bench import SUBCOMMANDS
+from unidist.bench import SUBCOMMANDS, drift
 from unidist.bench.collectives import busbw_factor, default_sizes, parse_size
 from unidist.bench.models import ShapeModel, gpt2_shapes, resnet, resnet50_shapes
 from unidist.bench.output import human_bytes, markdown, write_json
-from unidist.bench.report import BEGIN, END, targets, write_results
+from unidist.bench.report import BEGIN, END, render, targets, write_results
 
 
 def test_sizes_and_units() -> None:
@@ -95,3 +96,59 @@ def test_json_rows_carry_the_run(tmp_path: Path) -> None:
     doc = json.loads(path.read_text())
     assert doc["rows"] == [{"backend": "mpi", "launcher": "mpich", "ranks": 2, "bench": "train"}]
     assert markdown([("a", "A", str)], [{"a": 1}, {}]) == "| A |\n|---|\n| 1 |\n| - |"
+
+
+def test_runs_table_says_when_the_machine_was_not_recorded() -> None:
+    old = _doc("mpi", "mpich", 1.0)
+    new = _doc("torch", "torchrun", 1.0)
+    new["meta"]["machine"] = {"cpu_model": "Test CPU 9000", "cpus": 4, "cpus_usable": 2, "thp": "madvise",
+                              "copy_GBps": 12.34, "copy_huge_share": 1.0}
+    text = render([old, new])
+    runs = text.split("### Runs")[1].split("###")[0]
+    assert "| CPU | cores | THP | memory GB/s |" in runs
+    assert "| not recorded | - | not recorded | not recorded |" in runs  # written before meta["machine"]
+    assert "| Test CPU 9000 | 4 (2 usable) | madvise | 12.3 (100% huge pages) |" in runs
+
+
+def test_drift_flags_a_moved_figure_and_not_an_unchanged_one() -> None:
+    old = {"mpi": _doc("mpi", "mpich", 1.0)}
+    new = {"mpi": copy.deepcopy(old["mpi"])}
+    new["mpi"]["meta"]["date"] = "later"
+    rows = new["mpi"]["rows"]
+    rows[0]["time_us"] *= 1.5  # allreduce 8 B: slower by far more than the noise
+    rows[1]["time_us"] *= 1.05  # allreduce 64 KiB: within the 10% noise
+    rows[2]["time_us"] *= 1.5
+    rows[2]["spread"] = 0.6  # 32 MiB: its own rounds disagree by more than it moved
+    rows[3]["time_us"] /= 2  # 128 MiB: faster
+    entries = drift.compare(old, new)
+    moved = {(e["what"], e["size"]): e["moved"] for e in entries}
+    assert moved[("allreduce", "8 B")] == "slower" and moved[("allreduce", "64 KiB")] == ""
+    assert moved[("allreduce", "32 MiB")] == "" and moved[("allreduce", "128 MiB")] == "faster"
+    assert moved[("fused", "resnet50")] == "" and len(entries) == 4 + 2 + 1  # gradsync and train rows match too
+    text = drift.render(entries, old, new)
+    assert "| mpi | 7 | 1 | 1 | 1 | not recorded -> not recorded | not recorded |" in text
+    flagged = [line for line in text.splitlines() if line.endswith(("| slower |", "| faster |"))]
+    assert len(flagged) == 2 and "| 128 MiB |" in flagged[0] and "| 0.50 |" in flagged[0]  # largest move first
+    assert "| 8 B |" in flagged[1] and "| 1.50 |" in flagged[1]
+    assert drift.compare(old, copy.deepcopy(old)) == []  # an unchanged file did not run again
+
+
+def test_report_against_another_result_set_offline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`report --render-only --against DIR`: compares two result sets without running (no collectives rows
+    here, so no plot and no matplotlib)."""
+    from unidist.bench.__main__ import main
+
+    def doc(step_ms: float) -> dict[str, Any]:
+        d = _doc("mpi", "mpich", 1.0)
+        d["rows"] = [{**r, "step_ms": step_ms} for r in d["rows"] if r["bench"] == "train"]
+        return d
+
+    for where, step_ms in (("other", 1.0), ("here/results", 2.0)):
+        (tmp_path / where).mkdir(parents=True)
+        (tmp_path / where / "mpi.json").write_text(json.dumps(doc(step_ms)))
+    assert main(["report", "--render-only", "--out-dir", str(tmp_path / "here"), "--against",
+                 str(tmp_path / "other")]) == 0
+    out = capsys.readouterr().out
+    assert "### Moved beyond noise" in out
+    assert "| mpi | train | unidist | - | step_ms | 1 | 2 | 2.00 | - | slower |" in out
+    assert "| not recorded | - | not recorded | not recorded |" in (tmp_path / "here" / "RESULTS.md").read_text()

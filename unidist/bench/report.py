@@ -2,6 +2,7 @@
 
     python -m unidist.bench report --bin mpi=.tox/py/bin --bin torch=.tox/torch/bin ...   (benchmarks/regenerate.sh)
     python -m unidist.bench report --render-only          # tables and plot again from results/*.json
+    python -m unidist.bench report --render-only --against OTHER   # and what moved from OTHER's results
     python -m unidist.bench plot results/*.json -o bw.png  # one line per run
 
 Each run is one launch of ``python -m unidist.bench all --compare`` (collectives, gradsync, train) on
@@ -11,7 +12,9 @@ virtual environment), ``PYTHONPATH`` pointing at this copy of unidist (the tree 
 installed copy), and ``OMP_NUM_THREADS`` = cores / ranks unless set (torchrun sets 1, mpiexec nothing:
 without this the launchers would differ in threads, not in communication). Runs go one after the other;
 a failed run is reported and the others still rendered. The rendering goes between the ``generated``
-markers of RESULTS.md; text outside them is kept.
+markers of RESULTS.md; text outside them is kept. Then it prints which figures moved beyond the noise since
+the result set that was there before the runs (read before they overwrite it), or since ``--against DIR``'s
+(``unidist.bench.drift`` says how rows match and what the noise is).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from unidist import registry
+from unidist.bench import drift
 from unidist.bench.output import Column, fmt, human_bytes, label, load, markdown, plot_bandwidth
 
-__all__ = ["add_arguments", "main", "render", "runs"]
+__all__ = ["add_arguments", "machine_cells", "main", "render", "runs"]
 
 BEGIN, END = "<!-- generated: begin -->", "<!-- generated: end -->"
 QUICK = ["--sizes", "8,4K", "--rounds", "2", "--warmup", "1", "--budget", "0.01", "--scale", "0.05", "--iters", "1",
@@ -71,6 +75,11 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--runs", default=",".join(r.name for r in runs()), help="which runs, comma-separated")
     p.add_argument("-n", "--nprocs", type=int, default=2)
     p.add_argument("--render-only", action="store_true", help="no runs: render from the JSON files there")
+    p.add_argument("--against", type=Path, metavar="DIR",
+                   help="compare the figures with this result set (its *.json or DIR/results/*.json; e.g. another "
+                        "machine's) instead of the one there before the runs")
+    p.add_argument("--noise", type=float, default=drift.NOISE,
+                   help="relative change below which a figure has not moved (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke of the pipeline; needs --out-dir)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.epilog = "Options after -- go to every run's `all` (e.g. -- --max-size 32M --rounds 7)."
@@ -199,6 +208,24 @@ def targets(docs: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
+def machine_cells(run_meta: dict[str, Any]) -> dict[str, str]:
+    """The Runs table's machine columns; ``not recorded`` for JSON files written before meta["machine"]."""
+    m = run_meta.get("machine")
+    if not m:
+        cpus = run_meta.get("cpus")
+        return {"cpu_model": "not recorded", "cores": "-" if cpus is None else str(cpus), "thp": "not recorded",
+                "copy": "not recorded"}
+    cores = str(m.get("cpus"))
+    if m.get("cpus_usable") not in (None, m.get("cpus")):
+        cores += f" ({m['cpus_usable']} usable)"
+    copy = "not measured"
+    if m.get("copy_GBps"):
+        copy = f"{m['copy_GBps']:.1f}"
+        if m.get("copy_huge_share") is not None:
+            copy += f" ({m['copy_huge_share']:.0%} huge pages)"
+    return {"cpu_model": str(m.get("cpu_model")), "cores": cores, "thp": str(m.get("thp")), "copy": copy}
+
+
 def render(docs: list[dict[str, Any]]) -> str:
     """The generated part of RESULTS.md: the runs, the targets, collective summaries, gradsync and train
     tables, and every run's full collective table."""
@@ -208,8 +235,9 @@ def render(docs: list[dict[str, Any]]) -> str:
     out = ["### Runs", "", markdown(
         [("run", "run", str), ("ranks", "ranks", str), ("date", "date (UTC)", str), ("torch", "torch", str),
          ("mpi4py", "mpi4py", str), ("deepspeed", "deepspeed", str), ("horovod", "horovod", str),
-         ("omp_threads", "OMP threads", str), ("cpus", "cores", str)],
-        [{**d["meta"], "run": label(d["meta"])} for d in docs]), ""]
+         ("omp_threads", "OMP threads", str), ("cpu_model", "CPU", str), ("cores", "cores", str),
+         ("thp", "THP", str), ("copy", "memory GB/s", str)],
+        [{**d["meta"], "run": label(d["meta"]), **machine_cells(d["meta"])} for d in docs]), ""]
     if goals:
         out += ["### Issue 13's targets", "", markdown([("target", "target", str), ("measured", "measured", str),
                                                          ("met", "met", str)], goals), ""]
@@ -284,11 +312,19 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.quick and args.out_dir == Path("benchmarks"):
         raise SystemExit("report --quick writes smoke figures: give another --out-dir than benchmarks")
+    if args.against is not None and not args.against.is_dir():
+        raise SystemExit(f"--against {args.against}: not a directory")
+    # the set to compare with, read before the runs overwrite it (the committed one, unless --against)
+    previous = drift.load_dir(args.against if args.against is not None else args.out_dir)
     failed = [] if args.render_only else run_all(args)
     order = {r.name: i for i, r in enumerate(runs())}
     files = sorted((args.out_dir / "results").glob("*.json"), key=lambda p: (order.get(p.stem, 99), p.stem))
     if not files:
         raise SystemExit(f"no results in {args.out_dir / 'results'}")
-    md = write_results(args.out_dir, load(files))
+    docs = load(files)
+    md = write_results(args.out_dir, docs)
     print(f"wrote {md} from {len(files)} runs" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    current = {p.stem: d for p, d in zip(files, docs, strict=True)}
+    if previous and (args.against is not None or not args.render_only):
+        print("\n" + drift.render(drift.compare(previous, current, noise=args.noise), previous, current), end="")
     return 1 if failed else 0
