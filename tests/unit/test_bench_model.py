@@ -16,10 +16,10 @@ from unidist.errors import InvalidArgumentError
 
 SIZES = (8, 1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 GAMMA = cm.Params(gamma=100e-12, gamma_mem=250e-12, gamma_cache=4 << 20)
-TRUE = {"allreduce": cm.Link(6e-6, 150e-12, 400e-12, 4 << 20), "allgather": cm.Link(5e-6, 300e-12, 300e-12),
-        "broadcast": cm.Link(4e-6, 120e-12, 180e-12, 1 << 20), "reduce_scatter": cm.Link(7e-6, 200e-12, 450e-12,
-                                                                                          4 << 20),
-        "alltoall": cm.Link(3e-6, 250e-12, 250e-12)}
+TRUE = {"allreduce": cm.Link(6e-6, 150e-12, 400e-12, 1 << 20, 9e-6), "allgather": cm.Link(5e-6, 300e-12),
+        "broadcast": cm.Link(4e-6, 120e-12, 180e-12, 1 << 20, 4e-6),
+        "reduce_scatter": cm.Link(7e-6, 200e-12, 450e-12, 1 << 20, 7e-6),
+        "alltoall": cm.Link(3e-6, 900e-12, 250e-12, 16 << 10, 20e-6)}  # a protocol switch at 16 KiB
 
 
 def _truth() -> cm.Params:
@@ -56,7 +56,7 @@ def test_formulas_match_hand_computed_values() -> None:
 def test_time_is_the_linear_combination_and_regimes_follow_the_size() -> None:
     p = _truth()
     coeffs = cm.ring_allreduce(4, 8 << 20)
-    want = 6 * 6e-6 + coeffs[1] * 400e-12 + coeffs[2] * 250e-12  # 8 MiB: above both splits
+    want = 6 * 9e-6 + coeffs[1] * 400e-12 + coeffs[2] * 250e-12  # 8 MiB: above both splits (alpha_big too)
     assert p.time("allreduce", coeffs, 8 << 20) == pytest.approx(want)
     small = cm.ring_allreduce(4, 1024)
     assert p.time("allreduce", small, 1024) == pytest.approx(6 * 6e-6 + small[1] * 150e-12 + small[2] * 100e-12)
@@ -92,9 +92,9 @@ def test_fit_recovers_known_parameters(kind: str) -> None:
     fitted = cm.fit(_samples(kind, (2,)), kind, GAMMA)
     for op, link in TRUE.items():
         got = fitted.links[op]
-        assert got.alpha == pytest.approx(link.alpha, rel=1e-6), op
-        assert got.beta == pytest.approx(link.beta, rel=1e-6), op
-        assert got.beta_at(16 << 20) == pytest.approx(link.beta_mem, rel=1e-6), op
+        for n in (8, 16 << 20):  # both regimes
+            assert got.alpha_at(n) == pytest.approx(link.alpha_at(n), rel=1e-6), (op, n)
+            assert got.beta_at(n) == pytest.approx(link.beta_at(n), rel=1e-6), (op, n)
     # and, fitted on 2 ranks, it predicts 3 and 4 exactly: the rank count enters through the formulas only
     for op, p, n, seconds in _samples(kind, (3, 4)):
         assert cm.predict(fitted, kind, op, p, n)[0] == pytest.approx(seconds, rel=1e-6)
@@ -178,7 +178,7 @@ def test_wait_quiet_gives_up_after_its_limit() -> None:
 def test_projection_counts_buckets() -> None:
     from unidist.bench.model import BUCKET, project
 
-    link = cm.Link(1e-6, 1e-10, 1e-10)
+    link = cm.Link(1e-6, 1e-10)
     p = cm.Params({"allreduce": link}, 0.0, 0.0)
     one = project(p, BUCKET, 8)["ring"]
     assert project(p, 2.5 * BUCKET, 8)["ring"] == pytest.approx(2.5 * one + 0.5 * 14e-6)  # 3 calls' latency

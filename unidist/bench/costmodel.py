@@ -10,9 +10,9 @@ by least squares. Non-powers of two use MPICH's fix-ups (fold the extra ranks in
 What is fitted, and why per collective: on one machine a "link" is a memory copy, and each collective has
 its own software path and copy pattern (raw mpi4py on 2 ranks, 8 B: allreduce 1.9 us, alltoall 3.7 us; per
 byte, MPICH's allgather copies about twice what its broadcast does). One (alpha, beta) per engine missed many
-2-rank cells by 40-70%, so each collective gets its own ``Link``: alpha, and beta for messages up to a cache
-size and beta_mem above (the cost per byte roughly doubles once a message leaves the cache: 2-rank mpi4py
-allreduce 117 ps/B at 4 MiB, 211 ps/B at 16 MiB). The rank count enters only through the formulas, so a fit
+2-rank cells by 40-70%, so each collective gets its own ``Link``: alpha and beta for messages up to a split
+size and another pair above (a protocol switch or the cache: the cost per byte of a 2-rank mpi4py allreduce
+roughly doubles from 4 to 16 MiB, 117 to 211 ps/B). The rank count enters only through the formulas, so a fit
 on 2 ranks that predicts 3 and 4 tests the formulas. gamma (seconds per byte reduced) is not fitted: see
 ``fit_link``; it is a measured local add (``model_measure.local_gamma``).
 
@@ -148,16 +148,26 @@ def engine_kind(backend: str, launcher: str) -> str:
 
 @dataclass
 class Link:
-    """One collective's fitted costs: ``alpha`` seconds per message, ``beta`` seconds per byte moved for
-    messages up to ``cache`` bytes, ``beta_mem`` above (equal to ``beta`` when one regime fits best)."""
+    """One collective's fitted costs: ``alpha`` seconds per message and ``beta`` seconds per byte moved for
+    messages up to ``split`` bytes, ``alpha_big`` and ``beta_big`` above (equal when one regime fits best).
+    Two regimes because the engines switch protocol (MPICH over UCX: eager copies through shared-memory
+    cells for small messages, a rendezvous and one large copy above) and large messages leave the cache."""
 
     alpha: float = 0.0
     beta: float = 0.0
-    beta_mem: float = 0.0
-    cache: float = math.inf
+    beta_big: float = 0.0
+    split: float = math.inf
+    alpha_big: float = 0.0
+
+    def __post_init__(self) -> None:
+        if math.isinf(self.split):
+            self.alpha_big, self.beta_big = self.alpha, self.beta
+
+    def alpha_at(self, n: float) -> float:
+        return self.alpha if n <= self.split else self.alpha_big
 
     def beta_at(self, n: float) -> float:
-        return self.beta if n <= self.cache else self.beta_mem
+        return self.beta if n <= self.split else self.beta_big
 
 
 @dataclass
@@ -178,7 +188,7 @@ class Params:
             raise InvalidArgumentError(f"no fitted costs for {op}: the measurements had none (fitted: "
                                        f"{', '.join(self.links) or 'nothing'})")
         gamma = self.gamma if n <= self.gamma_cache else self.gamma_mem
-        return a * link.alpha + b * link.beta_at(n) + c * gamma
+        return a * link.alpha_at(n) + b * link.beta_at(n) + c * gamma
 
 
 def choose(kind: str, op: str, p: int, n: float, params: Params | None = None, policy: str = "known") -> str:
@@ -266,7 +276,7 @@ def nnls(rows: Sequence[Sequence[float]], rhs: Sequence[float], iters: int = 200
 
 
 Sample = tuple[str, int, float, float]  # (op, ranks, bytes, measured seconds)
-MIN_SPLIT = 1 << 20  # caches are MiB: L2 here is 2 MiB per core
+MIN_SPLIT = 4 << 10  # protocol switches (eager to rendezvous) are KiB; caches (L2: 2 MiB per core) MiB
 
 
 def fit_link(samples: Sequence[Sample], kind: str, gamma: Params, *, caches: Sequence[float] = (),
@@ -278,10 +288,10 @@ def fit_link(samples: Sequence[Sample], kind: str, gamma: Params, *, caches: Seq
     measurements cannot tell them apart; a local add measures it directly.
 
     ``samples``: (op, ranks, bytes, seconds), one op; ``kind``: the engine's algorithms (``engine_kind``);
-    ``caches``: candidate sizes for the two-regime split (the least residual wins; one regime, infinity, is
-    always tried); ``policy``: "known" or "min" (see ``choose``; while fitting, "min" and unknown
-    selections use the first listed algorithm, since there are no parameters yet); ``cores``: see
-    ``coefficients``."""
+    ``caches``: candidate sizes for the two-regime split, a protocol switch or the cache (the least residual
+    wins; one regime, infinity, is always tried); ``policy``: "known" or "min" (see ``choose``; while
+    fitting, "min" and unknown selections use the first listed algorithm, since there are no parameters
+    yet); ``cores``: see ``coefficients``."""
     if not samples:
         raise InvalidArgumentError("no measurements to fit: give collectives JSON files with rows at 2 or more ranks")
     best: tuple[float, Link] = (math.inf, Link())
@@ -290,14 +300,16 @@ def fit_link(samples: Sequence[Sample], kind: str, gamma: Params, *, caches: Seq
         for op, p, n, seconds in samples:
             a, b, c = coefficients(op, choose(kind, op, p, n, None, policy), p, n, cores)
             known = c * (gamma.gamma if n <= gamma.gamma_cache else gamma.gamma_mem)
-            rows.append([a / seconds, (b if n <= cache else 0.0) / seconds, (b if n > cache else 0.0) / seconds])
+            small = n <= cache
+            rows.append([v / seconds for v in ((a, b, 0.0, 0.0) if small else (0.0, 0.0, a, b))])
             rhs.append(1.0 - known / seconds)
             terms.append((a, b, known, n, seconds))
-        scale = [max((abs(r[j]) for r in rows), default=0.0) or 1.0 for j in range(3)]
+        scale = [max((abs(r[j]) for r in rows), default=0.0) or 1.0 for j in range(4)]
         x = nnls([[v / s for v, s in zip(r, scale, strict=True)] for r in rows], rhs)
-        alpha, beta, beta_mem = (v / s for v, s in zip(x, scale, strict=True))
-        link = Link(alpha, beta, beta_mem if any(n > cache for *_, n, _ in terms) else beta, cache)
-        resid = sum(((a * link.alpha + b * link.beta_at(n) + known) / s - 1) ** 2 for a, b, known, n, s in terms)
+        alpha, beta, alpha_big, beta_big = (v / s for v, s in zip(x, scale, strict=True))
+        link = Link(alpha, beta, beta_big, cache, alpha_big)
+        resid = sum(((a * link.alpha_at(n) + b * link.beta_at(n) + known) / s - 1) ** 2
+                    for a, b, known, n, s in terms)
         if resid < best[0] - 1e-12:
             best = (resid, link)
     return best[1]
@@ -305,13 +317,13 @@ def fit_link(samples: Sequence[Sample], kind: str, gamma: Params, *, caches: Seq
 
 def fit(samples: Sequence[Sample], kind: str, gamma: Params, *, policy: str = "known", cores: int = 0) -> Params:
     """``fit_link`` for every collective in ``samples``; the result carries ``gamma``'s reduction costs.
-    Candidate cache splits: the measured sizes from ``MIN_SPLIT`` up, below the largest (a split among
-    small sizes would only let one noisy point pull a meaningless beta). Arguments as ``fit_link``."""
+    Candidate splits: the measured sizes from ``MIN_SPLIT`` up that leave two sizes on each side (fewer
+    would let one noisy point set a regime). Arguments as ``fit_link``."""
     params = Params(gamma=gamma.gamma, gamma_mem=gamma.gamma_mem, gamma_cache=gamma.gamma_cache)
     for op in sorted({s[0] for s in samples}):
         mine = [s for s in samples if s[0] == op]
         sizes = sorted({s[2] for s in mine})
-        # a split is a cache boundary (MiB), with at least one size above it and two below
-        caches = [n for n in sizes[1:-1] if n >= MIN_SPLIT]
+        # two sizes at least on each side: each regime's alpha and beta need two points
+        caches = [n for n in sizes[1:-2] if n >= MIN_SPLIT]
         params.links[op] = fit_link(mine, kind, gamma, caches=caches, policy=policy, cores=cores)
     return params

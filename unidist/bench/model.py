@@ -192,7 +192,7 @@ def _jsonable(params: Params) -> dict[str, Any]:
     """``Params`` as JSON (infinity, "one regime", as null)."""
     def num(v: float) -> float | None:
         return None if math.isinf(v) else v
-    return {"links": {op: {**vars(link), "cache": num(link.cache)} for op, link in params.links.items()},
+    return {"links": {op: {**vars(link), "split": num(link.split)} for op, link in params.links.items()},
             "gamma": params.gamma, "gamma_mem": params.gamma_mem, "gamma_cache": num(params.gamma_cache)}
 
 

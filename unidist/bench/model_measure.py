@@ -172,9 +172,12 @@ def measure(args: argparse.Namespace) -> list[Path]:
                 written.append(out)
             else:
                 failed.append(run_name(name, n))
-    (args.out_dir / "measure.json").write_text(json.dumps({"meta": {"bench": "measure"}, "rows": log_rows},
-                                                          indent=1) + "\n")
-    written.append(args.out_dir / "measure.json")
+    log = args.out_dir / "measure.json"  # other runs measured into this directory before keep their rows
+    kept = json.loads(log.read_text())["rows"] if log.exists() else []
+    mine = {r["run"] for r in log_rows}
+    rows = [r for r in kept if r.get("run") not in mine] + log_rows
+    log.write_text(json.dumps({"meta": {"bench": "measure"}, "rows": rows}, indent=1) + "\n")
+    written.append(log)
     if failed:
         print(f"FAILED: {', '.join(failed)} (see their logs in {args.out_dir})", flush=True)
     return written

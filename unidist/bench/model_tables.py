@@ -15,6 +15,7 @@ from unidist.bench.output import Column, human_bytes, markdown
 __all__ = ["checks_md", "nominal", "params_md", "projection_md", "runs_md", "summary_md"]
 
 TARGET = 0.25
+BUCKET = 25 << 20
 _SHORT = {"ring": "ring", "rabenseifner": "rab", "recursive_doubling": "rd", "recursive_halving": "rh",
           "binomial": "binom", "scatter_allgather": "sc+ag", "pairwise": "pair", "bruck": "bruck"}
 
@@ -35,12 +36,14 @@ def params_md(params: dict[str, Params], kinds: dict[str, str]) -> str:
     rows = []
     for name, p in params.items():
         for op, link in p.links.items():
+            one = math.isinf(link.split)
             rows.append({"engine": name, "kind": kinds[name], "op": op, "alpha": f"{link.alpha * 1e6:.2f}",
-                         "beta": _ps(link.beta), "cache": "-" if math.isinf(link.cache) else human_bytes(link.cache),
-                         "beta_mem": "-" if math.isinf(link.cache) else _ps(link.beta_mem)})
+                         "beta": _ps(link.beta), "split": "-" if one else human_bytes(link.split),
+                         "alpha_big": "-" if one else f"{link.alpha_big * 1e6:.2f}",
+                         "beta_big": "-" if one else _ps(link.beta_big)})
     cols: list[Column] = [("engine", "engine", _s), ("kind", "algorithms of", _s), ("op", "op", _s),
-                          ("alpha", "alpha us", _s), ("beta", "beta (<= split)", _s), ("cache", "split", _s),
-                          ("beta_mem", "beta (> split)", _s)]
+                          ("alpha", "alpha us", _s), ("beta", "beta", _s), ("split", "above", _s),
+                          ("alpha_big", "alpha us", _s), ("beta_big", "beta", _s)]
     any_p = next(iter(params.values()))
     split = "" if math.isinf(any_p.gamma_cache) else (f" up to {human_bytes(any_p.gamma_cache)}, "
                                                       f"{_ps(any_p.gamma_mem)} above")
@@ -115,9 +118,8 @@ def projection_md(proj: dict[str, dict[str, dict[int, dict[str, float]]]], nets:
             cols += [(f"{wl}:{a}", f"{wl} {_SHORT.get(a, a)}", _s) for a in algs]
             cols.append((f"{wl}:best", f"{wl} best", _s))
         link = prm.links["allreduce"]
-        big = ("" if math.isinf(link.cache) else f"; above {human_bytes(link.cache)}: beta {_ps(link.beta_mem)}")
-        head = (f"**{net}**: alpha {link.alpha * 1e6:.2f} us, beta {_ps(link.beta)}{big}, gamma "
-                f"{_ps(prm.gamma_mem)} (buckets of 25 MiB)")
+        head = (f"**{net}**: at 25 MiB alpha {link.alpha_at(BUCKET) * 1e6:.2f} us, beta {_ps(link.beta_at(BUCKET))}, "
+                f"gamma {_ps(prm.gamma_mem)}")
         parts.append(head + "\n\n" + markdown(cols, rows))
     return "\n\n".join(parts)
 
