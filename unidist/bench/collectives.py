@@ -26,7 +26,7 @@ import torch
 from unidist.bench import engines
 from unidist.bench.busbw import busbw_factor
 from unidist.bench.output import Column, fmt, human_bytes, markdown
-from unidist.bench.timing import calibrate, interleaved, slowest
+from unidist.bench.timing import calibrate, interleaved, slowest, spread
 
 __all__ = ["add_arguments", "busbw_factor", "default_sizes", "parse_size", "run", "table", "verify"]
 
@@ -127,10 +127,11 @@ def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
                 columns["raw"] = raw_table[op](x)
             iters = calibrate(mgr, list(columns.values()), budget=args.budget, warmup=args.warmup,
                               max_iters=20000)
-            med = slowest(mgr, interleaved(mgr, columns, iters=iters, rounds=args.rounds))
+            samples = interleaved(mgr, columns, iters=iters, rounds=args.rounds)
+            med, noise = slowest(mgr, samples), spread(mgr, samples)
             factor = busbw_factor(op, mgr.size)
             row: dict[str, Any] = {"bench": "collectives", "op": op, "bytes": actual, "dtype": "float32",
-                                   "iters": iters, "rounds": args.rounds}
+                                   "iters": iters, "rounds": args.rounds, "spread": noise["unidist"]}
             for name, seconds in med.items():
                 prefix = "" if name == "unidist" else "raw_"
                 algbw = actual / seconds / 1e9

@@ -37,7 +37,7 @@ import torch
 from unidist.bench import engines
 from unidist.bench.models import MODELS, ShapeModel
 from unidist.bench.output import Column, fmt, markdown
-from unidist.bench.timing import per_unit_rounds, slowest
+from unidist.bench.timing import per_unit_rounds, slowest, spread
 
 __all__ = ["add_arguments", "run", "table"]
 
@@ -158,8 +158,9 @@ def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         nparams = sum(math.prod(s) for _, s in shapes)
         c = float(mgr.rank + 1)
         methods, owners, keep = _methods(mgr, shapes, c)
-        med = slowest(mgr, per_unit_rounds(mgr, methods, iters=args.iters, rounds=args.rounds,
-                                           warmup=max(1, args.warmup), verify=_verifier(mgr, owners, c)))
+        samples = per_unit_rounds(mgr, methods, iters=args.iters, rounds=args.rounds, warmup=max(1, args.warmup),
+                                  verify=_verifier(mgr, owners, c))
+        med, noise = slowest(mgr, samples), spread(mgr, samples)
         base = med["backward"]
         raw_sync = med["raw_per_tensor"] - base if "raw_per_tensor" in med else None
         for method, seconds in med.items():
@@ -167,7 +168,7 @@ def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"bench": "gradsync", "model": name, "scale": args.scale, "tensors": len(shapes),
                                    "params": nparams, "bytes": 4 * nparams, "method": method,
                                    "what": _describe(method, mgr.backend), "iters": args.iters,
-                                   "rounds": args.rounds, "unit_ms": seconds * 1e3,
+                                   "rounds": args.rounds, "unit_ms": seconds * 1e3, "spread": noise[method],
                                    "sync_ms": None if method == "backward" else sync * 1e3}
             if raw_sync is not None and method != "backward" and raw_sync > 0:
                 row["ratio"] = sync / raw_sync

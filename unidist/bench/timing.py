@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["calibrate", "interleaved", "per_unit_rounds", "slowest"]
+__all__ = ["calibrate", "interleaved", "per_unit_rounds", "slowest", "spread"]
 
 
 def calibrate(mgr: Any, fns: Sequence[Callable[[], Any]], *, budget: float, warmup: int = 3,
@@ -91,3 +91,12 @@ def slowest(mgr: Any, samples: Mapping[str, list[float]]) -> dict[str, float]:
     mine = {name: statistics.median(values) for name, values in samples.items()}
     every = mgr.allgather_object(mine)
     return {name: max(float(rank_medians[name]) for rank_medians in every) for name in mine}
+
+
+def spread(mgr: Any, samples: Mapping[str, list[float]]) -> dict[str, float]:
+    """Each column's spread over rounds, (max - min) / median, the largest over ranks: how far apart the rounds
+    were, the noise a later run's figure must move beyond to count as a change (``report``'s drift table)."""
+    mine = {name: (max(v) - min(v)) / statistics.median(v) if v and statistics.median(v) > 0 else 0.0
+            for name, v in samples.items()}
+    every = mgr.allgather_object(mine)
+    return {name: max(float(rank[name]) for rank in every) for name in mine}

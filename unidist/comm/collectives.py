@@ -32,6 +32,7 @@ from unidist.comm.dtypes import (
     to_tensor,
 )
 from unidist.comm.engine import Engine
+from unidist.comm.plans import Plans
 from unidist.comm.work import DONE, Array, Handle, Work
 from unidist.config import Config
 from unidist.errors import CollectiveMismatchError, InvalidArgumentError
@@ -63,7 +64,7 @@ class Collectives(abc.ABC):
         self._check_cost, self._check_end = 0.0, 0.0
         self._fast_dtypes: frozenset[torch.dtype] = frozenset()  # filled by _enable_fast_path: see allreduce
         self._fast_np_dtypes: frozenset[np.dtype[Any]] = frozenset()
-        self._sums: dict[tuple[int, int, torch.dtype], Any] = {}  # the engine's prepared_sum results (allreduce_)
+        self._plans = Plans()  # the engine's prepared arguments by buffer (plans.py)
 
     def _bind(self, engine: Engine) -> None:
         """Hold ``engine`` and keep its primitives as bound methods, read once here: the hot calls then cost no
@@ -82,7 +83,11 @@ class Collectives(abc.ABC):
         self._check_exchange, self._check_exchange_async = engine.check_exchange, engine.check_exchange_async
         self._check_rows = engine.check_rows
         self._prepared_sum, self._allreduce_prepared = engine.prepared_sum, engine.allreduce_prepared
-        self._sums.clear()
+        self._prepared_blocks, self._allgather_prepared = engine.prepared_blocks, engine.allgather_prepared
+        self._prepared_buffer, self._broadcast_prepared = engine.prepared_buffer, engine.broadcast_prepared
+        self._alltoall_prepared = engine.alltoall_prepared
+        self._reduce_scatter_prepared = engine.reduce_scatter_prepared
+        self._plans.clear()
         self._pending_mismatch = engine.pending_mismatch
 
     def _enable_fast_path(self) -> None:
@@ -100,8 +105,22 @@ class Collectives(abc.ABC):
 
     def _disable_fast_path(self) -> None:
         self._fast_dtypes = frozenset()
-        self._sums.clear()
-        self._fast_np_dtypes = frozenset()
+        self._plans.clear()
+
+    def _planned(self, call: str, x: Any, out: Any) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
+        """(x, out, the engine's prepared arguments) for an ``out=`` call on buffers checked before and not due for
+        the desync check (plans.py says why), or None: then the checked path."""
+        return None if self._left <= 1 else self._plans.blocks_of(call, x, out)
+
+    def _keep_plan(self, call: str, x: Any, out: Any, t: torch.Tensor, o: torch.Tensor) -> None:
+        """After a checked ``out=`` call that gave the engine ``x`` and ``out`` themselves (``t``, ``o``), keep the
+        engine's prepared arguments for that pair, where it has any."""
+        if t is not x or o is not out or t.dtype not in self._fast_dtypes or t.dtype in self._wire_dtypes \
+                or not t.is_contiguous() or not o.is_contiguous():
+            return
+        prepared = self._prepared_blocks(t, o)
+        if prepared is not None:
+            self._plans.keep_blocks(call, t, o, prepared)
 
     @abc.abstractmethod
     def _need_started(self) -> None:
@@ -237,7 +256,7 @@ class Collectives(abc.ABC):
         if op is _SUM and type(x) is torch.Tensor and self._left > 1 and x.is_contiguous() and not x.requires_grad:
             # the commonest call, inlined: a buffer summed before goes straight to the engine with what it prepared
             # for that address (on MPI the buffer spec, ~2 us to build); the dtype was checked when it was prepared
-            prepared = self._sums.get((x.data_ptr(), x.nbytes, x.dtype))
+            prepared = self._plans.one("allreduce", x)
             if prepared is not None:
                 self._left -= 1  # not due for the desync check (``_due``, inlined)
                 self._allreduce_prepared(x, prepared, _SUM)
@@ -248,9 +267,7 @@ class Collectives(abc.ABC):
                 if prepared is None:
                     self._allreduce(x, x, _SUM)
                     return x
-                if len(self._sums) >= 1024:  # addresses of freed tensors: drop them all now and then
-                    self._sums.clear()
-                self._sums[(x.data_ptr(), x.nbytes, x.dtype)] = prepared
+                self._plans.keep_one("allreduce", x, prepared)
                 self._allreduce_prepared(x, prepared, _SUM)
                 return x
         t = self._fast_tensor(x)
@@ -286,6 +303,17 @@ class Collectives(abc.ABC):
 
     def broadcast_(self, x: Array, root: int = 0) -> Array:
         """In-place broadcast; returns x."""
+        if type(x) is torch.Tensor and type(root) is int and 0 <= root < self._size and self._left > 1 \
+                and x.is_contiguous() and not x.requires_grad:
+            prepared = self._plans.one("broadcast", x)  # a buffer broadcast before (plans.py)
+            if prepared is not None:
+                self._left -= 1
+                self._broadcast_prepared(x, prepared, root)
+                return x
+            if x.dtype in self._fast_dtypes and x.dtype not in self._wire_dtypes:
+                prepared = self._prepared_buffer(x)
+                if prepared is not None:
+                    self._plans.keep_one("broadcast", x, prepared)
         t = self._fast_tensor(x)
         if t is None:
             return self.broadcast_async_(x, root).wait()
@@ -340,6 +368,12 @@ class Collectives(abc.ABC):
             out: a buffer to write the result into and return, of size() times x's rows (then every rank's x
                 must have the same shape, as for ``all_gather_into_tensor``; no row counts are exchanged).
         """
+        if out is not None:
+            hit = self._planned("allgather", x, out)
+            if hit is not None:
+                self._left -= 1  # not due for the desync check (``_planned`` saw to that)
+                self._allgather_prepared(*hit)
+                return out
         t, as_np = self._input(x)
         if out is not None:
             if t.dim() == 0:
@@ -347,6 +381,7 @@ class Collectives(abc.ABC):
             o = out_tensor(out, t, self._size * t.shape[0], "allgather")
             self._signature("allgather", t)  # sizes compared too: they must be equal
             self._allgather(self._wired(t), self._wired(o), [t.numel()] * self._size)
+            self._keep_plan("allgather", x, out, t, o)
             return out
         gathered, _ = self._allgather_rows("allgather", t)
         return self._output(gathered, as_np)  # type: ignore[no-any-return]
@@ -422,6 +457,16 @@ class Collectives(abc.ABC):
             op: the reduction.
             out: a buffer for this rank's chunk, written and returned (saves an allocation per call).
         """
+        if out is not None and op is _SUM:
+            hit = self._planned("reduce_scatter", x, out)
+            if hit is not None:
+                self._left -= 1  # not due for the desync check (``_planned`` saw to that)
+                self._reduce_scatter_prepared(*hit, _SUM)
+                return out
+            result = self._reduce_scatter_impl(x, op, self._reduce_scatter, out).wait()
+            if type(x) is torch.Tensor and type(out) is torch.Tensor and x.dim() and x.shape[0] % self._size == 0:
+                self._keep_plan("reduce_scatter", x, out, x, out)  # equal blocks
+            return result
         return self._reduce_scatter_impl(x, op, self._reduce_scatter, out).wait()
 
     def reduce_scatter_async(self, x: Array, op: ReduceOp | str = ReduceOp.SUM) -> Handle[Array]:
@@ -460,6 +505,12 @@ class Collectives(abc.ABC):
         """
         if out is None:
             return self.alltoall_splits(x, splits)[0]
+        if splits is None:
+            hit = self._planned("alltoall", x, out)
+            if hit is not None:
+                self._left -= 1  # not due for the desync check (``_planned`` saw to that)
+                self._alltoall_prepared(*hit)
+                return out
         t, _ = self._input(x)
         if t.dim() == 0:
             raise InvalidArgumentError("alltoall needs at least one dimension to split")
@@ -471,6 +522,7 @@ class Collectives(abc.ABC):
         self._signature("alltoall", t)  # sizes compared too: they must be equal
         counts = [t.numel() // self._size] * self._size
         self._alltoall(self._wired(t), self._wired(o), counts, counts)
+        self._keep_plan("alltoall", x, out, t, o)
         return out
 
     def alltoall_splits(self, x: Array, splits: Sequence[int] | None = None) -> tuple[Array, list[int]]:

@@ -137,6 +137,33 @@ class Engine(abc.ABC):
         watchdog, as ``allreduce(t, t, SUM)`` would)."""
         raise NotImplementedError
 
+    def prepared_buffer(self, t: torch.Tensor) -> Any:
+        """What ``broadcast_prepared`` needs to move ``t`` (contiguous, a native dtype), made once and kept by the
+        communicator for that buffer; None where the engine has no such shortcut."""
+        return None
+
+    def broadcast_prepared(self, t: torch.Tensor, prepared: Any, root: int) -> None:
+        """``broadcast`` of ``t`` with what ``prepared_buffer(t)`` made."""
+        raise NotImplementedError
+
+    def prepared_blocks(self, send: torch.Tensor, recv: torch.Tensor) -> Any:
+        """What ``allgather_prepared``, ``alltoall_prepared`` and ``reduce_scatter_prepared`` need to move ``send``
+        and ``recv`` (contiguous, a native dtype, equal blocks per rank), made once and kept by the communicator
+        for that pair of buffers; None where the engine has no such shortcut."""
+        return None
+
+    def allgather_prepared(self, send: torch.Tensor, recv: torch.Tensor, prepared: Any) -> None:
+        """``allgather`` of equal blocks with what ``prepared_blocks(send, recv)`` made."""
+        raise NotImplementedError
+
+    def alltoall_prepared(self, send: torch.Tensor, recv: torch.Tensor, prepared: Any) -> None:
+        """``alltoall`` of equal blocks with what ``prepared_blocks(send, recv)`` made."""
+        raise NotImplementedError
+
+    def reduce_scatter_prepared(self, send: torch.Tensor, recv: torch.Tensor, prepared: Any, op: ReduceOp) -> None:
+        """``reduce_scatter`` of equal blocks (SUM) with what ``prepared_blocks(send, recv)`` made."""
+        raise NotImplementedError
+
     def grouped_allreduce(self, xs: Sequence[Any], op: ReduceOp, inplace: bool) -> list[Any] | None:
         """The library's own fused allreduce of many tensors (Horovod's), or None: then the communicator fuses
         them into one flat buffer per dtype itself."""

@@ -35,7 +35,8 @@ __all__ = ["Seq", "calls", "describe_args", "explaining", "failure_hook", "posit
 
 # the engine primitives of comm/engine.py: every wait on peers goes through one of them
 PRIMITIVES = ("barrier", "broadcast", "allreduce", "allgather", "alltoall", "send", "recv", "gather", "scatter",
-              "reduce_scatter", "check_exchange", "grouped_allreduce", "allreduce_prepared")
+              "reduce_scatter", "check_exchange", "grouped_allreduce", "allreduce_prepared", "allgather_prepared",
+              "alltoall_prepared", "reduce_scatter_prepared", "broadcast_prepared")
 ASYNC_PRIMITIVES = ("allreduce_async", "reduce_scatter_async", "broadcast_async", "allgather_async")
 POINT_TO_POINT = ("send", "recv")
 # engine regions (DeepSpeed's and Horovod's own exchanges, an engine's start) are numbered on one sequence

@@ -280,6 +280,26 @@ class MPIEngine(Engine):
     def allreduce_prepared(self, t: torch.Tensor, prepared: Any, op: ReduceOp) -> None:
         self._comm.Allreduce(self._in_place, prepared, self._mpi_sum)
 
+    def prepared_buffer(self, t: torch.Tensor) -> Any:
+        return None if self._cuda_present else self._spec(t)  # (as prepared_sum)
+
+    def broadcast_prepared(self, t: torch.Tensor, prepared: Any, root: int) -> None:
+        self._comm.Bcast(prepared, root)
+
+    def prepared_blocks(self, send: torch.Tensor, recv: torch.Tensor) -> Any:
+        if self._cuda_present:  # (as prepared_sum)
+            return None
+        return self._block(send), self._block(recv)
+
+    def allgather_prepared(self, send: torch.Tensor, recv: torch.Tensor, prepared: Any) -> None:
+        self._comm.Allgather(*prepared)
+
+    def alltoall_prepared(self, send: torch.Tensor, recv: torch.Tensor, prepared: Any) -> None:
+        self._comm.Alltoall(*prepared)
+
+    def reduce_scatter_prepared(self, send: torch.Tensor, recv: torch.Tensor, prepared: Any, op: ReduceOp) -> None:
+        self._comm.Reduce_scatter_block(prepared[0], prepared[1], self._mpi_sum)
+
     def allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
         if not self._device_ok(recv):
             self.allreduce(send, recv, op)
