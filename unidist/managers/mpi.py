@@ -132,8 +132,10 @@ class MPIEngine(Engine):
     # which costs a core). Measured on 2 ranks, 102 MB of gradients in 5 buckets: started from backward's hooks,
     # several Iallreduce chains in flight at once took 50 ms; the same buckets reduced one after another, 24 ms
     progresses_alone = False
-    # a call costs microseconds here: a large gradient is reduced where it is, without a copy into a bucket
-    reduce_alone_from = float(4 << 20)
+    # a call costs microseconds here: a gradient from 1 MiB up is reduced where it is, without a copy into a bucket
+    # (ResNet-50 shapes on 2 ranks, sync / raw per-tensor: 1.65 all copied, 1.21 from 4 MiB, 1.07 from 1 MiB, 1.11
+    # from 256 KiB; measured interleaved on a loaded machine, see benchmarks/RESULTS.md for quiet figures)
+    reduce_alone_from = float(1 << 20)
 
     def __init__(self, comm: Any, check_comm: Any, shared: _Shared) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size())
