@@ -16,6 +16,11 @@ communicator. A model prepared with ``group=`` (data parallel within a tensor- o
 is saved as one *part* per data-parallel group, numbered by the groups' lowest world ranks: each group
 writes and reads its own shard set, and a checkpoint loads where the job has as many parts.
 
+A save has three parts (``Staged``): ``stage``, the collective start (temporary directory, this rank's slices
+copied to host memory, ``meta.pt`` serialized); ``write``, this rank's files, with no collective; ``finish``,
+the collective end (agreement, manifest, atomic publication). ``save`` runs them in a row; a background save
+(background.py) runs ``write`` on a thread and ``finish`` when waited for.
+
 Hosts need not share a filesystem (hosts.py): each host is given its own directory, keeps its ranks' shards
 and a copy of the one manifest; detected at save with no setting, resumed on the same hosts (or any hosts
 that hold every file between them), and a ``CheckpointMissingError`` says which files are on no host.
@@ -23,10 +28,12 @@ that hold every file between them), and a ``CheckpointMissingError`` says which 
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +44,9 @@ from unidist.checkpoint.agree import agree as _agree
 from unidist.checkpoint.files import (
     FORMAT,
     VERSION,
+    digest_bytes,
     latest,
-    load_tensors,
+    load_bytes,
     publish,
     remove_old,
     resolve,
@@ -46,10 +54,10 @@ from unidist.checkpoint.files import (
     save_tensors,
 )
 from unidist.checkpoint.hosts import agreed_manifest, fetch, host_id, host_name, rank_domains, storage
-from unidist.checkpoint.layout import FullLayout, Layout
+from unidist.checkpoint.layout import FullLayout, Layout, Pieces
 from unidist.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, InvalidArgumentError
 
-__all__ = ["FullLayout", "Layout", "World", "latest_checkpoint", "load", "save"]
+__all__ = ["FullLayout", "Layout", "Staged", "World", "finish", "latest_checkpoint", "load", "save", "stage", "write"]
 
 
 def _parts(world: World, layout: Layout) -> tuple[int, list[tuple[int, ...]]]:
@@ -66,10 +74,50 @@ def _parts(world: World, layout: Layout) -> tuple[int, list[tuple[int, ...]]]:
     return parts.index(tuple(layout.ranks)), parts
 
 
+@dataclass
+class Staged:
+    """A save between its two collective halves: this rank's snapshot, and where it goes.
+
+    ``stage`` (every rank; collectives) makes it, ``write`` (this rank alone; no collective, so a background
+    thread may run it while the training thread runs collectives) writes this rank's files, and ``finish``
+    (every rank; collectives) agrees on the result, writes the manifest and publishes. ``save`` is the three
+    in a row; unidist.checkpoint.background runs ``write`` on a thread."""
+
+    final: Path
+    tmp: Path
+    part: int
+    parts: list[tuple[int, ...]]
+    descriptions: list[dict[str, Any]]  # each part's state description, part order
+    zero_stage: int
+    keep: int | None
+    pieces: Pieces  # this rank's slices, copies in host memory (released once written)
+    meta: bytes  # meta.pt as written (rank 0; empty elsewhere): serialized at stage, so a snapshot too
+    created: bool  # whether this rank removes the temporary directory if the save fails
+
+    def abandon(self) -> None:
+        """An unfinished save leaves no temporary directory behind, on any host."""
+        if self.created:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def save(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int | None = None,
          extra: dict[str, Any] | None = None) -> Path:
     """Write a checkpoint directory atomically; every rank of ``mgr`` (the world) calls it with its layout
     (``layout.optimizer`` None: the model only). See ``Manager.save_checkpoint``."""
+    staged = stage(mgr, path, layout, keep=keep, extra=extra)
+    info, problem = write(staged, mgr.rank, mgr.size)
+    return finish(mgr, staged, info, problem)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type == "cpu" else t.detach().to("cpu")
+
+
+def stage(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int | None = None,
+          extra: dict[str, Any] | None = None) -> Staged:
+    """The collective start of a save: the temporary directory on every host, this rank's slices copied to
+    host memory (``layout.pieces()`` makes copies, and is a collective on DeepSpeed), ``meta.pt`` serialized
+    on rank 0 (``extra`` that will not load with weights_only is refused here, on every rank)."""
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise InvalidArgumentError(f"save_checkpoint(keep={keep!r}) must be an int >= 1, or None to keep all")
     final = Path(path).absolute()
@@ -93,16 +141,69 @@ def save(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int 
             problem = CheckpointError(f"rank {mgr.rank} on {host_name()} cannot create {tmp}: {err}")
         _agree(mgr, problem)
         pieces = layout.pieces()  # a collective on DeepSpeed engines: every rank, same order
-        info: dict[str, Any] = {}
-        try:
-            shard = tmp / f"shard-{mgr.rank:05d}-of-{mgr.size:05d}.pt"
-            size, sha = save_tensors(pieces, shard)
-            info = {"file": shard.name, "bytes": size, "sha256": sha, **({"part": part} if len(parts) > 1 else {}),
-                    "model": {k: [s, s + t.numel()] for k, (s, t) in pieces["model"].items()},
-                    "optim": {n: {k: [s, s + t.numel()] for k, (s, t) in st.items()}
-                              for n, st in pieces["optim"].items()}}
-        except OSError as err:
-            problem = CheckpointError(f"rank {mgr.rank} cannot write {tmp}: {err}")
+        pieces = {"model": {k: (s, _host(t)) for k, (s, t) in pieces["model"].items()},
+                  "optim": {n: {k: (s, _host(t)) for k, (s, t) in st.items()} for n, st in pieces["optim"].items()}}
+        meta = layout.meta()
+        # each part's description and meta, from its first member (one part: rank 0's own)
+        described = [(layout.describe(), meta)]
+        if len(parts) > 1:
+            leads = mgr.allgather_object((part, layout.describe(), meta) if layout.rank == 0 else None)
+            described = [(d, m) for _, d, m in sorted((x for x in leads if x is not None), key=lambda x: x[0])]
+        meta_bytes = b""
+        if mgr.rank == 0:
+            try:
+                meta_bytes = _serialized({"meta": described[0][1], "extra": dict(extra or {}),
+                                          **({"parts": [m for _, m in described]} if len(parts) > 1 else {})})
+            except CheckpointCorruptError as err:
+                problem = CheckpointError(f"save_checkpoint(extra=...) holds something torch.load(weights_only=True) "
+                                          f"refuses; pass tensors, numbers, strings, lists and dicts ({err.__cause__})")
+        _agree(mgr, problem)
+    except BaseException:
+        if created:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Staged(final, tmp, part, parts, [d for d, _ in described], layout.zero_stage, keep, pieces, meta_bytes,
+                  created)
+
+
+def _serialized(obj: Any) -> bytes:
+    """torch.save into memory, refused now if torch.load(weights_only=True) would refuse it later."""
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise CheckpointCorruptError("cannot be pickled") from err
+    data = buf.getvalue()
+    load_bytes(data, "meta.pt", *digest_bytes(data))
+    return data
+
+
+def write(staged: Staged, rank: int, size: int) -> tuple[dict[str, Any] | None, BaseException | None]:
+    """This rank's files into the temporary directory: (its manifest entry, None), or (None, the error). No
+    collective and no exception, so a background thread may run it; ``finish`` agrees on the outcome."""
+    tmp, pieces = staged.tmp, staged.pieces
+    try:
+        shard = tmp / f"shard-{rank:05d}-of-{size:05d}.pt"
+        nbytes, sha = save_tensors(pieces, shard)
+        info = {"file": shard.name, "bytes": nbytes, "sha256": sha,
+                **({"part": staged.part} if len(staged.parts) > 1 else {}),
+                "model": {k: [s, s + t.numel()] for k, (s, t) in pieces["model"].items()},
+                "optim": {n: {k: [s, s + t.numel()] for k, (s, t) in st.items()} for n, st in pieces["optim"].items()}}
+        if staged.meta:
+            save_bytes(staged.meta, tmp / "meta.pt")
+    except Exception as err:  # reported to every rank by finish: nobody waits alone
+        return None, CheckpointError(f"rank {rank} cannot write {tmp}: {type(err).__name__}: {err}")
+    finally:
+        staged.pieces = {"model": {}, "optim": {}}  # the snapshot's memory goes as soon as it is on disk
+    return info, None
+
+
+def finish(mgr: World, staged: Staged, info: dict[str, Any] | None, problem: BaseException | None) -> Path:
+    """The collective end of a save: agree that every rank wrote its files, find the storage domains, write the
+    manifest (rank 0) and publish, remove old checkpoints (``keep``). Raises the first rank's error on every
+    rank, and then the temporary directory is gone."""
+    final, tmp, parts = staged.final, staged.tmp, staged.parts
+    try:
         gathered = mgr.allgather_object((info if problem is None else None, host_id()))
         infos = [g[0] for g in gathered]
         _agree(mgr, problem if problem is not None else (CheckpointError("a rank failed to write its shard")
@@ -110,49 +211,31 @@ def save(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int 
         # which ranks see which shards: one storage domain (a shared filesystem) or one per host (hosts.py)
         found, views = rank_domains(mgr, tmp, final, infos, [g[1] for g in gathered])
         if len(found) > 1:
-            for info, view in zip(infos, views, strict=True):
-                info["host"] = view[0]
-        meta = layout.meta()
-        # each part's description and meta, from its first member (one part: rank 0's own)
-        described = [(layout.describe(), meta)]
-        if len(parts) > 1:
-            leads = mgr.allgather_object((part, layout.describe(), meta) if layout.rank == 0 else None)
-            described = [(d, m) for _, d, m in sorted((x for x in leads if x is not None), key=lambda x: x[0])]
+            for entry, view in zip(infos, views, strict=True):
+                entry["host"] = view[0]
         manifest: dict[str, Any] = {}
-        meta_bytes = b""
         if mgr.rank == 0:
             try:
-                meta_file = tmp / "meta.pt"
-                try:
-                    meta_size, meta_sha = save_tensors(
-                        {"meta": described[0][1], "extra": dict(extra or {}),
-                         **({"parts": [m for _, m in described]} if len(parts) > 1 else {})}, meta_file)
-                except (pickle.PicklingError, AttributeError, TypeError) as err:
-                    raise CheckpointCorruptError("cannot be pickled") from err
-                load_tensors(meta_file, meta_size, meta_sha)  # what will not load safely is refused now
+                meta_size, meta_sha = digest_bytes(staged.meta)
                 keys = [_state_keys([i for i in infos if i.get("part", 0) == k]) for k in range(len(parts))]
                 manifest = {"format": FORMAT, "version": VERSION, "created_ns": time.time_ns(), "backend": mgr.backend,
-                            "world_size": mgr.size, "zero_stage": layout.zero_stage,
-                            "state": described[0][0], "state_keys": keys[0],
+                            "world_size": mgr.size, "zero_stage": staged.zero_stage,
+                            "state": staged.descriptions[0], "state_keys": keys[0],
                             "files": infos, "meta": {"file": "meta.pt", "bytes": meta_size, "sha256": meta_sha}}
                 if len(parts) > 1:
                     manifest["parts"] = [{"ranks": list(ranks), "state": d, "state_keys": k}
-                                         for ranks, (d, _), k in zip(parts, described, keys, strict=True)]
+                                         for ranks, d, k in zip(parts, staged.descriptions, keys, strict=True)]
                 if len(found) > 1:
                     manifest["storage"] = storage(found, views, infos)
-                    meta_bytes = meta_file.read_bytes()
                 else:
                     publish(tmp, final, manifest)
-                    if keep is not None:
-                        remove_old(final.parent, keep)
-            except CheckpointCorruptError as err:
-                problem = CheckpointError(f"save_checkpoint(extra=...) holds something torch.load(weights_only=True) "
-                                          f"refuses; pass tensors, numbers, strings, lists and dicts ({err.__cause__})")
+                    if staged.keep is not None:
+                        remove_old(final.parent, staged.keep)
             except (OSError, CheckpointError) as err:
                 problem = CheckpointError(f"cannot publish {final}: {err}")
         if len(found) > 1:  # no shared filesystem: each domain's first rank publishes its own copy
             _agree(mgr, problem)
-            manifest, meta_bytes = mgr.broadcast_object((manifest, meta_bytes) if mgr.rank == 0 else None, 0)
+            manifest, meta_bytes = mgr.broadcast_object((manifest, staged.meta) if mgr.rank == 0 else None, 0)
             if mgr.rank in (d[0] for d in found[1:]):
                 try:
                     save_bytes(meta_bytes, tmp / manifest["meta"]["file"])
@@ -167,15 +250,14 @@ def save(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int 
             # older checkpoints go only once every host has the new one: a save interrupted between the hosts'
             # publications leaves the previous checkpoint on every host, to be resumed from
             _agree(mgr, problem)
-            if lead and keep is not None:
+            if lead and staged.keep is not None:
                 try:
-                    remove_old(final.parent, keep)
+                    remove_old(final.parent, staged.keep)
                 except OSError as err:
                     problem = CheckpointError(f"rank {mgr.rank} cannot remove old checkpoints on {host_name()}: {err}")
         _agree(mgr, problem)
     except BaseException:
-        if created:  # an unfinished save leaves no temporary directory behind, on any host
-            shutil.rmtree(tmp, ignore_errors=True)
+        staged.abandon()
         raise
     return final
 

@@ -23,8 +23,9 @@ import torch
 
 from unidist.errors import CheckpointCorruptError, CheckpointError
 
-__all__ = ["FORMAT", "MANIFEST", "VERSION", "checkpoints_in", "file_digest", "fsync_dir", "latest", "load_bytes",
-           "load_tensors", "publish", "read_manifest", "remove_old", "resolve", "save_bytes", "save_tensors"]
+__all__ = ["FORMAT", "MANIFEST", "VERSION", "checkpoints_in", "digest_bytes", "file_digest", "fsync_dir", "latest",
+           "load_bytes", "load_tensors", "publish", "read_manifest", "remove_old", "resolve", "save_bytes",
+           "save_tensors"]
 
 FORMAT, VERSION, MANIFEST = "unidist-checkpoint", 1, "manifest.json"
 
@@ -46,13 +47,36 @@ def file_digest(path: Path) -> tuple[int, str]:
     return path.stat().st_size, h.hexdigest()
 
 
+class _Hashing:
+    """A file that hashes what is written through it: the checksum costs no second read of the file. Both
+    ``hashlib`` and the file's write release the GIL on large blocks, so a background writer's torch.save
+    (which calls ``write`` once per tensor) leaves the training thread free while it runs."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        self.sha.update(data)
+        self.size += memoryview(data).nbytes
+        return int(self.f.write(data))
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_tensors(obj: Any, path: Path) -> tuple[int, str]:
-    """torch.save, fsynced; returns the file's size and checksum for the manifest."""
+    """torch.save, fsynced; returns the file's size and checksum (hashed as written) for the manifest."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        out = _Hashing(f)
+        torch.save(obj, out)  # type: ignore[arg-type]  # a writer: torch calls write() and flush() only
         f.flush()
         os.fsync(f.fileno())
-    return file_digest(path)
+    return out.size, out.sha.hexdigest()
+
+
+def digest_bytes(data: bytes) -> tuple[int, str]:
+    """(size, sha256 hex) of a file's contents held in memory."""
+    return len(data), hashlib.sha256(data).hexdigest()
 
 
 def load_tensors(path: Path, size: int, sha256: str) -> Any:
