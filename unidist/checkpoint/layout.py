@@ -70,7 +70,8 @@ class Layout:
         return self
 
     def pieces(self) -> Pieces:
-        """This rank's slices: ``{"model": {name: (start, flat)}, "optim": {pname: {key: (start, flat)}}}``."""
+        """This rank's slices: ``{"model": {name: (start, flat)}, "optim": {pname: {key: (start, flat)}}}``, as
+        copies (never views of live tensors): a background save writes them while training changes the state."""
         raise NotImplementedError
 
     params: list[torch.Tensor]  # the optimizer's parameters, in the order of ``opt_names``

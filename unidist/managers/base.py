@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence, Sized
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
 import torch
 
@@ -33,6 +33,9 @@ from unidist.launch import LaunchInfo, detect
 from unidist.net import host_address, local_only_env
 from unidist.ops import ReduceOp
 from unidist.registry import Strategy, get
+
+if TYPE_CHECKING:
+    from unidist.checkpoint.background import SaveHandle
 
 __all__ = ["DONE", "EngineWork", "Group", "Handle", "Manager", "Work", "get_manager"]
 
@@ -429,23 +432,48 @@ class Manager(Communicator):
         return self._training().full_optimizer_state_dict(optimizer)  # type: ignore[no-any-return]
 
     # ----------------------------------------------------------------- checkpoints (unidist.checkpoint)
+    @overload
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, **extra: Any) -> Path:
+                        keep: int | None = None, blocking: Literal[True] = True, **extra: Any) -> Path: ...
+
+    @overload
+    def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
+                        keep: int | None = None, blocking: Literal[False], **extra: Any) -> SaveHandle: ...
+
+    @overload
+    def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
+                        keep: int | None = None, blocking: bool, **extra: Any) -> Path | SaveHandle: ...
+
+    def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
+                        keep: int | None = None, blocking: bool = True, **extra: Any) -> Path | SaveHandle:
         """Save model (and optimizer) state to the directory ``path``, atomically; every rank calls it.
 
         The format depends on neither the backend, nor the world size, nor the ZeRO stage: each rank writes
         the slices it owns, rank 0 the manifest, and the directory appears complete or not at all.
+
+        ``blocking=False`` returns once this rank's state is copied to host memory (a snapshot: training may
+        change the parameters at once), and a background thread writes this rank's files; ``handle.wait()``
+        publishes the checkpoint and returns its path. The thread runs no collective (one beside the training
+        thread's collectives on the same communicator would deadlock or mismatch), so the cross-rank end (all
+        shards written, the manifest, the atomic rename) runs in ``wait()``, which **every rank must call**, or
+        which the next ``save_checkpoint``/``load_checkpoint`` and the ``with`` block's exit run for you. A
+        second save while one is in flight first waits for it (one in flight, as torch.distributed.checkpoint's
+        ``async_save``). Until it is published, ``latest_checkpoint`` returns the previous checkpoint, and a
+        crash leaves that one loadable.
 
         Args:
             path: the checkpoint directory (an existing checkpoint there is replaced only once the new one
                 is complete).
             model: what ``prepare`` returned. optimizer: what ``prepare`` returned, or None for weights only.
             keep: keep only the newest ``keep`` checkpoints in ``path``'s parent directory (None: keep all).
+            blocking: True (default): return the path once published. False: return a ``SaveHandle``
+                (``wait()`` -> path, raising the writer's error as a CheckpointError on every rank; ``done()``:
+                this rank's files are written).
             extra: anything else to restore (step counters, ``scheduler.state_dict()``): tensors, numbers,
                 strings, lists and dicts, as ``torch.load(weights_only=True)`` accepts.
         """
         return self._training().save_checkpoint(  # type: ignore[no-any-return]
-            path, model, optimizer, keep=keep, extra=extra)
+            path, model, optimizer, keep=keep, extra=extra, blocking=blocking)
 
     def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
                         ) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 import unidist.checkpoint as checkpoint
+from unidist.checkpoint.background import SaveHandle, save_async
 from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.comm import trace_hooks
 from unidist.comm.group import Group
@@ -48,6 +49,8 @@ class Trainer:
         self.model: torch.nn.Module | None = None  # the user's module prepare saw last
         # every prepared module's optimizer (ZeRO stage 3 must find its optimizer from the module alone)
         self.prepared_for: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+        self.pending: SaveHandle | None = None  # the background save in flight (save_checkpoint(blocking=False))
+        self._shutdown_hooked = False
 
     # ----------------------------------------------------------------- prepare
     def prepare(self, model: torch.nn.Module, optimizer: Any, *, unknown: Mapping[str, Any],
@@ -174,17 +177,58 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoints (unidist.checkpoint)
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, extra: dict[str, Any] | None = None) -> Path:
+                        keep: int | None = None, extra: dict[str, Any] | None = None, blocking: bool = True
+                        ) -> Path | SaveHandle:
         """``Manager.save_checkpoint``: the prepared optimizer's layout, written by unidist.checkpoint. An fp16 loss
-        scale is saved with the optimizer (in ``extra``, under ``SCALER_KEY``) and resumed by ``load_checkpoint``."""
+        scale is saved with the optimizer (in ``extra``, under ``SCALER_KEY``) and resumed by ``load_checkpoint``.
+        A background save still in flight is published first (one in flight at a time, as torch's
+        ``async_save``); ``blocking=False`` returns the new one's handle (unidist/checkpoint/background.py)."""
+        if not isinstance(blocking, bool):
+            raise InvalidArgumentError(f"save_checkpoint(blocking={blocking!r}) takes True or False")
+        self.finish_pending()
         scaler = getattr(optimizer, "scaler", None)
         if scaler is not None:
             extra = {**(extra or {}), SCALER_KEY: scaler.state_dict()}
-        return checkpoint.save(self.mgr, path, self.checkpoint_layout(model, optimizer), keep=keep, extra=extra)
+        layout = self.checkpoint_layout(model, optimizer)
+        if blocking:
+            return checkpoint.save(self.mgr, path, layout, keep=keep, extra=extra)
+        self._finish_at_shutdown()
+        self.pending = save_async(self.mgr, path, layout, keep=keep, extra=extra)
+        return self.pending
+
+    def finish_pending(self) -> None:
+        """Publish the background save in flight, if any and not yet waited for (a collective, as its
+        ``wait()``): its error, if it failed, is raised here, once."""
+        handle, self.pending = self.pending, None
+        if handle is not None and not handle.finished:
+            handle.wait()
+
+    def _finish_at_shutdown(self) -> None:
+        """Make the Manager's shutdown publish a background save nobody waited for (every rank shuts down
+        together, so the collective end runs in step) before the engine goes; when the job is failing, give
+        it up instead (its peers may be gone): the previous checkpoint stays the latest. Installed on the
+        Manager instance once, at the first background save (the Manager knows nothing of the training layer)."""
+        if self._shutdown_hooked:
+            return
+        self._shutdown_hooked = True
+        mgr, shutdown = self.mgr, self.mgr.shutdown
+
+        def finishing_shutdown() -> None:
+            try:
+                if self.pending is not None and mgr.started and not getattr(mgr, "_failing", False):
+                    self.finish_pending()
+                elif self.pending is not None:
+                    self.pending.abandon()
+                    self.pending = None
+            finally:
+                shutdown()
+        mgr.shutdown = finishing_shutdown
 
     def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
                         ) -> dict[str, Any]:
-        """``Manager.load_checkpoint``: returns the checkpoint's ``extra`` (the loss scale restored, not returned)."""
+        """``Manager.load_checkpoint``: returns the checkpoint's ``extra`` (the loss scale restored, not returned).
+        A background save in flight is published first (it may be the checkpoint asked for)."""
+        self.finish_pending()
         extra = checkpoint.load(self.mgr, path, self.checkpoint_layout(model, optimizer))
         saved = extra.pop(SCALER_KEY, None)
         scaler = getattr(optimizer, "scaler", None)

@@ -1,0 +1,129 @@
+"""Background checkpoints: the files written by a thread while training goes on, published at ``wait()``.
+
+Who does what, and why:
+
+- ``save_async`` (every rank, on the training thread, before it returns): the collective start of the save
+  (``unidist.checkpoint.stage``): agreement on the temporary directory, this rank's slices copied to host memory
+  (the snapshot: training may change the parameters as soon as it returns), ``meta.pt`` serialized on rank 0.
+- the writer thread (this rank alone): this rank's shard (and rank 0's ``meta.pt``) written, fsynced and hashed
+  (``unidist.checkpoint.write``). It runs **no collective**: a collective on a second thread would interleave
+  with the training thread's collectives on the same communicator, which deadlocks or mismatches on MPI and
+  gloo (and confuses the watchdog's call count); torch.distributed.checkpoint's ``async_save`` avoids that with
+  a separate gloo group, which not every engine here can make safely.
+- ``SaveHandle.wait()`` (every rank, on the training thread): the collective end (``unidist.checkpoint.finish``):
+  the ranks agree that every shard was written (a failure on any rank is raised on every rank, typed), rank 0
+  writes the manifest, the directory is renamed into place, old checkpoints go (``keep``).
+
+So the checkpoint appears only when every rank has called ``wait()``, and until then ``latest_checkpoint``
+returns the previous one; a process killed mid-write leaves a temporary directory without a manifest, which is
+never taken for a checkpoint and is swept by the next save with ``keep=``. The training layer calls ``wait()``
+itself before the next save or load and when the Manager shuts down (unidist/train/trainer.py), so a forgotten
+``wait()`` never loses a checkpoint silently. One save is in flight at a time, as with ``async_save``.
+
+The writer runs at a lower CPU priority (``WRITER_NICE``, Linux): on a machine whose cores are all training, the
+training thread keeps its step time and the writer uses what is left (while the training thread waits in
+collectives, or an idle core); with nothing else to do it runs as fast as at normal priority.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from unidist.checkpoint import Staged, World, finish, stage, write
+from unidist.checkpoint.layout import Layout
+from unidist.errors import CheckpointError
+
+__all__ = ["WRITER_NICE", "SaveHandle", "save_async"]
+
+WRITER_NICE = 10  # added to the process's nice value for the writer thread (the training thread keeps its own)
+
+
+def _lower_priority() -> None:
+    """This thread only (Linux schedules threads as tasks: setpriority on its native id); elsewhere a no-op."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
+    except (AttributeError, OSError):
+        pass
+
+
+class SaveHandle:
+    """A checkpoint being written in the background (``save_checkpoint(..., blocking=False)``).
+
+    ``wait()`` publishes it and returns its path: every rank must call it (it runs collectives), in the same
+    order as its other collectives, as with any collective call; the next ``save_checkpoint`` or
+    ``load_checkpoint`` and the Manager's shutdown call it for you. ``done()`` says whether this rank's files are
+    written (``wait()`` then blocks only for the short collective end)."""
+
+    def __init__(self, mgr: World, staged: Staged) -> None:
+        self.path: Path = staged.final
+        self._mgr = mgr
+        self._staged = staged
+        self._rank, self._size = mgr.rank, mgr.size
+        self._result: tuple[dict[str, Any] | None, BaseException | None] | None = None
+        self._error: BaseException | None = None
+        self._finished = False
+        self._thread = threading.Thread(target=self._write, name=f"unidist-checkpoint {self.path.name}",
+                                         daemon=True)  # an unpublished write is worth nothing once the job ends
+        self._thread.start()
+
+    def _write(self) -> None:
+        _lower_priority()
+        self._result = write(self._staged, self._rank, self._size)  # never raises: errors are returned
+
+    def done(self) -> bool:
+        """Whether this rank's files are written (or failed); no collective, never blocks."""
+        return not self._thread.is_alive()
+
+    @property
+    def finished(self) -> bool:
+        """Whether ``wait()`` has run to its end on this rank (published, or raised)."""
+        return self._finished
+
+    @property
+    def published(self) -> bool:
+        """Whether the checkpoint is in place (``wait()`` returned)."""
+        return self._finished and self._error is None
+
+    def wait(self) -> Path:
+        """Block until this rank's files are written, then publish with every other rank (collective); returns
+        the checkpoint's path. A failure on any rank raises on every rank (a ``CheckpointError`` subclass, the
+        writer's error as its message) and leaves the previous checkpoint in place. Calling it again returns the
+        path again, or raises the same error."""
+        if not self._finished:
+            self._thread.join()
+            info, problem = self._result if self._result is not None else (
+                None, CheckpointError(f"rank {self._rank}: the background writer of {self.path} ended without a "
+                                      "result"))
+            try:
+                finish(self._mgr, self._staged, info, problem)
+            except BaseException as err:
+                self._error = err
+                raise
+            finally:
+                self._finished = True
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def abandon(self) -> None:
+        """Give the save up without a collective (the job is failing): the writer is left to end, nothing is
+        published, and the previous checkpoint stays the latest. The temporary directory is swept by the next
+        save with ``keep=``."""
+        self._finished = True
+        self._error = CheckpointError(f"the background save of {self.path} was abandoned: the job failed first")
+
+    def __repr__(self) -> str:
+        state = "published" if self.published else "failed" if self._finished else \
+            "written, not yet published" if self.done() else "writing"
+        return f"SaveHandle({str(self.path)!r}, {state})"
+
+
+def save_async(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int | None = None,
+               extra: dict[str, Any] | None = None) -> SaveHandle:
+    """Start a background save: the collective start now (the snapshot), this rank's files on a thread; every
+    rank calls it, then ``wait()`` on the handle (or lets the training layer do so). See the module docstring."""
+    return SaveHandle(mgr, stage(mgr, path, layout, keep=keep, extra=extra))
