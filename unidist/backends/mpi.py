@@ -66,8 +66,8 @@ BACKEND = register(Backend(
     manager=_manager,
     strategy=unidist_training,
     requires=("torch", "mpi4py"),
-    install="pip install mpi4py mpich  (the mpich wheel provides mpiexec; on a cluster, build mpi4py against "
-            "its MPI)",
+    install="from the unidist clone: pip install -c constraints.txt '.[mpi]' (mpi4py and the mpich wheel, which "
+            "provides mpiexec; on a cluster, build mpi4py against its MPI)",
     launcher="mpich",
     implied_by=tuple(fam.name for fam in LAUNCHERS if fam.mpi_like),
     engine="mpi4py",
