@@ -130,7 +130,7 @@ def _fixture(tmp_path: Path) -> list[str]:
             path.write_text(json.dumps(_doc(backend, launcher, ranks, kind)))
             files.append(str(path))
     gamma = [{"bench": "gamma", "bytes": n, "seconds": n * (100e-12 if n <= 4 << 20 else 250e-12)}
-             for n in (1 << 20, 4 << 20, 16 << 20)]
+             for n in (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)]
     (tmp_path / "gamma.json").write_text(json.dumps({"meta": {"bench": "gamma"}, "rows": gamma}))
     runs = [{"bench": "measure", "run": "mpi-2", "ranks": 2, "exit": 0, "seconds": 24.0, "load_before": 0.4,
              "load_after": 1.9, "quiet_at_start": True, "date": "2026-11-26T22:45:44Z"}]

@@ -12,7 +12,7 @@ prediction beside every measurement with its error (the target is 25%), the wors
 count, and the projected gradient-sync time of ResNet-50 and GPT-2 (fp32, 25 MiB fused buckets) for 8 to
 1024 ranks on stated networks and on this machine's own fitted values. ``--column raw`` (default) models the
 engine's own calls, whose algorithms are documented; ``--column unidist`` models unidist's calls (on mpi,
-large allreduces are chunked to stay in cache: not an MPICH algorithm, so expect larger errors there).
+large allreduces are chunked to stay in cache: not an MPICH algorithm; the second regime absorbs it).
 """
 
 from __future__ import annotations

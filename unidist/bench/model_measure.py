@@ -34,15 +34,15 @@ __all__ = ["GAMMA_SIZES", "SIZES", "gamma_params", "local_gamma", "measure", "ru
 
 SIZES = "8,1K,16K,64K,256K,1M,4M,16M"
 DEFAULTS = ["--sizes", SIZES, "--budget", "0.1", "--rounds", "5", "--warmup", "2"]
-GAMMA_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+GAMMA_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 << 20)
 
 
-def local_gamma(sizes: tuple[int, ...] = GAMMA_SIZES, rounds: int = 5) -> list[dict[str, Any]]:
+def local_gamma(sizes: tuple[int, ...] = GAMMA_SIZES, rounds: int = 7) -> list[dict[str, Any]]:
     """The reduction cost gamma, measured: seconds of an in-place float32 ``a.add_(b)`` of ``n`` bytes (the
-    local step of every sum reduction), median of ``rounds`` rounds of calls lasting ~20 ms each, one row per
-    size (``{"bench": "gamma", "bytes", "seconds"}``). One thread, as each rank of a 2-core run has."""
-    import statistics
-
+    local step of every sum reduction), the fastest of ``rounds`` rounds of calls lasting ~20 ms each, one
+    row per size (``{"bench": "gamma", "bytes", "seconds"}``). One thread, as each rank of a 2-core run has.
+    Why the fastest, where the collectives report medians: gamma is a property of the machine, and on a
+    shared machine a neighbour only ever adds time to a local loop (medians moved 2x under load)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -61,7 +61,7 @@ def local_gamma(sizes: tuple[int, ...] = GAMMA_SIZES, rounds: int = 5) -> list[d
                 for _ in range(iters):
                     a.add_(b)
                 samples.append((time.perf_counter() - start) / iters)
-            rows.append({"bench": "gamma", "bytes": n, "seconds": statistics.median(samples)})
+            rows.append({"bench": "gamma", "bytes": n, "seconds": min(samples)})
         return rows
     finally:
         torch.set_num_threads(threads)
@@ -69,12 +69,13 @@ def local_gamma(sizes: tuple[int, ...] = GAMMA_SIZES, rounds: int = 5) -> list[d
 
 def gamma_params(rows: list[dict[str, Any]]) -> tuple[float, float, float]:
     """(gamma, gamma_mem, split bytes) from ``local_gamma`` rows: the step between a cache and a memory cost
-    per byte that fits the rows best (relative error; one level, split infinity, if that fits best)."""
+    per byte that fits the rows best (relative error; one level, split infinity, if that fits best), with
+    two sizes at least on each side of a split (one noisy point must not set a level)."""
     pts = sorted((float(r["bytes"]), float(r["seconds"]) / float(r["bytes"])) for r in rows)
     if not pts:
         raise InvalidArgumentError("no gamma rows: run `model --measure`, or give a gamma.json it wrote")
     best = (math.inf, 0.0, 0.0, math.inf)
-    for split in [*(n for n, _ in pts), math.inf]:
+    for split in [*(n for n, _ in pts[1:-2]), math.inf]:
         low = [g for n, g in pts if n <= split] or [pts[0][1]]
         high = [g for n, g in pts if n > split] or low
         lo, hi = statistics.median(low), statistics.median(high)

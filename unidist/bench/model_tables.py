@@ -126,7 +126,7 @@ def projection_md(proj: dict[str, dict[str, dict[int, dict[str, float]]]], nets:
 
 def runs_md(runs: list[dict[str, Any]]) -> str:
     """Each launch of ``--measure``: when, how long, the load around it, and whether it started quiet."""
-    return markdown([("run", "run", _s), ("date", "date (UTC)", _s), ("seconds", "s", lambda v: f"{v:.0f}"),
+    return markdown([("run", "run", _s), ("date", "ended (UTC)", _s), ("seconds", "s", lambda v: f"{v:.0f}"),
                      ("load_before", "load before", lambda v: f"{v:.2f}"),
                      ("load_after", "load after", lambda v: f"{v:.2f}"),
                      ("quiet_at_start", "idle at start", lambda v: "yes" if v else "no"), ("exit", "exit", _s)], runs)
