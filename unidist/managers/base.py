@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence, Sized
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
+from typing import Any, ClassVar, Literal, overload
 
 import torch
 
@@ -33,9 +33,6 @@ from unidist.launch import LaunchInfo, detect
 from unidist.net import host_address, local_only_env
 from unidist.ops import ReduceOp
 from unidist.registry import Strategy, get
-
-if TYPE_CHECKING:
-    from unidist.checkpoint.background import SaveHandle
 
 __all__ = ["DONE", "EngineWork", "Group", "Handle", "Manager", "Work", "get_manager"]
 
@@ -438,14 +435,14 @@ class Manager(Communicator):
 
     @overload
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: Literal[False], **extra: Any) -> SaveHandle: ...
+                        keep: int | None = None, blocking: Literal[False], **extra: Any) -> Any: ...
 
     @overload
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: bool, **extra: Any) -> Path | SaveHandle: ...
+                        keep: int | None = None, blocking: bool, **extra: Any) -> Any: ...
 
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: bool = True, **extra: Any) -> Path | SaveHandle:
+                        keep: int | None = None, blocking: bool = True, **extra: Any) -> Any:
         """Save model (and optimizer) state to the directory ``path``, atomically; every rank calls it.
 
         The format depends on neither the backend, nor the world size, nor the ZeRO stage: each rank writes
@@ -467,7 +464,8 @@ class Manager(Communicator):
             model: what ``prepare`` returned. optimizer: what ``prepare`` returned, or None for weights only.
             keep: keep only the newest ``keep`` checkpoints in ``path``'s parent directory (None: keep all).
             blocking: True (default): return the path once published. False: return a ``SaveHandle``
-                (``wait()`` -> path, raising the writer's error as a CheckpointError on every rank; ``done()``:
+                (unidist.checkpoint.background; typed ``Any`` here, as managers/ imports no layer above it;
+                ``wait()`` -> path, raising the writer's error as a CheckpointError on every rank; ``done()``:
                 this rank's files are written).
             extra: anything else to restore (step counters, ``scheduler.state_dict()``): tensors, numbers,
                 strings, lists and dicts, as ``torch.load(weights_only=True)`` accepts.
