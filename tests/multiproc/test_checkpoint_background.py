@@ -73,3 +73,4 @@ def test_background_save_torchrun(tmp_path: Path) -> None:
     lch = LAUNCHES["torchrun-2"]
     require(*lch.engines)
     _run_phase(lch, tmp_path, 3)
+

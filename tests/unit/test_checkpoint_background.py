@@ -5,6 +5,7 @@ Under real launchers (several ranks, a SIGKILL mid-write): tests/multiproc/test_
 
 from __future__ import annotations
 
+import argparse
 import os
 import threading
 from pathlib import Path
@@ -177,3 +178,21 @@ def test_failing_exit_abandons_it(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="abandoned"):
         handle.wait()
     assert ckpt.latest_checkpoint(tmp_path) == first
+
+
+def test_bench_background_table(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m unidist.bench.checkpoint --dir D --background` (README), in this process on a small model:
+    its table, and D removed (the machine line, seconds of measuring under load, is bench/machine.py's own)."""
+    import unidist.bench.checkpoint as bench
+
+    monkeypatch.setattr(bench, "machine_line", lambda: "machine: (not measured)")
+
+    args = argparse.Namespace(dir=tmp_path / "b", width=64, layers=2, rounds=1, stage=0, batch=4, steps=1,
+                              writer_nice=None)
+    assert bench.background(args) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and " s |" in line]
+    assert len(rows) == 5 and rows[-1].startswith("| torch.save + fsync |") and "% of torch.save |" in rows[-1], out
+    assert "| training step while a background save is written |" in out and out.startswith("machine: "), out
+    assert not (tmp_path / "b").exists()
