@@ -5,7 +5,8 @@
 For each collective and message size: a warm-up, an iteration count calibrated on rank 0 so each column
 runs about ``--budget`` seconds per round (large messages get few calls, small ones thousands), then
 ``--rounds`` interleaved rounds (unidist's call, then with ``--compare`` the raw engine call of
-``engines.py``, alternating) and the slowest rank's median per call.
+``engines.py``, alternating) and the slowest rank's median per call. Rank 0 first prints (on stderr) about
+how long the sweep will take, then a progress line per op and size with the time left.
 
 Sizes follow nccl-tests: ``bytes`` is the buffer of allreduce and broadcast, the whole gathered output of
 allgather, the whole input of reduce_scatter and alltoall (each rank sends or keeps 1/n of it). algbw =
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +31,8 @@ from unidist.bench.busbw import busbw_factor
 from unidist.bench.output import Column, fmt, human_bytes, markdown
 from unidist.bench.timing import calibrate, interleaved, slowest, spread
 
-__all__ = ["add_arguments", "busbw_factor", "default_sizes", "parse_size", "run", "table", "verify"]
+__all__ = ["add_arguments", "busbw_factor", "default_sizes", "estimate_seconds", "parse_size", "planned", "run",
+           "table", "verify"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -112,35 +116,81 @@ def verify(mgr: Any, op: str, x: torch.Tensor, call: Callable[[], Any]) -> None:
                          f"({out.reshape(-1)[:8].tolist()}... expected {expected[:8].tolist()}...): not timing it")
 
 
+def planned(mgr: Any, ops: list[str], sizes: list[int]) -> list[tuple[str, int]]:
+    """The (op, size) cells to time: a size whose buffer comes out the same as an earlier one's for that op
+    (4 B of allgather on 2 ranks is one float per rank, 8 B, as 8 B is) is timed once, under its real size."""
+    cells, seen = [], set()
+    for op in ops:
+        for nbytes in sizes:
+            n = mgr.size
+            count = max(1, nbytes // 4)
+            if op in ("allgather", "reduce_scatter", "alltoall"):
+                count = max(n, count // n * n)
+            if (op, count) not in seen:
+                seen.add((op, count))
+                cells.append((op, nbytes))
+    return cells
+
+
+def estimate_seconds(cells: int, columns: int, args: argparse.Namespace) -> float:
+    """About how long the sweep takes: each cell's columns run ``--budget`` seconds a round, ``--rounds``
+    rounds, plus the warm-up and calibration (about one round's worth; more where one call outlasts the
+    budget, which only the largest sizes do)."""
+    return float(cells * columns * args.budget * (args.rounds + 1))
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
 def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per collective and size: unidist's time and bandwidths and, with --compare, the raw call's
-    and the ratio unidist / raw."""
+    and the ratio unidist / raw. Rank 0 says first how long the sweep should take, then a progress line per
+    cell on stderr (stdout keeps the tables)."""
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     raw_table = engines.collective_table(mgr) if args.compare else {}
+    cells = planned(mgr, ops, _sizes(args))
+    columns = 1 + bool(raw_table)
+    total = estimate_seconds(len(cells), columns, args)
+    say = _progress(mgr)
+    say(f"collectives: {len(cells)} cells ({len(ops)} ops x sizes), {columns} column(s), {args.rounds} rounds of "
+        f"~{args.budget:g} s each: about {_minutes(total)} (--sizes, --max-size, --ops, --rounds, --budget make it "
+        f"shorter)")
+    started = time.perf_counter()
     rows = []
-    for op in ops:
-        for nbytes in _sizes(args):
-            x, unidist_call, actual = _calls(mgr, op, nbytes)
-            verify(mgr, op, x, unidist_call)
-            columns = {"unidist": unidist_call}
-            if op in raw_table:
-                columns["raw"] = raw_table[op](x)
-            iters = calibrate(mgr, list(columns.values()), budget=args.budget, warmup=args.warmup,
-                              max_iters=20000)
-            samples = interleaved(mgr, columns, iters=iters, rounds=args.rounds)
-            med, noise = slowest(mgr, samples), spread(mgr, samples)
-            factor = busbw_factor(op, mgr.size)
-            row: dict[str, Any] = {"bench": "collectives", "op": op, "bytes": actual, "dtype": "float32",
-                                   "iters": iters, "rounds": args.rounds, "spread": noise["unidist"]}
-            for name, seconds in med.items():
-                prefix = "" if name == "unidist" else "raw_"
-                algbw = actual / seconds / 1e9
-                row.update({f"{prefix}time_us": seconds * 1e6, f"{prefix}algbw_GBps": algbw,
-                            f"{prefix}busbw_GBps": algbw * factor})
-            if "raw" in med:
-                row["ratio"] = med["unidist"] / med["raw"]
-            rows.append(row)
+    for i, (op, nbytes) in enumerate(cells, 1):
+        x, unidist_call, actual = _calls(mgr, op, nbytes)
+        verify(mgr, op, x, unidist_call)
+        timed = {"unidist": unidist_call}
+        if op in raw_table:
+            timed["raw"] = raw_table[op](x)
+        iters = calibrate(mgr, list(timed.values()), budget=args.budget, warmup=args.warmup,
+                          max_iters=20000)
+        samples = interleaved(mgr, timed, iters=iters, rounds=args.rounds)
+        med, noise = slowest(mgr, samples), spread(mgr, samples)
+        factor = busbw_factor(op, mgr.size)
+        row: dict[str, Any] = {"bench": "collectives", "op": op, "bytes": actual, "dtype": "float32",
+                               "iters": iters, "rounds": args.rounds, "spread": noise["unidist"]}
+        for name, seconds in med.items():
+            prefix = "" if name == "unidist" else "raw_"
+            algbw = actual / seconds / 1e9
+            row.update({f"{prefix}time_us": seconds * 1e6, f"{prefix}algbw_GBps": algbw,
+                        f"{prefix}busbw_GBps": algbw * factor})
+        if "raw" in med:
+            row["ratio"] = med["unidist"] / med["raw"]
+        rows.append(row)
+        elapsed = time.perf_counter() - started
+        left = elapsed / i * (len(cells) - i)
+        say(f"collectives: [{i}/{len(cells)}] {op} {human_bytes(actual)}: {iters} calls x {args.rounds} rounds, "
+            f"{_minutes(elapsed)} so far, about {_minutes(left)} left")
     return rows
+
+
+def _progress(mgr: Any) -> Callable[[str], None]:
+    def say(line: str) -> None:
+        if mgr.rank == 0:
+            print(line, file=sys.stderr, flush=True)
+    return say
 
 
 def table(rows: list[dict[str, Any]], run_meta: dict[str, Any]) -> str:

@@ -55,11 +55,20 @@ def label(run_meta: dict[str, Any]) -> str:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:g} {unit}" if unit == "B" else f"{n:.4g} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    """A byte count as a label that is exact: the largest binary unit in which it is a number of at most three
+    decimals (``8 B``, ``1.5 KiB``, ``2 MiB``), else all its bytes (``4,194,300 B``: 4 MiB of float32 cut to
+    whole chunks for 3 ranks, which ``4 MiB`` would misstate). A fractional count (a fitted size) keeps four
+    significant digits."""
+    if not float(n).is_integer():
+        for unit in ("B", "KiB", "MiB", "GiB"):
+            if abs(n) < 1024 or unit == "GiB":
+                return f"{n:.4g} {unit}"
+            n /= 1024
+    whole = int(n)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(whole) >= size and round(whole / size, 3) * size == whole:
+            return f"{whole / size:g} {unit}"
+    return f"{whole:,} B"
 
 
 def fmt(digits: int) -> Callable[[Any], str]:
@@ -93,8 +102,21 @@ def write_json(path: Path, run_meta: dict[str, Any], rows: list[dict[str, Any]])
 
 
 def load(paths: Iterable[Path]) -> list[dict[str, Any]]:
-    """The JSON documents, in the order given."""
-    return [json.loads(Path(p).read_text()) for p in paths]
+    """The JSON documents, in the order given. A file that is missing or not a benchmark's JSON ends the
+    command with a line saying which and how to make one, not a traceback."""
+    docs = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise SystemExit(f"{p}: no such results file; a benchmark writes one with --json, e.g. "
+                             f"`unidist bench collectives -n 2 --backend mpi -- --json {p}`")
+        try:
+            doc = json.loads(p.read_text())
+        except ValueError as exc:
+            raise SystemExit(f"{p}: not a benchmark's JSON ({exc})") from None
+        if not isinstance(doc, dict) or "rows" not in doc:
+            raise SystemExit(f"{p}: not a benchmark's JSON (no 'rows'); --json FILE of a benchmark writes one")
+        docs.append(doc)
+    return docs
 
 
 def plot_bandwidth(docs: Sequence[dict[str, Any]], out: Path, *, metric: str = "busbw_GBps") -> None:
