@@ -1,9 +1,9 @@
-"""Every recipe of the README's "Several hosts" section runs as written on a simulated cluster whose hosts
-are named as the README names them (node1, node2).
+"""Every recipe of the docs' "Several hosts" page runs as written on a simulated cluster whose hosts are named
+as the page names them (node1, node2).
 
-A recipe is a ``<!-- readme-cluster -->`` bash block of lines ``nodeN$ command  # comment``. Each host runs its
+A recipe is a ``<!-- run: cluster -->`` bash block of lines ``nodeN$ command  # comment``. Each host runs its
 lines in order in one shell, in a directory where ``examples/`` is the repository's; the hosts run at once
-(torchrun and ``deepspeed --no_ssh`` are started on every node). A ``<!-- readme-cluster allocation -->``
+(torchrun and ``deepspeed --no_ssh`` are started on every node). A ``<!-- run: cluster allocation -->``
 recipe runs in a Slurm allocation of both nodes: node1's shell has the variables sbatch gives a batch script
 (tests/cluster/jobs.py ``allocation``), and srun is the stand-in. Every host's shell must exit 0, and the
 script's own output must show every rank on its node: hello_collectives' checks, train_digits' accuracy (a
@@ -17,15 +17,16 @@ import shlex
 import subprocess
 
 import pytest
+from docsource import runnable
 from fakehosts import Cluster
 from helpers import ROOT, require
 from jobs import allocation
 
-README = (ROOT / "README.md").read_text()
-# (marker options, lines); ``allocation``: node1's shell has the variables sbatch/salloc give a job's first node
-BLOCKS = re.findall(r"<!-- readme-cluster( allocation)? -->\n```bash\n(.*?)```", README, flags=re.S)
-RECIPES = [lines for _, lines in BLOCKS]
-IN_ALLOCATION = {lines for option, lines in BLOCKS if option}
+# the docs' <!-- run: cluster --> blocks (docs/several-hosts.md); ``cluster allocation``: node1's shell has the
+# variables sbatch/salloc give a job's first node
+BLOCKS = runnable("cluster")
+RECIPES = [b.body for b in BLOCKS]
+IN_ALLOCATION = {b.body for b in BLOCKS if b.run == "cluster allocation"}
 NODES = {"node1": 2, "node2": 2}
 # the engine a recipe's launcher needs: its pytest mark, and what require() looks for
 ENGINES = (("deepspeed", "deepspeed"), ("horovodrun", "horovod"), ("--backend horovod", "horovod"),

@@ -1,10 +1,10 @@
 """Smoke tests of the benchmarks (`python -m unidist.bench`, `unidist bench`, benchmarks/regenerate.sh) under
 real launchers. Not timing tests: tiny sizes, and every row must be there with positive numbers.
 
-Each README benchmark command runs as written with smoke options appended (the last value of an option wins),
-so the README's spelling is what is tested; `all` covers the three benchmarks in one launch per launcher.
-Launches per tox env: py 2 (README collectives, regenerate.sh --quick --runs mpi), torch 2, deepspeed 1,
-horovod 2.
+Each benchmark command of the docs (docs/benchmarks.md) runs as written with smoke options appended (the last
+value of an option wins), so the docs' spelling is what is tested; `all` covers the three benchmarks in one
+launch per launcher. Launches per tox env: py 2 (the docs' collectives, regenerate.sh --quick --runs mpi),
+torch 2, deepspeed 1, horovod 2.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from docsource import commands, runnable
 from helpers import BIN, ROOT, deepspeed, mpiexec, require, run, torchrun
 
-README = (ROOT / "README.md").read_text()
-BLOCK = re.search(r"<!-- readme-bench -->\n```bash\n(.*?)```", README, flags=re.S)
-COMMANDS = [line.split("  #")[0].strip() for line in (BLOCK.group(1) if BLOCK else "").splitlines() if line.strip()]
+# the docs' <!-- run: bench --> blocks (docs/benchmarks.md), each command once
+COMMANDS = list(dict.fromkeys(cmd for block in runnable("bench") for cmd in commands(block)))
 SCRIPT = str(ROOT / "unidist" / "bench" / "__main__.py")
 
 SMOKE = {
@@ -71,7 +71,7 @@ def _table_cells(stdout: str, first: str) -> list[list[str]]:
             if re.search(rf"\| {re.escape(first)} \|", line)]
 
 
-# ------------------------------------------------------------------------ the README's commands
+# ------------------------------------------------------------------------ the docs' commands
 def _marks(cmd: str) -> list[pytest.MarkDecorator]:
     for word, mark in (("--backend torch", pytest.mark.torch), ("--backend horovod", pytest.mark.horovod),
                        ("--backend mpi", pytest.mark.mpi), ("regenerate.sh", pytest.mark.mpi)):
@@ -81,7 +81,7 @@ def _marks(cmd: str) -> list[pytest.MarkDecorator]:
 
 
 def _fake_results(where: Path) -> None:
-    """Two runs' JSON files for the README's plot command (no launch needed to test the plot)."""
+    """Two runs' JSON files for the docs' plot command (no launch needed to test the plot)."""
     for backend, scale in (("mpi", 1.0), ("torch", 0.01)):
         rows = [{"bench": "collectives", "backend": backend, "launcher": "x", "ranks": 2, "op": op, "bytes": b,
                  "time_us": b / scale / 1e3, "busbw_GBps": scale, "raw_busbw_GBps": scale / 2}
@@ -126,9 +126,11 @@ def test_readme_bench_command(cmd: str, tmp_path: Path) -> None:
     elif "plot" in tokens:
         assert (tmp_path / "bandwidth.png").stat().st_size > 10_000, proc.describe()
     elif tokens[2] == "collectives":
-        check_collectives(_rows(tmp_path / "mpi.json"), "mpi", compare=True)
+        backend = tokens[tokens.index("--backend") + 1]
+        check_collectives(_rows(tmp_path / tokens[tokens.index("--json") + 1]), backend, compare="--compare" in tokens)
         assert len(_table_cells(proc.stdout, "allreduce")) == 2, proc.stdout
-        assert (tmp_path / "collectives.png").stat().st_size > 10_000
+        if "--plot" in tokens:
+            assert (tmp_path / tokens[tokens.index("--plot") + 1]).stat().st_size > 10_000
     elif tokens[2] == "gradsync":
         cells = _table_cells(proc.stdout, "resnet50")
         assert [c[3] for c in cells] == ["backward only (no communication)", "mgr.allreduce_(grad, 'mean') per tensor",

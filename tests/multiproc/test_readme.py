@@ -1,4 +1,5 @@
-"""Every command in the README's launch block runs as written (with this environment's programs)."""
+"""Every command of the README's and the docs' ``<!-- run: launch -->`` blocks runs as written (with this
+environment's programs; each distinct command once), and the ``<!-- run: timeline -->`` block's pair in order."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from docsource import commands, runnable
 from helpers import BIN, ROOT, require, run
 
-README = (ROOT / "README.md").read_text()
-BLOCKS = re.findall(r"<!-- readme-launch -->\n```bash\n(.*?)```", README, flags=re.S)  # Launching, Coming from Horovod
-COMMANDS = [line.split("  #")[0].strip() for block in BLOCKS for line in block.splitlines() if line.strip()]
+COMMANDS = list(dict.fromkeys(cmd for block in runnable("launch") for cmd in commands(block)))
 
 
 def _engine(cmd: str) -> str | None:
@@ -56,6 +56,9 @@ def test_readme_command(cmd: str) -> None:
     n = int(count.group(1)) if count else 1
     if "hello_collectives" in cmd:
         assert f"7/7 collectives correct on {n} process(es)" in proc.stdout, proc.describe()
+    elif "hybrid_mlp" in cmd:
+        assert re.search(r"max \|hybrid - dense\| over every rank's shards after \d+ steps: ", proc.stdout), \
+            proc.describe()
     elif "groups.py" in cmd:
         assert f"groups: all checks correct on {n} process(es)" in proc.stdout, proc.describe()
     elif "horovod_digits" in cmd:
@@ -83,20 +86,7 @@ def test_readme_command(cmd: str) -> None:
         assert "init() would pick: local" in proc.stdout
 
 
-@pytest.mark.mpi
-def test_readme_api_tour_runs(tmp_path: Path) -> None:
-    tour = re.findall(r"```python\n(.*?)```", README, flags=re.S)[0]
-    script = tmp_path / "tour.py"
-    script.write_text(tour)
-    proc = run([str(BIN / "mpiexec"), "-n", "2", sys.executable, str(script)], cwd=ROOT, timeout=120)
-    assert proc.returncode == 0, proc.describe()
-    # each rank prints "rank size local_rank node_rank backend device"; the ranks' writes may interleave
-    # anywhere, so compare the characters, not the lines
-    assert sorted(proc.stdout.replace(" ", "").replace("\n", "")) == sorted("0200mpicpu1210mpicpu"), \
-        proc.describe()
-
-
-TIMELINE = re.findall(r"<!-- readme-timeline -->\n```bash\n(.*?)```", README, flags=re.S)
+TIMELINE = [block.body for block in runnable("timeline")]
 
 
 @pytest.mark.mpi
