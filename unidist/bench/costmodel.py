@@ -120,14 +120,15 @@ def _mpich(op: str, p: int, n: float) -> str | None:
     """MPICH's documented default selection (its CVAR thresholds; Thakur et al. 2005)."""
     if op == "allreduce":
         return "recursive_doubling" if n <= 2048 else "rabenseifner"
-    if op == "allgather":
-        return "recursive_doubling" if n < 512 << 10 else "ring"
+    if op == "allgather":  # power of two below 512 KiB in all: recursive doubling; else Bruck below 80 KiB
+        small = n < 512 << 10 if p == _pof2(p) else n < 81920
+        return "recursive_doubling" if small else "ring"
     if op == "broadcast":  # MPIR_CVAR_BCAST_MIN_PROCS = 8: fewer ranks always use the binomial tree
         return "binomial" if p < 8 or n < 12288 else "scatter_allgather"
     if op == "reduce_scatter":  # commutative ops: recursive halving below 512 KiB, pairwise above
         return "recursive_halving" if n < 512 << 10 else "ring"
-    if op == "alltoall":  # Bruck for <= 256 bytes per destination
-        return "bruck" if n / p <= 256 else "pairwise"
+    if op == "alltoall":  # Bruck for <= 256 bytes per destination from 8 ranks; else p-1 exchanges
+        return "bruck" if n / p <= 256 and p >= 8 else "pairwise"
     return None
 
 

@@ -140,8 +140,10 @@ def measure(args: argparse.Namespace) -> list[Path]:
     bins = report._bins(args.bin)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     gamma = args.out_dir / "gamma.json"
-    gamma.write_text(json.dumps({"meta": {"bench": "gamma", "host": platform.node()}, "rows": local_gamma()},
-                                indent=1) + "\n")
+    quiet, before = wait_quiet(args.wait_quiet), os.getloadavg()[0]
+    gamma.write_text(json.dumps({"meta": {"bench": "gamma", "host": platform.node(), "load_before": before,
+                                          "quiet_at_start": quiet}, "rows": local_gamma()}, indent=1) + "\n")
+    print(f"== gamma (load {before:.2f}, {'quiet' if quiet else 'NOT quiet'}): {gamma}", flush=True)
     written: list[Path] = [gamma]
     failed: list[str] = []
     log_rows: list[dict[str, Any]] = []
