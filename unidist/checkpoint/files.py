@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,28 +48,26 @@ def file_digest(path: Path) -> tuple[int, str]:
 
 
 class _Hashing:
-    """A file that hashes what is written through it: the checksum costs no second read of the file. A large
-    block (a tensor: torch.save writes each storage in one call) is hashed on a helper thread while this one
-    writes it, so where a core is free the sha256 (about as fast as the write itself here, ~1 GB/s) costs no
-    time; both ``hashlib`` and the file's write release the GIL, which also leaves a training thread free while
-    a background writer runs."""
+    """A file that hashes what is written through it: the checksum costs no second read of the file. Each block
+    (torch.save writes a tensor's storage in one call) goes in 1 MiB slices, each hashed then written while it
+    is still in cache. Measured (151 MB, 9 tensors, 2 cores under load): torch.save + fsync 0.21 s, hashing
+    inline in slices 0.33 s, on a helper thread beside the write 0.44 s (no core was free; it wins only where
+    one is), torch.save then a second read for the hash 0.5-0.7 s. ``hashlib`` and the file's write both release
+    the GIL, so a background writer leaves the training thread free."""
 
-    PARALLEL = 1 << 20  # bytes from which a block is hashed beside its write
+    SLICE = 1 << 20
 
-    def __init__(self, f: Any, pool: ThreadPoolExecutor) -> None:
-        self.f, self.pool, self.sha, self.size = f, pool, hashlib.sha256(), 0
+    def __init__(self, f: Any) -> None:
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
 
     def write(self, data: Any) -> int:
-        nbytes = memoryview(data).nbytes
-        self.size += nbytes
-        if nbytes < self.PARALLEL:
-            self.sha.update(data)
-            return int(self.f.write(data))
-        hashed = self.pool.submit(self.sha.update, data)  # in order: the previous block's hash has ended
-        try:
-            return int(self.f.write(data))
-        finally:
-            hashed.result()  # before ``data`` (torch's buffer) goes back to torch
+        view = memoryview(data).cast("B")
+        for start in range(0, view.nbytes, self.SLICE):
+            part = view[start:start + self.SLICE]
+            self.sha.update(part)
+            self.f.write(part)
+        self.size += view.nbytes
+        return view.nbytes
 
     def flush(self) -> None:
         self.f.flush()
@@ -78,8 +75,8 @@ class _Hashing:
 
 def save_tensors(obj: Any, path: Path) -> tuple[int, str]:
     """torch.save, fsynced; returns the file's size and checksum (hashed as written) for the manifest."""
-    with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="unidist-sha256") as pool:
-        out = _Hashing(f, pool)
+    with open(path, "wb") as f:
+        out = _Hashing(f)
         torch.save(obj, out)  # type: ignore[arg-type]  # a writer: torch calls write() and flush() only
         f.flush()
         os.fsync(f.fileno())
