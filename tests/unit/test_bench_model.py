@@ -169,6 +169,21 @@ def test_cli_dispatches_model_offline(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "### Projected gradient sync" in capsys.readouterr().out
 
 
+def test_gamma_keeps_the_fastest_of_this_hosts_measurements(tmp_path: Path) -> None:
+    import platform
+
+    from unidist.bench.model_measure import fastest
+
+    old = tmp_path / "gamma.json"
+    new = [{"bench": "gamma", "bytes": 1024, "seconds": 2.0}, {"bench": "gamma", "bytes": 4096, "seconds": 1.0}]
+    assert fastest(new, old) == new  # nothing before
+    old.write_text(json.dumps({"meta": {"host": platform.node()}, "rows": [{"bytes": 1024, "seconds": 1.5},
+                                                                          {"bytes": 4096, "seconds": 3.0}]}))
+    assert [r["seconds"] for r in fastest(new, old)] == [1.5, 1.0]
+    old.write_text(json.dumps({"meta": {"host": "elsewhere"}, "rows": [{"bytes": 1024, "seconds": 0.1}]}))
+    assert fastest(new, old) == new
+
+
 def test_wait_quiet_gives_up_after_its_limit() -> None:
     from unidist.bench.model_measure import wait_quiet
 
