@@ -87,7 +87,7 @@ def summary_md(rows: list[dict[str, Any]]) -> str:
             ok = sum(abs(r["error"]) <= TARGET for r in mine)
             out.append({"engine": engine, "ranks": p, "ok": f"{ok} of {len(mine)}",
                         "median": f"{statistics.median(abs(r['error']) for r in mine):.0%}",
-                        "worst": f"{worst['error']:+.0%} ({worst['op']}, {human_bytes(worst['bytes'])})"})
+                        "worst": f"{worst['error']:+.0%} ({worst['op']}, {human_bytes(nominal(worst['bytes']))})"})
     return markdown([("engine", "engine", _s), ("ranks", "ranks", _s), ("ok", "within 25%", _s),
                      ("median", "median abs. error", _s), ("worst", "worst error", _s)], out)
 
