@@ -151,7 +151,7 @@ def measure(args: argparse.Namespace) -> list[Path]:
     unknown = [r for r in chosen if r not in known]
     if unknown:
         raise InvalidArgumentError(f"--runs: unknown {', '.join(unknown)}; use some of {', '.join(known)}")
-    bins = report._bins(args.bin)
+    bins = report.bins(args.bin)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     gamma = args.out_dir / "gamma.json"
     quiet, before = wait_quiet(args.wait_quiet), os.getloadavg()[0]
@@ -176,7 +176,7 @@ def measure(args: argparse.Namespace) -> list[Path]:
             log_path = args.out_dir / f"{run_name(name, n)}.log"
             with open(log_path, "w") as log:
                 try:
-                    code = subprocess.run(argv, env=report._env(run, n), stdout=log, stderr=subprocess.STDOUT,
+                    code = subprocess.run(argv, env=report.run_env(run, n), stdout=log, stderr=subprocess.STDOUT,
                                           timeout=args.timeout, check=False).returncode
                 except subprocess.TimeoutExpired:
                     code = -1

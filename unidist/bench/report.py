@@ -89,14 +89,15 @@ def add_arguments(sub: Any) -> None:
     p_plot.add_argument("--metric", choices=("busbw_GBps", "algbw_GBps"), default="busbw_GBps")
 
 
-def _bins(specs: list[str]) -> dict[str, Path]:
-    bins: dict[str, Path] = {}
+def bins(specs: list[str]) -> dict[str, Path]:
+    """``--bin ENGINE=DIR`` options as {engine: directory holding its python and launcher}."""
+    found: dict[str, Path] = {}
     for spec in specs:
         engine, sep, where = spec.partition("=")
         if not sep:
             raise SystemExit(f"--bin {spec!r}: expected ENGINE=DIR")
-        bins[engine] = Path(where).resolve()
-    return bins
+        found[engine] = Path(where).resolve()
+    return found
 
 
 def command(run: Run, bindir: Path, n: int, rest: list[str]) -> list[str]:
@@ -113,7 +114,9 @@ def command(run: Run, bindir: Path, n: int, rest: list[str]) -> list[str]:
     return fam.command.argv(program, n, str(bindir / "python"), free_port(), [script, "all", *rest])
 
 
-def _env(run: Run, n: int) -> dict[str, str]:
+def run_env(run: Run, n: int) -> dict[str, str]:
+    """The environment of one run's launch: this tree first on PYTHONPATH, no variables of an outer launcher
+    (they would make the benchmark think it is already inside a job), the run's own variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_VARS) and k not in _LAUNCH_NAMES}
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -125,7 +128,7 @@ def _env(run: Run, n: int) -> dict[str, str]:
 
 def run_all(args: argparse.Namespace) -> list[str]:
     """Launch each chosen run; returns the names that failed."""
-    bins = _bins(args.bin)
+    dirs = bins(args.bin)
     results = args.out_dir / "results"
     results.mkdir(parents=True, exist_ok=True)
     chosen = [r.strip() for r in args.runs.split(",") if r.strip()]
@@ -136,7 +139,7 @@ def run_all(args: argparse.Namespace) -> list[str]:
         if name not in known:
             raise SystemExit(f"unknown run {name!r}; use {', '.join(known)}")
         run = known[name]
-        bindir = bins.get(run.backend, Path(sys.executable).parent)
+        bindir = dirs.get(run.backend, Path(sys.executable).parent)
         rest = ["--compare", "--json", str((results / f"{name}.json").resolve()), *(QUICK if args.quick else []),
                 *extra]
         argv = command(run, bindir, args.nprocs, rest)
@@ -144,7 +147,7 @@ def run_all(args: argparse.Namespace) -> list[str]:
         start = time.perf_counter()
         with open(results / f"{name}.log", "w") as log:
             try:
-                code = subprocess.run(argv, env=_env(run, args.nprocs), stdout=log, stderr=subprocess.STDOUT,
+                code = subprocess.run(argv, env=run_env(run, args.nprocs), stdout=log, stderr=subprocess.STDOUT,
                                       timeout=args.timeout, check=False).returncode
             except subprocess.TimeoutExpired:
                 code = -1
