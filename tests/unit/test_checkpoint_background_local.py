@@ -63,11 +63,11 @@ class Gate:
         self.open, self.entered, self.nice = threading.Event(), threading.Event(), None
         real = ckpt.save_tensors
 
-        def gated(obj: Any, path: Path) -> tuple[int, str]:
+        def gated(obj: Any, path: Path, pace: Any = None) -> tuple[int, str]:
             self.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
             self.entered.set()
             self.open.wait(30)
-            return real(obj, path)
+            return real(obj, path, pace)
         monkeypatch.setattr(ckpt, "save_tensors", gated)
 
 
@@ -121,7 +121,7 @@ def test_writer_error_is_raised_typed_and_keeps_the_previous(mgr: unidist.Manage
     step(mgr, model, opt)
     before = mgr.save_checkpoint(tmp_path / "s1", model, opt, step=1)
 
-    def broken(obj: Any, path: Path) -> tuple[int, str]:
+    def broken(obj: Any, path: Path, pace: Any = None) -> tuple[int, str]:
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(ckpt, "save_tensors", broken)
     handle = mgr.save_checkpoint(tmp_path / "s2", model, opt, step=2, blocking=False)
@@ -189,7 +189,7 @@ def test_bench_background_table(tmp_path: Path, capsys: pytest.CaptureFixture[st
     monkeypatch.setattr(bench, "machine_line", lambda: "machine: (not measured)")
 
     args = argparse.Namespace(dir=tmp_path / "b", width=64, layers=2, rounds=1, stage=0, batch=4, steps=1,
-                              writer_nice=None)
+                              writer_nice=None, writer_duty=None)
     assert bench.background(args) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and " s |" in line]

@@ -46,6 +46,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed normal steps per round, --background")
     parser.add_argument("--writer-nice", type=int, default=None, help="the writer thread's added nice value "
                         "(default: unidist.checkpoint.background.WRITER_NICE)")
+    parser.add_argument("--writer-duty", type=float, default=None, help="the fraction of the time the writer "
+                        "writes while training runs (default: unidist.checkpoint.background.WRITER_DUTY)")
     args = parser.parse_args(unidist.script_args())
     if args.background:
         return background(args)
@@ -105,6 +107,8 @@ def background(args: argparse.Namespace) -> int:
     """Step time during a background save against a normal step; save throughput against torch.save."""
     if args.writer_nice is not None:
         bg.WRITER_NICE = args.writer_nice
+    if args.writer_duty is not None:
+        bg.WRITER_DUTY = args.writer_duty
     load_before = os.getloadavg()
     with unidist.init() as mgr:
         model = make_model(args.width, args.layers)
@@ -159,8 +163,8 @@ def background(args: argparse.Namespace) -> int:
             print(machine_line(), flush=True)
             print(f"backend={mgr.backend} ranks={mgr.size} stage={args.stage} Psi={psi / 1e6:.1f} M parameters, "
                   f"Adam, {args.batch} rows per rank; checkpoint {ckpt_bytes / 2**20:.1f} MiB; writer nice "
-                  f"+{bg.WRITER_NICE}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; "
-                  f"medians of {args.rounds} rounds")
+                  f"+{bg.WRITER_NICE}, duty {bg.WRITER_DUTY:g}; load average {load_before[0]:.1f} before, "
+                  f"{load_after[0]:.1f} after; medians of {args.rounds} rounds")
             print("| measure | median | per step / throughput | vs |")
             print("|---|---|---|---|")
             print(f"| training step, no save | {med['normal'] * 1e3:.1f} ms ({len(t['normal'])} steps) | | 1.00x |")

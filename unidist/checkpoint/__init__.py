@@ -44,6 +44,7 @@ from unidist.checkpoint.agree import agree as _agree
 from unidist.checkpoint.files import (
     FORMAT,
     VERSION,
+    Pace,
     digest_bytes,
     latest,
     load_bytes,
@@ -178,13 +179,15 @@ def _serialized(obj: Any) -> bytes:
     return data
 
 
-def write(staged: Staged, rank: int, size: int) -> tuple[dict[str, Any] | None, BaseException | None]:
+def write(staged: Staged, rank: int, size: int, pace: Pace | None = None
+          ) -> tuple[dict[str, Any] | None, BaseException | None]:
     """This rank's files into the temporary directory: (its manifest entry, None), or (None, the error). No
-    collective and no exception, so a background thread may run it; ``finish`` agrees on the outcome."""
+    collective and no exception, so a background thread may run it (``pace``: its throttle); ``finish`` agrees
+    on the outcome."""
     tmp, pieces = staged.tmp, staged.pieces
     try:
         shard = tmp / f"shard-{rank:05d}-of-{size:05d}.pt"
-        nbytes, sha = save_tensors(pieces, shard)
+        nbytes, sha = save_tensors(pieces, shard, pace) if pace is not None else save_tensors(pieces, shard)
         info = {"file": shard.name, "bytes": nbytes, "sha256": sha,
                 **({"part": staged.part} if len(staged.parts) > 1 else {}),
                 "model": {k: [s, s + t.numel()] for k, (s, t) in pieces["model"].items()},

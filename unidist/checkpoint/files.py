@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,13 @@ import torch
 
 from unidist.errors import CheckpointCorruptError, CheckpointError
 
-__all__ = ["FORMAT", "MANIFEST", "VERSION", "checkpoints_in", "digest_bytes", "file_digest", "fsync_dir", "latest",
-           "load_bytes", "load_tensors", "publish", "read_manifest", "remove_old", "resolve", "save_bytes",
+__all__ = ["FORMAT", "MANIFEST", "VERSION", "Pace", "checkpoints_in", "digest_bytes", "file_digest", "fsync_dir",
+           "latest", "load_bytes", "load_tensors", "publish", "read_manifest", "remove_old", "resolve", "save_bytes",
            "save_tensors"]
 
 FORMAT, VERSION, MANIFEST = "unidist-checkpoint", 1, "manifest.json"
+
+Pace = Callable[[float], None]  # told the seconds a slice of a shard took to write; may sleep (background.py)
 
 
 def fsync_dir(path: Path) -> None:
@@ -53,19 +56,23 @@ class _Hashing:
     is still in cache. Measured (151 MB, 9 tensors, 2 cores under load): torch.save + fsync 0.21 s, hashing
     inline in slices 0.33 s, on a helper thread beside the write 0.44 s (no core was free; it wins only where
     one is), torch.save then a second read for the hash 0.5-0.7 s. ``hashlib`` and the file's write both release
-    the GIL, so a background writer leaves the training thread free."""
+    the GIL, so a background writer leaves the training thread free. ``pace`` (a background writer's) is told
+    how long each slice took, and may sleep."""
 
     SLICE = 1 << 20
 
-    def __init__(self, f: Any) -> None:
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+    def __init__(self, f: Any, pace: Pace | None = None) -> None:
+        self.f, self.pace, self.sha, self.size = f, pace, hashlib.sha256(), 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         for start in range(0, view.nbytes, self.SLICE):
+            began = time.perf_counter()
             part = view[start:start + self.SLICE]
             self.sha.update(part)
             self.f.write(part)
+            if self.pace is not None:
+                self.pace(time.perf_counter() - began)
         self.size += view.nbytes
         return view.nbytes
 
@@ -73,10 +80,10 @@ class _Hashing:
         self.f.flush()
 
 
-def save_tensors(obj: Any, path: Path) -> tuple[int, str]:
+def save_tensors(obj: Any, path: Path, pace: Pace | None = None) -> tuple[int, str]:
     """torch.save, fsynced; returns the file's size and checksum (hashed as written) for the manifest."""
     with open(path, "wb") as f:
-        out = _Hashing(f)
+        out = _Hashing(f, pace)
         torch.save(obj, out)  # type: ignore[arg-type]  # a writer: torch calls write() and flush() only
         f.flush()
         os.fsync(f.fileno())
