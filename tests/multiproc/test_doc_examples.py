@@ -19,7 +19,17 @@ LAUNCHERS = {"python": (python, None, None), "mpiexec": (mpiexec, pytest.mark.mp
              "torchrun": (torchrun, pytest.mark.torch, "torch"),
              "deepspeed": (deepspeed, pytest.mark.deepspeed, "deepspeed"),
              "horovodrun": (horovodrun, pytest.mark.horovod, "horovod")}
-BLOCKS = [b for b in runnable(*LAUNCHERS) if b.lang == "python"]
+
+
+def _distinct(blocks: list[Block]) -> list[Block]:
+    """Each (launcher, script) once, where it first appears: the README's example is also the home page's."""
+    seen: dict[tuple[str | None, str], Block] = {}
+    for b in blocks:
+        seen.setdefault((b.run, b.body), b)
+    return list(seen.values())
+
+
+BLOCKS = _distinct([b for b in runnable(*LAUNCHERS) if b.lang == "python"])
 SHELL = runnable("shell")
 # the engine a shell block's launcher needs: (word in the block, pytest mark, what require() looks for)
 SHELL_ENGINES = (("deepspeed", pytest.mark.deepspeed, "deepspeed"), ("horovod", pytest.mark.horovod, "horovod"),
