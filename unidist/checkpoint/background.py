@@ -8,8 +8,9 @@ Who does what, and why:
 - the writer thread (this rank alone): this rank's shard (and rank 0's ``meta.pt``) written, fsynced and hashed
   (``unidist.checkpoint.write``). It runs **no collective**: a collective on a second thread would interleave
   with the training thread's collectives on the same communicator, which deadlocks or mismatches on MPI and
-  gloo (and confuses the watchdog's call count); torch.distributed.checkpoint's ``async_save`` avoids that with
-  a separate gloo group, which not every engine here can make safely.
+  gloo (and confuses the watchdog's call count). torch.distributed.checkpoint's ``async_save`` takes a process
+  group for its own collectives (a gloo group beside NCCL's); not every engine here has a second communicator
+  that is safe to use from another thread (MPI needs THREAD_MULTIPLE, Horovod has one background loop).
 - ``SaveHandle.wait()`` (every rank, on the training thread): the collective end (``unidist.checkpoint.finish``):
   the ranks agree that every shard was written (a failure on any rank is raised on every rank, typed), rank 0
   writes the manifest, the directory is renamed into place, old checkpoints go (``keep``).
@@ -20,19 +21,23 @@ never taken for a checkpoint and is swept by the next save with ``keep=``. The t
 itself before the next save or load and when the Manager shuts down (unidist/train/trainer.py), so a forgotten
 ``wait()`` never loses a checkpoint silently. One save is in flight at a time, as with ``async_save``.
 
-While training runs beside it, the writer is paced: it writes at most ``WRITER_DUTY`` of the time (after a 1 MiB
-slice that took t seconds it sleeps t * (1 - duty) / duty), at a lower CPU priority (``WRITER_NICE``, Linux). A
-lower priority alone was not enough: on 2 ranks of 2 loaded cores, with the writer at nice 19 the step during
-which it wrote took 1.6x a normal one (memory bandwidth and the page cache are not shared by priority); paced
-at a fifth of the time, steps took 0.98-1.1x and the save spread over ~4x more steps. Once ``wait()`` is called
-the training thread is waiting anyway, and the writer goes at full speed: a save waited for at once writes as
-fast as a blocking one.
+While training runs beside it and no core is idle (the 1-minute load average + 1 exceeds the usable CPUs), the
+writer is paced: it writes at most ``WRITER_DUTY`` of the time (after a 1 MiB slice that took t seconds it sleeps
+t * (1 - duty) / duty), at a lower CPU priority (``WRITER_NICE``, Linux). A background save needs the same CPU
+as a blocking one, so where every core trains it can only spread that cost: measured (25.2 M parameters with
+Adam, 288 MiB), each step while the writer runs pays about its total work divided by the steps it spans. A
+lower priority alone did not help (2 MPI ranks on 2 loaded cores: 1.5-1.7x a normal step with the writer at
+nice 19); a fifth of the time gave 0.9-1.5x on 2 ranks and 1.31x on one process over 22 steps; a tenth is the
+default. Where a core is idle (a GPU job's host), it writes at full speed. Once ``wait()`` is called the training
+thread is waiting anyway, and the writer goes at full speed: a save waited for at once is as fast as a blocking
+one.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,19 +48,34 @@ from unidist.errors import CheckpointError
 __all__ = ["WRITER_DUTY", "WRITER_NICE", "SaveHandle", "save_async"]
 
 WRITER_NICE = 10  # added to the process's nice value for the writer thread (the training thread keeps its own)
-WRITER_DUTY = 0.2  # the fraction of the time the writer writes until wait() is called (1: no pacing)
+WRITER_DUTY = 0.1  # the share of the time the writer writes until wait(), when no core is idle (1: never paced)
+
+
+def _cores_busy() -> bool:
+    """Whether no core is idle for the writer (Linux's 1-minute load average + 1 > usable CPUs); unknown: busy."""
+    try:
+        return os.getloadavg()[0] + 1 > len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return True
 
 
 class _Pace:
-    """The writer's throttle: sleeps after each slice so it writes ``WRITER_DUTY`` of the time, until
-    ``hurry()`` (wait() was called: nothing is training on this rank), which also ends a sleep at once."""
+    """The writer's throttle: sleeps after each slice so it writes ``WRITER_DUTY`` of the time while no core is
+    idle (looked at twice a second), until ``hurry()`` (wait() was called: nothing trains on this rank), which
+    also ends a sleep at once."""
 
     def __init__(self) -> None:
         self.hurried = threading.Event()
+        self.busy, self.looked = True, -1.0
 
     def __call__(self, seconds: float) -> None:
         duty = WRITER_DUTY
-        if 0 < duty < 1 and not self.hurried.is_set():
+        if not 0 < duty < 1 or self.hurried.is_set():
+            return
+        now = time.monotonic()
+        if now - self.looked >= 0.5:
+            self.busy, self.looked = _cores_busy(), now
+        if self.busy:
             self.hurried.wait(seconds * (1 - duty) / duty)
 
     def hurry(self) -> None:
