@@ -27,13 +27,17 @@ _LIMIT = 1024  # entries per table before it is dropped whole
 class Plans:
     """Prepared in-place calls by (call, buffer), and prepared block calls by (call, buffer pair)."""
 
-    __slots__ = ("_blocks", "_ones")
+    __slots__ = ("_blocks", "_ones", "sums")
 
     def __init__(self) -> None:
+        # in-place sums by (address, bytes, dtype): the hottest table, read directly by the communicator (its
+        # ``get`` bound once), one lookup per call
+        self.sums: dict[tuple[int, int, torch.dtype], Any] = {}
         self._ones: dict[tuple[str, int, int, torch.dtype], Any] = {}
         self._blocks: dict[tuple[Any, ...], Any] = {}
 
     def clear(self) -> None:
+        self.sums.clear()
         self._ones.clear()
         self._blocks.clear()
 
@@ -41,6 +45,11 @@ class Plans:
         """The prepared in-place ``call`` (``allreduce``, ``broadcast``) on ``x`` (contiguous, checked by the
         caller), or None."""
         return self._ones.get((call, x.data_ptr(), x.nbytes, x.dtype))
+
+    def keep_sum(self, x: torch.Tensor, prepared: Any) -> None:
+        if len(self.sums) >= _LIMIT:
+            self.sums.clear()
+        self.sums[(x.data_ptr(), x.nbytes, x.dtype)] = prepared
 
     def keep_one(self, call: str, x: torch.Tensor, prepared: Any) -> None:
         if len(self._ones) >= _LIMIT:

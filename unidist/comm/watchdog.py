@@ -87,7 +87,8 @@ class _Dog:
             # as Horovod's enqueue does while its background thread waits for a stopped peer), Python's C-level
             # faulthandler timer, re-armed here, dumps every thread's stack and exits 1
             faulthandler.dump_traceback_later(self.timeout + BACKSTOP_GRACE, exit=True)
-            token, calls, what, args = st.token, st.calls, st.what, st.args
+            cur, calls = st.cur, st.calls
+            token, what, args = (cur[0], cur[1], cur[2]) if cur is not None else (0, "", ())
             now = _clock()
             if token != self.token:  # a new wait, or none: timed from now, to within one period
                 self.token, self.found, self.said, self.desync = token, now, "", False

@@ -12,8 +12,9 @@ same place, and a rank whose number is lower is behind. Groups are numbered apar
 does not shift the world's count. Point-to-point calls are not numbered (their order is per pair): they name
 their peer.
 
-The fast path is always on, so it stays small: entering a region increments two counters and stores the call
-(no clock read: the watchdog times a wait from the first sample that finds it, to within one period).
+The fast path is always on, so it stays small: entering a region increments two counters and stores the call as
+one tuple (no clock read: the watchdog times a wait from the first sample that finds it, to within one period;
+one store, so the watchdog thread never reads half of one call and half of another).
 """
 
 from __future__ import annotations
@@ -58,19 +59,26 @@ class Seq:
 _seqs: weakref.WeakSet[Seq] = weakref.WeakSet()
 
 
-class _State:
-    """What the main thread is waiting in; written by the main thread, read by the watchdog thread."""
+Call = tuple[int, str, tuple[Any, ...], "Seq | None", int]  # (token, what, args, engine, its number there)
 
-    __slots__ = ("args", "calls", "depth", "n", "seq", "token", "what")
+
+class _State:
+    """What the main thread is waiting in; written by the main thread, read by the watchdog thread.
+
+    ``cur`` is the outermost watched region's call, or None while computing: (token: the call number it began at,
+    what, args, the engine's Seq, its number there; 0 for a point-to-point call, which is not numbered)."""
+
+    __slots__ = ("calls", "cur")
 
     def __init__(self) -> None:
-        self.token = 0  # the call number the outermost watched region began at; 0 when none (not waiting)
-        self.depth = 0
         self.calls = 0  # watched calls so far, on any engine
-        self.what = ""
-        self.args: tuple[Any, ...] = ()
-        self.seq: Seq | None = None  # the engine of the current call
-        self.n = 0  # its number there (0: a point-to-point call, not numbered)
+        self.cur: Call | None = None
+
+    @property
+    def token(self) -> int:
+        """The call number the current wait began at; 0 when none (not waiting)."""
+        cur = self.cur
+        return 0 if cur is None else cur[0]
 
 
 _state = _State()
@@ -82,7 +90,7 @@ failure_hook: Callable[[int, str, tuple[Any, ...], BaseException], None] | None 
 def reset(size: int) -> None:
     """A new job (the watchdog's start): nothing entered yet, the world and the regions numbered from 0."""
     st = _state
-    st.token, st.depth, st.calls, st.seq, st.n = 0, 0, 0, None, 0
+    st.cur, st.calls = None, 0
     _regions.members, _regions.n = tuple(range(size)), 0
     _seqs.add(_regions)
     for seq in list(_seqs):
@@ -101,8 +109,8 @@ def position() -> dict[str, Any]:
     (engine key, number, kind, arguments as text; ``peer`` for point-to-point) or None while computing. Read by
     the watchdog thread while the main thread runs: a torn read is possible and is why a desync must be seen
     twice before it ends the job (stall.py)."""
-    st = _state
-    token, seq, n, what, args = st.token, st.seq, st.n, st.what, st.args
+    cur = _state.cur
+    token, what, args, seq, n = cur if cur is not None else (0, "", (), None, 0)
     counts = {s.key: s.n for s in list(_seqs) if s.n}
     call: dict[str, Any] | None = None
     if token:
@@ -145,10 +153,9 @@ def watching(what: str, *args: Any) -> Iterator[None]:
 def _region(what: str, args: tuple[Any, ...], seq: Seq | None, n: int) -> Iterator[None]:
     st = _state
     st.calls += 1
-    outer = st.depth == 0
+    outer = st.cur is None
     if outer:
-        st.what, st.args, st.seq, st.n, st.token = what, args, seq, n, st.calls
-    st.depth += 1
+        st.cur = (st.calls, what, args, seq, n)
     try:
         yield
     except Exception as exc:
@@ -156,9 +163,8 @@ def _region(what: str, args: tuple[Any, ...], seq: Seq | None, n: int) -> Iterat
             _explain(exc)
         raise
     finally:
-        st.depth -= 1
         if outer:
-            st.token, st.args = 0, ()
+            st.cur = None
 
 
 @contextmanager
@@ -169,7 +175,7 @@ def explaining(what: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if _state.depth == 0 and failure_hook is not None and not isinstance(exc, UnidistError):
+        if _state.cur is None and failure_hook is not None and not isinstance(exc, UnidistError):
             failure_hook(_state.calls, what, (), exc)
         raise
 
@@ -177,9 +183,10 @@ def explaining(what: str) -> Iterator[None]:
 def _explain(exc: Exception) -> None:
     """An engine error left the outermost watched region: name the peers that died, unless unidist raised it
     on purpose (a typed error: bad input, a detected mismatch), which says what it needs to."""
+    _, what, args, _, _ = _state.cur or (0, "", (), None, 0)
     if failure_hook is not None and not isinstance(exc, UnidistError):
-        failure_hook(_state.calls, _state.what, _state.args, exc)
-    mismatch.retype(exc, _state.what, _state.args, describe_args)  # an engine's words for a mismatch: typed
+        failure_hook(_state.calls, what, args, exc)
+    mismatch.retype(exc, what, args, describe_args)  # an engine's words for a mismatch: typed
 
 
 def _watched(fn: Callable[..., Any], what: str, seq: Seq, numbered: bool = True) -> Callable[..., Any]:
@@ -190,17 +197,16 @@ def _watched(fn: Callable[..., Any], what: str, seq: Seq, numbered: bool = True)
     def call(*args: Any) -> Any:
         st.calls += 1
         seq.n += step
-        if st.depth:
+        if st.cur is not None:
             return fn(*args)
-        st.what, st.args, st.seq, st.n, st.token = what, args, seq, seq.n * step, st.calls
-        st.depth = 1
+        st.cur = (st.calls, what, args, seq, seq.n * step)
         try:
             return fn(*args)
         except Exception as exc:
             _explain(exc)
             raise
         finally:
-            st.depth, st.token, st.args = 0, 0, ()
+            st.cur = None
     return call
 
 
