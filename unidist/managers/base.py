@@ -121,6 +121,9 @@ class Manager(Communicator):
             return
         refused = None
         try:
+            close = getattr(self._trainer, "close", None)
+            if callable(close):  # the training layer's own leaving (a background save nobody waited for)
+                close(failing=self._failing)
             if not self._failing and self._size > 1:
                 # ranks leave together; one leaving while a peer still waits in a collective is caught here,
                 # by the watchdog (a rank that leaves on failure skips it: its peers may be gone)

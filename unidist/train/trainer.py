@@ -50,7 +50,6 @@ class Trainer:
         # every prepared module's optimizer (ZeRO stage 3 must find its optimizer from the module alone)
         self.prepared_for: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
         self.pending: SaveHandle | None = None  # the background save in flight (save_checkpoint(blocking=False))
-        self._shutdown_hooked = False
 
     # ----------------------------------------------------------------- prepare
     def prepare(self, model: torch.nn.Module, optimizer: Any, *, unknown: Mapping[str, Any],
@@ -192,7 +191,6 @@ class Trainer:
         layout = self.checkpoint_layout(model, optimizer)
         if blocking:
             return checkpoint.save(self.mgr, path, layout, keep=keep, extra=extra)
-        self._finish_at_shutdown()
         self.pending = save_async(self.mgr, path, layout, keep=keep, extra=extra)
         return self.pending
 
@@ -203,26 +201,21 @@ class Trainer:
         if handle is not None and not handle.finished:
             handle.wait()
 
-    def _finish_at_shutdown(self) -> None:
-        """Make the Manager's shutdown publish a background save nobody waited for (every rank shuts down
-        together, so the collective end runs in step) before the engine goes; when the job is failing, give
-        it up instead (its peers may be gone): the previous checkpoint stays the latest. Installed on the
-        Manager instance once, at the first background save (the Manager knows nothing of the training layer)."""
-        if self._shutdown_hooked:
-            return
-        self._shutdown_hooked = True
-        mgr, shutdown = self.mgr, self.mgr.shutdown
+    def close(self, failing: bool) -> None:
+        """The Manager's shutdown, before its engine goes: publish a background save nobody waited for (every rank
+        shuts down together, so its collective end runs in step); when the job is failing, give it up instead (its
+        peers may be gone): the previous checkpoint stays the latest.
 
-        def finishing_shutdown() -> None:
-            try:
-                if self.pending is not None and mgr.started and not getattr(mgr, "_failing", False):
-                    self.finish_pending()
-                elif self.pending is not None:
-                    self.pending.abandon()
-                    self.pending = None
-            finally:
-                shutdown()
-        mgr.shutdown = finishing_shutdown
+        Args:
+            failing: the Manager is leaving on an error.
+        """
+        if self.pending is None:
+            return
+        if not failing:
+            self.finish_pending()
+            return
+        self.pending.abandon()
+        self.pending = None
 
     def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
                         ) -> dict[str, Any]:
