@@ -107,7 +107,8 @@ def test_optimizer_features(name: str, tmp_path_factory: pytest.TempPathFactory)
         # a large gradient reduced in its own storage (MPI) or in a bucket (elsewhere): the ranks' mean either way
         big = r["large_gradient_in_place"]
         assert big["diff"] <= 1e-5 and big["spread"] == 0.0, big
-        assert big["alone"] is (big["backend"] == "mpi"), big  # 4.5 MB: past MPI's reduce_alone_from (1 MiB)
+        # 4.5 MB: past MPI's reduce_alone_from (1 MiB) and torch's (4 MiB); Horovod's reducer is hvd's own
+        assert big["alone"] is (big["backend"] in ("mpi", "torch")), big
         # Adam state (tensors and step counts) from rank 0 everywhere
         assert r["optimizer_state"]["steps"] == [[2.0, 2.0]] * launch.size
         assert r["optimizer_state"]["exp_avg_spread"] == 0.0

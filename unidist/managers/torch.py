@@ -43,6 +43,10 @@ class TorchEngine(SortedOrder, Engine):
 
     # gloo and nccl have no int16 arithmetic or transport: reduce in int32, move the raw bits as float16
     upcast_reduce: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.int16: torch.int32}
+    # a gradient from 4 MiB up is reduced in its own storage (one gloo call, ~0.3 ms) rather than copied into a
+    # bucket: gradient sync / raw per-tensor on 2 ranks, gloo, this 2-core machine: GPT-2 shapes 1.03 all copied,
+    # 0.87 from 16 MiB, 0.78 from 4 MiB, 0.88 from 1 MiB; ResNet-50 0.67, 0.60 from 4 MiB, 0.65 from 1 MiB
+    reduce_alone_from: ClassVar[float] = float(4 << 20)
     wire_dtypes: ClassVar[Mapping[torch.dtype, torch.dtype]] = {torch.int16: torch.float16}
 
     def __init__(self, dist: Any, rank: int, size: int, pg: Any = None, members: Sequence[int] | None = None,
