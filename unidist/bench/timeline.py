@@ -180,7 +180,9 @@ def _print(summary: dict[str, Any], path: str) -> None:
                    summary["slowest"]))
     hidden = summary["hidden"]
     if hidden is None:
-        print("\nGradient communication hidden behind backward: n/a (no bucket launches: the engine's own exchange)")
+        print("\nGradient communication hidden behind backward: n/a (no bucket in flight during backward: the "
+              "engine's own exchange, or buckets reduced one after another at the step on an engine that moves "
+              "collectives only inside a wait, as MPI)")
     else:
         print(f"\nGradient communication hidden behind backward: {100 * hidden['hidden_share']:.1f}% of "
               f"{hidden['in_flight_s']:.4f} s in flight ({hidden['buckets']} bucket launches, all ranks); ranks "

@@ -125,7 +125,11 @@ class Recorder:
 _FAST: dict[str, tuple[int | None, int | None, int | None, str]] = {
     "barrier": (None, None, None, ""), "broadcast": (0, None, 1, "root"), "allreduce": (0, 2, None, ""),
     "allgather": (1, None, None, ""), "alltoall": (0, None, None, ""), "send": (0, None, 1, "peer"),
-    "recv": (0, None, 1, "peer"), "reduce_scatter": (0, 3, None, "")}
+    "recv": (0, None, 1, "peer"), "reduce_scatter": (0, 3, None, ""),
+    # the same calls with the engine's prepared arguments (comm/plans.py), recorded under their plain names
+    "allreduce_prepared": (0, 2, None, ""), "broadcast_prepared": (0, None, 2, "root"),
+    "allgather_prepared": (1, None, None, ""), "alltoall_prepared": (0, None, None, ""),
+    "reduce_scatter_prepared": (0, 3, None, "")}
 
 
 def _summarizer(name: str, group: str, n: int) -> Callable[[tuple[Any, ...], int], Any]:
@@ -150,6 +154,7 @@ def _summarizer(name: str, group: str, n: int) -> Callable[[tuple[Any, ...], int
 def recorded_call(fn: Callable[..., Any], name: str, rec: Recorder, group: str, n: int) -> Callable[..., Any]:
     """``fn``, the primitive ``name`` of a communicator of ``n`` ranks, recording each call into ``rec``."""
     add, summary = rec.add, _summarizer(name, group, n)
+    shown = name.removesuffix("_prepared")  # a prepared call is the same collective (comm/plans.py)
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
@@ -158,7 +163,7 @@ def recorded_call(fn: Callable[..., Any], name: str, rec: Recorder, group: str, 
             return fn(*args)
         finally:
             end = _clock()
-            add(start, end, "comm", "call", name, summary(args, -1))
+            add(start, end, "comm", "call", shown, summary(args, -1))
     return call
 
 
