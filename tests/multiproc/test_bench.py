@@ -158,7 +158,8 @@ def test_all_under_torchrun(tmp_path: Path) -> None:
 @pytest.mark.deepspeed
 def test_all_under_deepspeed(tmp_path: Path) -> None:
     """By script path (the deepspeed launcher appends --local_rank=N), deepspeed.comm as the raw engine, the
-    DeepSpeed engine as the fused method, DDP on DeepSpeed's process group."""
+    DeepSpeed engine as the fused method (prepare's default, and both reducers side by side), DDP on DeepSpeed's
+    process group."""
     require("deepspeed")
     out = tmp_path / "ds.json"
     proc = run(deepspeed(2, SCRIPT, "all", *SMOKE["all"], "--json", str(out)), env={"DS_ACCELERATOR": "cpu"},
@@ -166,13 +167,14 @@ def test_all_under_deepspeed(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.describe()
     rows = _rows(out)
     check_collectives(rows, "deepspeed", compare=True)
-    check_gradsync(rows, {"backward", "per_tensor", "raw_per_tensor", "fused", "ddp"})
+    check_gradsync(rows, {"backward", "per_tensor", "raw_per_tensor", "fused", "fused_engine", "fused_unidist", "ddp"})
     check_train(rows, {"unidist", "ddp"})
 
 
 @pytest.mark.horovod
 def test_all_horovod_under_mpiexec(tmp_path: Path) -> None:
-    """Horovod over MPI: hvd.* as the raw engine, hvd.DistributedOptimizer as fused and native trainer."""
+    """Horovod over MPI: hvd.* as the raw engine, hvd.DistributedOptimizer as fused (prepare's default, beside
+    reducer='engine' and reducer='unidist') and native trainer."""
     require("horovod")
     out = tmp_path / "hvd.json"
     proc = run(mpiexec(2, "-m", "unidist.bench", "all", *SMOKE["all"], "--json", str(out)),
@@ -180,5 +182,5 @@ def test_all_horovod_under_mpiexec(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.describe()
     rows = _rows(out)
     check_collectives(rows, "horovod", compare=True)
-    check_gradsync(rows, {"backward", "per_tensor", "raw_per_tensor", "fused"})
+    check_gradsync(rows, {"backward", "per_tensor", "raw_per_tensor", "fused", "fused_engine", "fused_unidist"})
     check_train(rows, {"unidist", "horovod"})
