@@ -485,7 +485,8 @@ class Manager(Communicator):
 
         Args:
             path: a checkpoint directory (``latest_checkpoint(dir)`` finds the newest).
-            model, optimizer: what ``prepare`` returned (optimizer None: the weights only).
+            model: what ``prepare`` returned.
+            optimizer: what ``prepare`` returned, or None for the weights only.
         """
         return self._training().load_checkpoint(path, model, optimizer)  # type: ignore[no-any-return]
 

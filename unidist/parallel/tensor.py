@@ -128,12 +128,14 @@ class ColumnParallelLinear(torch.nn.Module):
     """``y = x W^T + b`` with W's rows (output features) split over ``group``.
 
     Args:
-        in_features, out_features: as ``torch.nn.Linear``; out_features must divide by group.size.
+        in_features: as ``torch.nn.Linear``.
+        out_features: as ``torch.nn.Linear``; must divide by group.size.
         group: a Manager or Group; every member builds this layer.
         bias: a bias for this rank's output features.
         gather_output: return the full output on every rank (else this rank's 1/p of the features, the input
             a ``RowParallelLinear(input_is_parallel=True)`` wants).
-        device, dtype: of the parameters.
+        device: of the parameters.
+        dtype: of the parameters.
     """
 
     def __init__(self, in_features: int, out_features: int, group: Any, bias: bool = True, *,
@@ -172,12 +174,14 @@ class RowParallelLinear(torch.nn.Module):
     summed over the group and the bias, held whole on every rank, is added once after the sum.
 
     Args:
-        in_features, out_features: as ``torch.nn.Linear``; in_features must divide by group.size.
+        in_features: as ``torch.nn.Linear``; must divide by group.size.
+        out_features: as ``torch.nn.Linear``.
         group: a Manager or Group; every member builds this layer.
         bias: a bias (replicated; its gradient is the same on every rank).
         input_is_parallel: the input is already this rank's 1/p of the features (a ColumnParallelLinear with
             ``gather_output=False`` before it); else the full input is split here.
-        device, dtype: of the parameters.
+        device: of the parameters.
+        dtype: of the parameters.
     """
 
     def __init__(self, in_features: int, out_features: int, group: Any, bias: bool = True, *,
