@@ -27,7 +27,8 @@ BACKEND = register(Backend(
     manager=_manager,
     strategy=unidist_training,
     requires=("torch",),
-    install="pip install torch",
+    install="from the unidist clone: pip install -c constraints.txt torch (the tested CPU build; an unpinned torch can "
+            "pull a CUDA build of several GB)",
     launcher=None,
     implied_by=("none",),
     launches=(Launch("none", "local-{n}", (1,)),),
