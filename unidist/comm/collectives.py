@@ -19,7 +19,6 @@ import torch
 
 from unidist.comm import check
 from unidist.comm.dtypes import (
-    BOOL_OP,
     DTYPE_ID,
     SUPPORTED_DTYPES,
     Tensorish,
@@ -33,7 +32,8 @@ from unidist.comm.dtypes import (
 )
 from unidist.comm.engine import Engine
 from unidist.comm.plans import Plans
-from unidist.comm.work import DONE, Array, Handle, Work
+from unidist.comm.reduction import reduce_with
+from unidist.comm.work import Array, Handle, Work
 from unidist.config import Config
 from unidist.errors import CollectiveMismatchError, InvalidArgumentError
 from unidist.ops import ReduceOp, resolve_op
@@ -161,38 +161,8 @@ class Collectives(abc.ABC):
     # ----------------------------------------------------------------- reductions (shared by several calls)
     def _reduce_with(self, prim: Callable[..., Work | None], send: torch.Tensor, recv: torch.Tensor,
                      op: ReduceOp, *extra: Any) -> tuple[Work, Callable[[], None] | None]:
-        """Map op and dtype to what engines reduce natively, call ``prim(send, recv, *extra, op)``."""
-        dtype = send.dtype
-        mean = op is ReduceOp.MEAN
-        if mean:
-            if not dtype.is_floating_point:
-                raise InvalidArgumentError(
-                    f"op='mean' needs a floating-point tensor, got {dtype}; use op='sum' and divide, or cast first"
-                )
-            op = ReduceOp.SUM
-        size = self._size
-        if dtype is torch.bool:  # reduce 0/1 bytes: max is or, min is and
-            in_place = send is recv
-            send = send.view(torch.uint8)
-            recv = send if in_place else recv.view(torch.uint8)
-            op, dtype = BOOL_OP[op], torch.uint8
-        wide_dtype = self._upcast_reduce.get(dtype)
-        if wide_dtype is not None:
-            wide = send.to(wide_dtype)
-            wide_out = wide if send is recv else torch.empty(recv.shape, dtype=wide_dtype, device=recv.device)
-            work = prim(wide, wide_out, *extra, op)
-
-            def narrow() -> None:
-                if mean and size > 1:
-                    wide_out.div_(size)
-                recv.copy_(wide_out)
-            return work or DONE, narrow
-        work = prim(send, recv, *extra, op)
-        if mean and size > 1:
-            def divide() -> None:
-                recv.div_(size)
-            return work or DONE, divide
-        return work or DONE, None
+        """``reduction.reduce_with`` on this communicator's size and the engine's native dtypes."""
+        return reduce_with(prim, send, recv, op, self._size, self._upcast_reduce, *extra)
 
     def _allreduce_impl(self, x: Tensorish, op: ReduceOp | str, inplace: bool, async_: bool) -> Any:
         rop = resolve_op(op)
