@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Regenerates benchmarks/records/*.md: the measurements the docs quote besides RESULTS.md, each one run of one
+# command on this machine, written by `python -m unidist.bench.record` with the command, the machine and the load.
+# The pages include these files as they are, so a page's figure is what the command last printed.
+#
+#   bash benchmarks/records.sh                 # all (about 20 minutes; run it on a quiet machine)
+#   bash benchmarks/records.sh check faults    # some: check, timeline, checkpoint, faults
+#
+# Python comes from BENCH_BIN (a directory with python, mpiexec and every engine; default: .tox/py/bin, whose
+# environment has mpi4py and torch; the fault table needs every engine, so point BENCH_BIN at one that has them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin="${BENCH_BIN:-.tox/py/bin}"
+export PATH="$bin:$PATH" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+out=benchmarks/records
+record() { "$bin/python" -m unidist.bench.record "$@"; }
+want() { [ $# -eq 0 ] || [[ " $* " == *" $name "* ]]; }
+for name in check timeline checkpoint faults; do
+    want "${@}" || continue
+    case $name in
+    check) record $out/check.md -- mpiexec -n 2 python -m unidist.bench.check --rounds 21 ;;
+    timeline) record $out/timeline_cost.md -- python -m unidist.bench.timeline_cost ;;
+    checkpoint)
+        scratch=$(mktemp -d)
+        record $out/checkpoint_background.md -- mpiexec -n 2 python -m unidist.bench.checkpoint --dir "$scratch/ck" \
+            --background
+        rm -rf "$scratch" ;;
+    faults)
+        rows=$(mktemp); start=$(date +%s)
+        UNIDIST_FAULT_TABLE="$rows" "$bin/python" -m pytest -q -p no:cacheprovider tests/multiproc/test_faults.py
+        record $out/faults.md --faults "$rows" --seconds $(( $(date +%s) - start )) \
+            --command "UNIDIST_FAULT_TABLE=FILE python -m pytest tests/multiproc/test_faults.py"
+        rm -f "$rows" ;;
+    esac
+done
