@@ -21,7 +21,7 @@ from unidist.errors import HostsError, LaunchEnvironmentError
 from unidist.hosts import expand_nodelist, tasks_per_node
 
 __all__ = ["LAUNCHERS", "NO_LAUNCHER", "Command", "Family", "LaunchInfo", "detect", "family", "find_program",
-           "programs", "script_args"]
+           "programs", "script_args", "slurm_pmi", "slurm_port", "slurm_step_hosts"]
 
 
 NO_LAUNCHER = "none"  # ``LaunchInfo.launcher`` of a plain ``python script.py``: no family matches
@@ -133,12 +133,14 @@ LAUNCHERS: tuple[Family, ...] = (
     # PMIx exports no world size of its own; the launchers that use it (prterun, srun --mpi=pmix) do.
     Family("pmix", "PMIX_RANK", ("OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), mpi_like=True),
     # Inside an sbatch script SLURM_PROCID/SLURM_NTASKS are set too, but only srun steps set SLURM_STEP_ID.
-    # MASTER_ADDR/MASTER_PORT: what an sbatch script exports for torch.distributed (the address defaults to the
-    # step's first node, the port has no default: without it the torch rendezvous needs srun's PMI and mpi4py).
+    # This row matches only a step started without PMI (srun --mpi=pmi2 or pmix sets PMI_RANK or PMIX_RANK, the
+    # rows above): no MPI world, so the mpi backend cannot start (managers/mpi.py says how to give it one) and
+    # torch.distributed meets at MASTER_ADDR:MASTER_PORT, by default the step's first node and slurm_port().
+    # SLURM_RESTART_COUNT counts requeues (sbatch --requeue).
     # `unidist launch` inside an allocation starts every backend with srun on the allocation's nodes.
     Family("slurm", "SLURM_PROCID", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"), "SLURM_LOCALID",
            None, "SLURM_NODEID", marker=("SLURM_STEP_ID",), master_addr="MASTER_ADDR", master_port="MASTER_PORT",
-           mpi_like=True,
+           attempt="SLURM_RESTART_COUNT", mpi_like=True,
            command=Command(("srun",), ("--ntasks", "{n}", "{python}"),
                            ("--nodes", "{nnodes}", "--ntasks", "{n}", "--kill-on-bad-exit=1", "{python}"))),
     # plain env:// variables (torch.distributed.launch, a hand-written script): torch's rendezvous
@@ -201,6 +203,51 @@ def slurm_first_host(nodelist: str) -> str:
         raise LaunchEnvironmentError(str(e)) from None
 
 
+# Rank 0's port under Slurm when MASTER_PORT is unset, from the job and step ids (as Lightning's SLURMEnvironment
+# derives one from the job id): every task of a step computes it without talking; two steps of one job (up to
+# SLURM_STEPS_APART at once) and jobs whose ids differ by less than SLURM_PORT_SPAN / SLURM_STEPS_APART get
+# different ports; all below Linux's ephemeral range (32768), where outgoing connections take theirs.
+SLURM_PORT_BASE, SLURM_PORT_SPAN, SLURM_STEPS_APART = 15000, 17000, 16
+
+
+def slurm_port(environ: Mapping[str, str]) -> int | None:
+    """The rendezvous port a Slurm job step derives from SLURM_JOB_ID and SLURM_STEP_ID; None outside a step."""
+    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
+    if not (job and step and job.isdigit() and step.isdigit()):
+        return None
+    slot = int(job) * SLURM_STEPS_APART + int(step) % SLURM_STEPS_APART
+    return SLURM_PORT_BASE + slot % SLURM_PORT_SPAN
+
+
+def slurm_step_hosts(environ: Mapping[str, str]) -> list[tuple[str, int]]:
+    """The step's nodes in node-id order with their task counts (SLURM_STEP_NODELIST and
+    SLURM_STEP_TASKS_PER_NODE, else the job's): what an engine's own rendezvous needs to know of the layout."""
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+    spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if not nodelist or not spec:
+        raise LaunchEnvironmentError("this Slurm step has no SLURM_STEP_NODELIST or SLURM_STEP_TASKS_PER_NODE: "
+                                     "start the job with srun")
+    try:
+        nodes, counts = expand_nodelist(nodelist), tasks_per_node(spec)
+    except HostsError as e:  # the launcher's variables, not a host list the user wrote
+        raise LaunchEnvironmentError(str(e)) from None
+    if len(counts) < len(nodes):
+        raise LaunchEnvironmentError(f"{nodelist!r} names {len(nodes)} nodes but the tasks per node {spec!r} "
+                                     f"cover {len(counts)}")
+    return list(zip(nodes, counts[:len(nodes)], strict=True))
+
+
+def slurm_pmi(environ: Mapping[str, str]) -> str | None:
+    """The PMI srun gave this step's tasks ("pmi2", "pmix", ...) or None (``--mpi=none``, Debian's MpiDefault)."""
+    if "PMIX_RANK" in environ:
+        return "pmix"
+    if "PMI_RANK" in environ or "PMI_FD" in environ:
+        mpi_type = environ.get("SLURM_MPI_TYPE", "pmi2")
+        return mpi_type if mpi_type != "none" else "pmi2"
+    return None
+
+
 def _from_family(environ: Mapping[str, str], fam: Family) -> LaunchInfo:
     size_var = _first(environ, fam.size)
     if size_var is None:
@@ -242,6 +289,8 @@ def _from_family(environ: Mapping[str, str], fam: Family) -> LaunchInfo:
         master_port = _int(environ, fam.master_port, fam.name)
         if not 0 < master_port < 65536:
             raise LaunchEnvironmentError(f"{fam.master_port}={master_port} is not a TCP port (1-65535)")
+    if fam.name == "slurm" and master_port is None:
+        master_port = slurm_port(environ)
     attempt = _int(environ, fam.attempt, fam.name) if fam.attempt and fam.attempt in environ else 0
     return LaunchInfo(rank, size, local_rank, local_size, node_rank, master_addr or None, master_port, fam.name,
                       attempt)

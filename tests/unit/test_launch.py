@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from unidist import LaunchEnvironmentError, LaunchInfo, detect
-from unidist.launch import script_args, slurm_first_host
+from unidist.launch import script_args, slurm_first_host, slurm_pmi, slurm_port
 
 CASES = {
     "nothing": ({}, LaunchInfo()),
@@ -56,12 +56,17 @@ CASES = {
         {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1",
          "SLURM_NODEID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
          "SLURM_STEP_NODELIST": "gpu[003-004]", "SLURM_JOB_ID": "77"},
-        LaunchInfo(5, 8, 1, 4, 1, "gpu003", None, "slurm"),
+        LaunchInfo(5, 8, 1, 4, 1, "gpu003", 15000 + 77 * 16, "slurm"),  # slurm_port: job 77, step 0
     ),
     "srun-uneven-nodes": (
         {"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
          "SLURM_STEP_ID": "1", "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_JOB_NODELIST": "a1,b2"},
         LaunchInfo(4, 5, 0, 1, 2, "a1", None, "slurm"),
+    ),
+    "srun-requeued-second-step": (  # a requeued job (sbatch --requeue) counts its restarts; step 3's own port
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_STEP_ID": "3",
+         "SLURM_STEP_NODELIST": "n7", "SLURM_JOB_ID": "1062", "SLURM_RESTART_COUNT": "2"},
+        LaunchInfo(0, 2, 0, 2, 0, "n7", 15000 + (1062 * 16 + 3) % 17000, "slurm", 2),
     ),
     "srun-with-master-port": (  # what an sbatch script exports for torch.distributed (launch_scripts/slurm.sbatch)
         {"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_STEP_ID": "0",
@@ -172,3 +177,18 @@ def test_torch_under_srun_without_pmi_or_port_says_what_to_set() -> None:
     assert proc.returncode != 0
     assert "LaunchEnvironmentError" in proc.stderr and "MASTER_PORT" in proc.stderr, proc.stderr[-2000:]
     assert "invalid literal" not in proc.stderr
+
+
+def test_slurm_port_is_the_steps_own_and_below_the_ephemeral_range() -> None:
+    ports = {slurm_port({"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": str(step)})
+             for job in range(1000, 1060) for step in range(16)}
+    assert len(ports) == 60 * 16  # concurrent steps of a job and neighbouring jobs never share one
+    assert all(p is not None and 15000 <= p < 32768 for p in ports)
+    assert slurm_port({"SLURM_JOB_ID": "5"}) is None  # the batch script itself: no step
+    assert slurm_port({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "batch"}) is None
+
+
+def test_slurm_pmi_names_what_srun_gave() -> None:
+    assert slurm_pmi({"PMI_FD": "11", "PMI_RANK": "0", "SLURM_MPI_TYPE": "pmi2"}) == "pmi2"
+    assert slurm_pmi({"PMIX_RANK": "0"}) == "pmix"
+    assert slurm_pmi({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0"}) is None

@@ -18,8 +18,9 @@ from unidist.comm import watchdog
 from unidist.comm.engine import Engine, SortedOrder
 from unidist.comm.mismatch import Framing, Verdicts
 from unidist.comm.work import EngineWork, Work
-from unidist.errors import BackendUnavailableError
-from unidist.managers import stores
+from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
+from unidist.launch import slurm_step_hosts
+from unidist.managers import horovod_gloo, stores
 from unidist.managers.base import Manager
 from unidist.net import listener, rendezvous_address
 from unidist.ops import ReduceOp
@@ -162,6 +163,7 @@ class HorovodManager(Manager):
     """Horovod collectives; topology from Horovod (cross_rank is the node)."""
 
     name = "horovod"
+    _gloo_rendezvous: horovod_gloo.Rendezvous | None = None  # rank 0 serves it under srun without PMI
 
     def _start(self) -> Engine:
         try:
@@ -180,7 +182,18 @@ class HorovodManager(Manager):
         # reach hvd.init: 8 s failed a third of the starts under load); a user's own value stays.
         seconds = int(watchdog.engine_timeout(self.config.timeout).total_seconds())
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(min(HOROVOD_GLOO_TIMEOUT, seconds)))
+        self._gloo_rendezvous = None
+        if self.launch.launcher == "slurm":  # srun without PMI: no MPI world, so Horovod's gloo, met at rank 0
+            self._gloo_rendezvous = horovod_gloo.start(self.launch, slurm_step_hosts(os.environ), self._setenv,
+                                                       watchdog.engine_timeout(self.config.timeout).total_seconds())
         hvd.init(process_sets="dynamic")  # groups are registered at run time (split, new_group)
+        if self.launch.launched and hvd.size() != self.launch.size:
+            size = hvd.size()
+            hvd.shutdown()
+            raise LaunchEnvironmentError(
+                f"the {self.launch.launcher} launcher started {self.launch.size} processes but Horovod sees a world "
+                f"of {size}: Horovod meets over MPI (mpiexec, srun --mpi=pmi2) or over gloo when horovodrun "
+                "started the job (horovodrun --gloo); start it one of those ways")
         self._hvd = hvd  # train/horovod.py uses Horovod's own training calls
         self._process_sets: dict[tuple[int, ...], Any] = {}
         self._local_rank, self._local_size, self._node_rank = hvd.local_rank(), hvd.local_size(), hvd.cross_rank()
@@ -219,6 +232,8 @@ class HorovodManager(Manager):
             stores.leave_in_order(self._p2p_store, self._rank, self._size, self.config.timeout, self._drop_p2p)
         self._drop_p2p()
         self._hvd.shutdown()
+        if self._gloo_rendezvous is not None:
+            self._gloo_rendezvous.stop()
 
     def _drop_p2p(self) -> None:
         self._p2p = self._p2p_store = None

@@ -415,6 +415,13 @@ class MPIManager(Manager):
                     f"{self.launch.size} processes without an MPI world (each one is MPI rank 0 of 1). Use the "
                     f"{for_launcher(fam.name)} backend under {self.launch.launcher} (unset UNIDIST_BACKEND), or "
                     "start the job with mpiexec for the mpi backend.")
+            if self.launch.launcher == "slurm":  # the slurm row matches only a step without PMI (launch.py)
+                raise LaunchEnvironmentError(
+                    f"srun started these {self.launch.size} processes without PMI, so MPI sees each as a world of "
+                    f"{size}: the mpi backend needs srun to give MPI the job's processes. Start with `srun "
+                    "--mpi=pmi2 ...`, or export SLURM_MPI_TYPE=pmi2 (in an sbatch script, before srun), or ask "
+                    "for MpiDefault=pmi2 in slurm.conf (`srun --mpi=list` shows what this Slurm offers). Or use "
+                    "UNIDIST_BACKEND=torch, which needs no PMI under srun.")
             raise LaunchEnvironmentError(
                 f"the {self.launch.launcher} launcher announced {self.launch.size} processes but MPI sees "
                 f"{size}: mpi4py is linked to a different MPI than the launcher that started this job. "
