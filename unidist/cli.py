@@ -204,7 +204,8 @@ def hosts_plan(backend: str, hosts: list[Host], script: str, args: Sequence[str]
         if cmd.per_host or "{ssh}" in template else ""
     values = {"n": str(n), "python": sys.executable, "hosts": format_hosts(hosts), "first": hosts[0].name,
               "nnodes": str(len(hosts)), "ssh": ssh, "port": str(free_port()) if "{port}" in template else "",
-              "run_id": f"unidist-{os.getpid()}-{time.time_ns() % 10**9}", "hostfile": ""}
+              "run_id": f"unidist-{os.getpid()}-{time.time_ns() % 10**9}", "hostfile": "",
+              "mpi": "--mpi=" + (environ.get("SLURM_MPI_TYPE") or ("pmi2" if record.needs_pmi else "none"))}
     plan = Plan([], env)
     if cmd.hostfile:
         fd, plan.hostfile = tempfile.mkstemp(prefix="unidist-hostfile-", suffix=".txt")

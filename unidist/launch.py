@@ -51,12 +51,12 @@ class Command:
     """How ``unidist launch`` starts N processes with this launcher, on this host and on several.
 
     ``args`` follow the program and precede the script and its arguments; ``{n}`` is the process count,
-    ``{python}`` this interpreter, ``{port}`` a free TCP port. ``hosts_args`` are the same for the launcher's
-    multi-host form (None: it has none), which may also use ``{hosts}`` (``h1:2,h2:2``), ``{hostfile}`` (a
-    file in the ``hostfile`` style, ``"slots"`` or ``"mpich"``, see ``unidist.hosts.hostfile_text``),
-    ``{first}`` (the first host: rank 0's), ``{nnodes}``, ``{ssh}`` (the ssh program) and, when ``per_host``
-    (the launcher is started once on every host, over ssh), ``{slots}`` (that host's processes) and
-    ``{run_id}`` (one id shared by the job's launchers).
+    ``{python}`` this interpreter, ``{port}`` a free TCP port, ``{mpi}`` srun's ``--mpi=`` option.
+    ``hosts_args`` are the same for the launcher's multi-host form (None: it has none), which may also use
+    ``{hosts}`` (``h1:2,h2:2``), ``{hostfile}`` (a file in the ``hostfile`` style, ``"slots"`` or ``"mpich"``,
+    see ``unidist.hosts.hostfile_text``), ``{first}`` (the first host: rank 0's), ``{nnodes}``, ``{ssh}`` (the
+    ssh program) and, when ``per_host`` (the launcher is started once on every host, over ssh), ``{slots}``
+    (that host's processes) and ``{run_id}`` (one id shared by the job's launchers).
     """
 
     programs: tuple[str, ...]  # the first one found beside the interpreter or on PATH is used
@@ -66,8 +66,9 @@ class Command:
     hostfile: str | None = None
     answers: str = "--version"  # the option the program answers without starting anything (info --check runs it)
 
-    def argv(self, program: str, n: int, python: str, port: int | None, rest: list[str]) -> list[str]:
-        values = {"n": str(n), "python": python, "port": str(port)}
+    def argv(self, program: str, n: int, python: str, port: int | None, rest: list[str], mpi: str = "--mpi=none"
+             ) -> list[str]:
+        values = {"n": str(n), "python": python, "port": str(port), "mpi": mpi}
         return [program, *(a.format(**values) for a in self.args), *rest]
 
     def hosts_argv(self, program: str, values: Mapping[str, str], rest: list[str]) -> list[str]:
@@ -141,8 +142,10 @@ LAUNCHERS: tuple[Family, ...] = (
     Family("slurm", "SLURM_PROCID", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"), "SLURM_LOCALID",
            None, "SLURM_NODEID", marker=("SLURM_STEP_ID",), master_addr="MASTER_ADDR", master_port="MASTER_PORT",
            attempt="SLURM_RESTART_COUNT", mpi_like=True,
-           command=Command(("srun",), ("--ntasks", "{n}", "{python}"),
-                           ("--nodes", "{nnodes}", "--ntasks", "{n}", "--kill-on-bad-exit=1", "{python}"))),
+           # {mpi}: --mpi=pmi2 for a backend that needs an MPI world (registry: needs_pmi), else --mpi=none, or the
+           # user's SLURM_MPI_TYPE (an MPI built for PMIx)
+           command=Command(("srun",), ("--ntasks", "{n}", "{mpi}", "{python}"),
+                           ("--nodes", "{nnodes}", "--ntasks", "{n}", "--kill-on-bad-exit=1", "{mpi}", "{python}"))),
     # plain env:// variables (torch.distributed.launch, a hand-written script): torch's rendezvous
     Family("env", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
            master_addr="MASTER_ADDR", master_port="MASTER_PORT"),

@@ -75,6 +75,8 @@ class Backend:
         launcher: the launcher family whose command ``unidist launch --backend <name>`` runs (None: plain
             python, one process).
         implied_by: launcher families that pick this backend when ``UNIDIST_BACKEND`` is unset.
+        needs_pmi: its processes meet through an MPI world, so under Slurm srun must give them PMI
+            (``unidist launch`` passes ``--mpi=pmi2`` for it, ``--mpi=none`` for the others).
         engine: what the benchmarks call the engine's own API (``"mpi4py"``).
         raw_calls: given a started Manager, the engine's own collective calls by name (the benchmarks' raw
             column): ``{"allreduce": builder, ...}``, a builder taking the input tensor and returning a call.
@@ -90,6 +92,7 @@ class Backend:
     install: str = ""
     launcher: str | None = None
     implied_by: tuple[str, ...] = ()
+    needs_pmi: bool = False
     engine: str = "none"
     raw_calls: Callable[[Any], Mapping[str, Callable[[Any], Callable[[], Any]]]] | None = None
     raw_grad_mean: Callable[[Any], Callable[[Any], Any]] | None = None

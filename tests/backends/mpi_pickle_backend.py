@@ -127,5 +127,6 @@ BACKEND = register(Backend(
     requires=("mpi4py",),
     install="pip install mpi4py mpich",
     launcher="mpich",
+    needs_pmi=True,
     launches=(Launch("mpich", f"{NAME}-{{n}}", (2,), {"UNIDIST_BACKEND": NAME}),),
 ))

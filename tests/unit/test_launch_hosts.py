@@ -89,9 +89,13 @@ def test_dry_run_inside_slurm_allocation_uses_srun(capsys: pytest.CaptureFixture
     code, lines, _ = _dry(capsys, "--backend", "torch")
     assert code == 0
     assert lines == [["UNIDIST_BACKEND=torch", "/opt/bin/srun", "--nodes", "2", "--ntasks", "4",
-                      "--kill-on-bad-exit=1", PY, *SCRIPT]]
-    code, lines, _ = _dry(capsys, "--backend", "mpi")  # srun implies mpi: nothing to add
-    assert lines[0][:2] == ["/opt/bin/srun", "--nodes"]
+                      "--kill-on-bad-exit=1", "--mpi=none", PY, *SCRIPT]]  # torch meets without PMI
+    code, lines, _ = _dry(capsys, "--backend", "mpi")  # srun implies mpi: nothing to add but its PMI
+    assert lines[0][:2] == ["/opt/bin/srun", "--nodes"] and "--mpi=pmi2" in lines[0]
+    monkeypatch.setenv("SLURM_MPI_TYPE", "pmix")  # an MPI built for PMIx: the user's choice stands
+    code, lines, _ = _dry(capsys, "--backend", "mpi")
+    assert "--mpi=pmix" in lines[0]
+    monkeypatch.delenv("SLURM_MPI_TYPE")
     code, lines, _ = _dry(capsys, "--hosts", "gpu01:1", "--backend", "mpi")  # explicit hosts win
     assert lines[0][0] == "/opt/bin/mpiexec" and "gpu01:1" in lines[0]
 
@@ -112,7 +116,7 @@ def test_bad_input_is_a_typed_error_with_the_fix(capsys: pytest.CaptureFixture[s
 
 def test_every_multi_host_form_fills_its_placeholders() -> None:
     values = {"n": "4", "python": "py", "port": "1", "hosts": "a:2,b:2", "hostfile": "f", "first": "a",
-              "nnodes": "2", "ssh": "ssh", "slots": "2", "run_id": "r"}
+              "nnodes": "2", "ssh": "ssh", "slots": "2", "run_id": "r", "mpi": "--mpi=none"}
     forms = [fam for fam in LAUNCHERS if fam.command and fam.command.hosts_args]
     assert {fam.name for fam in forms} == {"torchrun", "horovodrun", "deepspeed", "mpich", "slurm"}
     for fam in forms:

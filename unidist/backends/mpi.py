@@ -70,6 +70,7 @@ BACKEND = register(Backend(
             "provides mpiexec; on a cluster, build mpi4py against its MPI)",
     launcher="mpich",
     implied_by=tuple(fam.name for fam in LAUNCHERS if fam.mpi_like),
+    needs_pmi=True,
     engine="mpi4py",
     raw_calls=_raw_calls,
     raw_grad_mean=_raw_grad_mean,
