@@ -14,6 +14,10 @@ shards optimizer state (1), gradients (2) and parameters (3) across the ranks on
 The data of a step depends only on the global step and the global batch, never on the world size, so a run
 checkpointed with ``--checkpoint-dir D --checkpoint-every K`` resumes from the newest checkpoint in D when
 restarted, under any launcher, world size and ZeRO stage, and ends with the weights of an uninterrupted run.
+With ``--checkpoint-dir`` it also handles preemption (``mgr.preemption()``): on SIGUSR1 (``sbatch
+--signal=USR1@120``) or SIGTERM (preemption, ``scancel``) to any rank, every rank saves the current step and the
+script exits 0; with ``--requeue`` a Slurm batch job warned of its time limit (SIGUSR1) puts itself back in the
+queue (``sbatch --requeue``); SIGTERM is a cancellation, or a preemption Slurm requeues by itself.
 """
 
 from __future__ import annotations
@@ -56,6 +60,11 @@ def main() -> int:
     parser.add_argument("--save-weights", default=None, help="write the final full state dict here (rank 0)")
     parser.add_argument("--crash-at-step", type=int, default=None,
                         help="for testing resume: the last rank kills itself (SIGKILL) at this step, once")
+    parser.add_argument("--requeue", action="store_true",
+                        help="with --checkpoint-dir: after saving on SIGUSR1 (the time-limit warning), requeue the "
+                             "Slurm job (needs sbatch --requeue)")
+    parser.add_argument("--signal-at-step", type=int, default=None,
+                        help="for testing preemption: the last rank sends itself SIGUSR1 at this step")
     parser.add_argument("--plot", default=None, help="write the loss/accuracy curve to this PNG")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(unidist.script_args())
@@ -89,6 +98,8 @@ def main() -> int:
             if mgr.is_main:
                 print(f"resumed from {latest} at step {step}", flush=True)
 
+        # SIGUSR1/SIGTERM noted; stop.requested() (one tiny allreduce a step) stops every rank at the same step
+        stop = mgr.preemption() if args.checkpoint_dir else None
         history: list[tuple[float, float]] = []
         samples, started = 0, time.perf_counter()
         progress = _progress(args.epochs, mgr.is_main)
@@ -106,10 +117,24 @@ def main() -> int:
                 losses.append(loss.item())
                 samples += args.batch_size
                 step += 1
+                saved = None
                 if args.checkpoint_dir and step % args.checkpoint_every == 0:
-                    mgr.save_checkpoint(Path(args.checkpoint_dir) / f"step-{step:06d}", model, opt, keep=2, step=step)
+                    saved = mgr.save_checkpoint(Path(args.checkpoint_dir) / f"step-{step:06d}", model, opt, keep=2,
+                                                step=step)
                 if step == args.crash_at_step and mgr.rank == mgr.size - 1:
                     _crash_once(Path(args.checkpoint_dir or "."))
+                if step == args.signal_at_step and mgr.rank == mgr.size - 1:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                if stop is not None and stop.requested():  # every rank, at the same step
+                    if saved is None:
+                        saved = mgr.save_checkpoint(Path(args.checkpoint_dir) / f"step-{step:06d}", model, opt,
+                                                    keep=2, step=step)
+                    if mgr.is_main:
+                        print(f"preempted by {stop.signal} at step {step}: checkpoint saved to {saved}", flush=True)
+                    # stop.signal is the same on every rank here (requeue() is a collective)
+                    if args.requeue and stop.signal == "SIGUSR1" and stop.requeue() and mgr.is_main:
+                        print("requeued: the job resumes from this checkpoint when it starts again", flush=True)
+                    return 0
             history.append((mgr.mean(float(np.mean(losses)) if losses else 0.0), evaluate()))
             progress(f"epoch {epoch + 1}/{args.epochs} loss {history[-1][0]:.4f} test accuracy {history[-1][1]:.4f}")
         elapsed = time.perf_counter() - started

@@ -70,6 +70,7 @@ class Manager(Communicator):
         self._saved_env: dict[str, str | None] = {}
         self._failing = False  # set by __exit__ when an exception is leaving the with block
         self._trainer: Any = None
+        self._preemption: Any = None  # mgr.preemption()'s object: its signal handlers are undone at shutdown
         self._made_groups: weakref.WeakSet[Group] = weakref.WeakSet()  # disabled at shutdown
         self._init_collectives()
 
@@ -133,6 +134,9 @@ class Manager(Communicator):
                 timeline.finish(self)
             self._shutdown()
         finally:
+            if self._preemption is not None:  # the handlers it installed go with the Manager
+                self._preemption.close()
+                self._preemption = None
             timeline.abandon()  # still recording: this rank failed, or ran alone; its part is kept
             watchdog.stop()
             self._started = False
@@ -498,6 +502,28 @@ class Manager(Communicator):
         """
         latest: Path | None = self._strategy.latest_checkpoint(directory)
         return latest
+
+    def preemption(self, signals: Iterable[str | int] = ("SIGUSR1", "SIGTERM"), every: int = 1,
+                   grace: float | None = None) -> Any:
+        """Catch the signals a scheduler sends before it ends the job (Slurm: SIGUSR1 ahead of the time limit with
+        ``sbatch --signal=USR1@SECONDS``, SIGTERM on preemption and ``scancel``), so the loop saves a checkpoint on
+        every rank and leaves cleanly: ``if stop.requested(): save; break``. The handlers only note the signal;
+        ``stop.requested()`` is a collective that is True on every rank at the same call once any rank got one.
+        Main thread only; undone at shutdown. A signal ``requested()`` has not reported within ``grace`` seconds
+        is raised again with its previous handler (SIGTERM's default ends the process). See unidist.train.preempt.
+
+        Args:
+            signals: names (``"SIGUSR1"``), numbers or ``signal.Signals`` members.
+            every: ``requested()`` communicates (one int, a MAX allreduce) on every ``every``-th call only.
+            grace: seconds, or ``math.inf`` for never; default ``UNIDIST_TIMEOUT``.
+
+        Returns:
+            a ``Preemption``: ``requested()``, ``signal``, ``received_at``, ``requeue()``, ``close()`` (typed
+            ``Any`` here: managers/ imports no layer above it).
+        """
+        stop = self._training().preemption(signals, every=every, grace=grace)
+        self._preemption = stop
+        return stop
 
     def shard(self, data: Sized | int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> Any:
         """A sampler giving this rank its disjoint share, reshuffled by ``set_epoch`` (same on every rank)."""

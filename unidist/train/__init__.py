@@ -5,9 +5,10 @@ Nothing below this layer imports it."""
 from __future__ import annotations
 
 from unidist.train.ddp import DistributedOptimizer
+from unidist.train.preempt import Preemption
 from unidist.train.sampler import ShardSampler
 from unidist.train.trainer import Trainer
 from unidist.train.view import OptimizerView
 
-__all__ = ["DistributedOptimizer", "OptimizerView", "ShardSampler", "Trainer"]
+__all__ = ["DistributedOptimizer", "OptimizerView", "Preemption", "ShardSampler", "Trainer"]
 

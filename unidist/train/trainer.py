@@ -28,6 +28,7 @@ from unidist.train.ddp import DistributedOptimizer
 from unidist.train.memory import MemoryStats, optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import SyncOptions, TrainOptions
 from unidist.train.precision import LossScaler, Precision
+from unidist.train.preempt import Preemption
 from unidist.train.sampler import ShardSampler
 from unidist.train.state import broadcast_optimizer_state, broadcast_parameters
 from unidist.train.zero import ZeroOptimizer
@@ -278,6 +279,10 @@ class Trainer:
 
     def broadcast_optimizer_state(self, optimizer: Any, root: int = 0) -> None:
         broadcast_optimizer_state(self.mgr, optimizer, self.mgr._check_root(root))
+
+    def preemption(self, signals: Iterable[str | int], *, every: int, grace: float | None) -> Preemption:
+        """``Manager.preemption``: the handlers installed (unidist/train/preempt.py)."""
+        return Preemption(self.mgr, signals, every=every, grace=grace)
 
     def shard(self, data: Sized | int, *, shuffle: bool, seed: int, drop_last: bool) -> ShardSampler:
         return ShardSampler(data, self.mgr.rank, self.mgr.size, shuffle=shuffle, seed=seed, drop_last=drop_last)
