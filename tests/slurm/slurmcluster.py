@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
@@ -43,6 +45,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _signal(proc: subprocess.Popen[Any], sig: int) -> None:
+    """``sig`` to the process group ``proc`` leads (every daemon starts a session of its own): a daemon started
+    through ``nsenter`` (a simulated host) is the child of the process started, which passes no signal on."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        proc.send_signal(sig)
+
+
 def _which(name: str) -> str:
     found = shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin")
     if not found:
@@ -54,16 +65,20 @@ class SlurmCluster:
     """Daemons of one Slurm cluster under ``root``; ``nodes`` maps a node name to (address, CPUs).
 
     ``run_on(node, argv)`` starts a node's slurmd (by default here; the several-host tests pass one that enters a
-    simulated host). A single node is this host under its hostname."""
+    simulated host), and slurmctld too when ``ctld_host`` names one of the nodes. ``client`` is the argv prefix
+    that runs a client command (sinfo, scontrol, srun...) where slurmctld is reachable (default: here, as is;
+    the several-host tests enter the controller's host). A single node is this host under its hostname. munged
+    runs here; its socket is under ``root``, which every simulated host sees (/var/tmp)."""
 
     def __init__(self, root: Path | None = None, nodes: Mapping[str, tuple[str, int]] | None = None,
-                 run_on: Callable[[str, list[str], Path], subprocess.Popen[bytes]] | None = None,
-                 ctld_host: tuple[str, str] | None = None) -> None:
+                 run_on: Callable[[str, list[str], Path], subprocess.Popen[Any]] | None = None,
+                 ctld_host: tuple[str, str] | None = None, client: Sequence[str] = ()) -> None:
         self.root = Path(root or tempfile.mkdtemp(prefix="unidist-slurm-", dir="/var/tmp"))
         self.nodes = dict(nodes or {socket.gethostname(): ("127.0.0.1", os.cpu_count() or 1)})
         self.ctld_host = ctld_host or (socket.gethostname(), "127.0.0.1")
         self.run_on = run_on or self._local
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.client = list(client)
+        self.procs: list[subprocess.Popen[Any]] = []
         self.conf = self.root / "slurm.conf"
         self.munge_socket = self.root / "munge" / "munge.socket"
 
@@ -132,7 +147,11 @@ class SlurmCluster:
                      f"--seed-file={self.root / 'munge' / 'seed'}", f"--log-file={logs / 'munged.log'}"],
                     logs / "munged.out")
         self._until(lambda: self.munge_socket.exists(), 10, "munged did not create its socket")
-        self._spawn([_which("slurmctld"), "-D", "-i", "-f", str(self.conf)], logs / "slurmctld.out")
+        ctld = [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)]
+        if self.ctld_host[0] in self.nodes:
+            self.procs.append(self.run_on(self.ctld_host[0], ctld, logs / "slurmctld.out"))
+        else:
+            self._spawn(ctld, logs / "slurmctld.out")
         for node in self.nodes:
             argv = [_which("slurmd"), "-D", "-f", str(self.conf), "-N", node]
             self.procs.append(self.run_on(node, argv, logs / f"slurmd-{node}.out"))
@@ -140,7 +159,8 @@ class SlurmCluster:
         return self
 
     def _idle(self) -> bool:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env(), capture_output=True, text=True)
+        out = subprocess.run([*self.client, "sinfo", "-h", "-N", "-o", "%N %t"], env=self.env(), capture_output=True,
+                             text=True)
         states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
         return len(states) == len(self.nodes) and all(s == "idle" for s in states.values())
 
@@ -164,8 +184,10 @@ class SlurmCluster:
     def run(self, argv: Sequence[str], timeout: float = 300, env: Mapping[str, str] | None = None,
             cwd: str | Path | None = None) -> subprocess.CompletedProcess[str]:
         """A client command (srun, sbatch, ...) against this cluster, output captured."""
-        return subprocess.run(list(argv), env=self.env(env), capture_output=True, text=True, timeout=timeout,
-                              cwd=cwd)
+        # entering a host's mount namespace (nsenter -m) starts in its /: the directory is set inside
+        where = ["env", "-C", str(cwd)] if self.client and cwd is not None else []
+        return subprocess.run([*self.client, *where, *argv], env=self.env(env), capture_output=True, text=True,
+                              timeout=timeout, cwd=cwd)
 
     def wait_job(self, job: str, timeout: float = 300) -> str:
         """Wait until ``job`` has left the queue; its final state (from scontrol, kept MinJobAge seconds)."""
@@ -181,14 +203,15 @@ class SlurmCluster:
 
     def stop(self) -> None:
         """Cancel what runs, stop the daemons (slurmd first), remove nothing (the logs stay for a failure)."""
-        subprocess.run(["scancel", "--full", "-u", "root"], env=self.env(), capture_output=True, timeout=30)
+        subprocess.run([*self.client, "scancel", "--full", "-u", "root"], env=self.env(), capture_output=True,
+                       timeout=30)
         for proc in reversed(self.procs):
             if proc.poll() is None:
-                proc.terminate()
+                _signal(proc, signal.SIGTERM)
                 try:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    _signal(proc, signal.SIGKILL)
                     proc.wait()
 
     def __enter__(self) -> SlurmCluster:
