@@ -198,6 +198,22 @@ def _slurm_local_size(environ: Mapping[str, str], node: int) -> int | None:
     return counts[node] if node < len(counts) else None
 
 
+def _slurm_task(environ: Mapping[str, str], rank: int, size: int) -> tuple[int, int, int] | None:
+    """(local rank, local size, node rank) of this task from its Slurm job step (SLURM_LOCALID, SLURM_NODEID and
+    the step's tasks per node), when the rank and size a PMI gave are the step's own: ``srun --mpi=pmi2`` (or
+    pmix) sets PMI_RANK/PMI_SIZE (PMIX_RANK) but no node-local numbering. None outside such a step."""
+    if not all(name in environ for name in ("SLURM_STEP_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")):
+        return None
+    tasks = _first(environ, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))
+    if tasks is None or _int(environ, "SLURM_PROCID", "slurm") != rank or _int(environ, tasks, "slurm") != size:
+        return None  # a process the step started that numbers its own world (Hydra's proxies under srun)
+    node = _int(environ, "SLURM_NODEID", "slurm")
+    local_size = _slurm_local_size(environ, node)
+    if local_size is None:
+        return None
+    return _int(environ, "SLURM_LOCALID", "slurm"), local_size, node
+
+
 def slurm_first_host(nodelist: str) -> str:
     """First host of a SLURM hostlist such as ``gpu[003-005,9],cpu1`` (rank 0 runs there)."""
     try:
@@ -263,15 +279,24 @@ def _from_family(environ: Mapping[str, str], fam: Family) -> LaunchInfo:
     if size < 1 or not 0 <= rank < size:
         raise LaunchEnvironmentError(f"inconsistent launch variables: {seen}; need 0 <= rank < size")
 
+    # srun --mpi=pmi2/pmix: the PMI numbers the world only; the step says where each task runs
+    step = None if fam.name == "slurm" or (fam.local_rank and fam.local_rank in environ) else \
+        _slurm_task(environ, rank, size)
     if fam.local_rank and fam.local_rank in environ:
         local_rank = _int(environ, fam.local_rank, fam.name)
         seen += f", {fam.local_rank}={local_rank}"
+    elif step is not None:
+        local_rank = step[0]
+        seen += f", SLURM_LOCALID={local_rank}"
     else:  # no node-local numbering: assume one node
         local_rank = rank
     node_rank = _int(environ, fam.node_rank, fam.name) if fam.node_rank and fam.node_rank in environ else None
     if fam.local_size and fam.local_size in environ:
         local_size = _int(environ, fam.local_size, fam.name)
         seen += f", {fam.local_size}={local_size}"
+    elif step is not None:
+        local_size, node_rank = step[1], step[2]
+        seen += f", SLURM_STEP_TASKS_PER_NODE={local_size} on node {node_rank}"
     elif fam.name == "slurm":
         local_size = _slurm_local_size(environ, node_rank or 0) or size
     else:

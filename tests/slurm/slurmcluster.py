@@ -13,6 +13,7 @@ touched, and the ports are chosen free, so a second cluster or the system's own 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,6 +38,14 @@ def missing() -> str | None:
     if os.geteuid() != 0:
         return "a real Slurm needs root here (slurmd starts tasks as the submitting user through its own daemons)"
     return None
+
+
+def _die_with_parent() -> None:
+    """In the daemon's child before exec: SIGTERM when the test process dies (a killed pytest must not leave a
+    cluster running; its jobs would then share this host with the next one's)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _free_port() -> int:
@@ -107,6 +116,9 @@ class SlurmCluster:
             "SchedulerType=sched/builtin", "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
             "ReturnToService=2", "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
             "JobAcctGatherType=jobacct_gather/none", f"KillWait={KILL_WAIT}", "MinJobAge=30",
+            # job ids of their own: MPICH names its shared-memory segments after the PMI job id ("3.0"), so two
+            # clusters alive at once (another test session) numbering from 1 would cross their jobs' MPI_Init
+            f"FirstJobId={random.randrange(1000, 10**6)}",
             "SlurmctldTimeout=30", "SlurmdTimeout=30", "InactiveLimit=0", "LaunchParameters=enable_nss_slurm",
             "PrologFlags=", "PropagateResourceLimitsExcept=ALL",
         ]
@@ -129,12 +141,12 @@ class SlurmCluster:
     def _local(self, node: str, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
         with open(log, "ab") as sink:
             return subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=self.env(),
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_die_with_parent)
 
     def _spawn(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
         with open(log, "ab") as sink:
             proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=self.env(),
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_die_with_parent)
         self.procs.append(proc)
         return proc
 

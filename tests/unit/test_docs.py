@@ -28,14 +28,21 @@ def test_every_launch_script_is_executable() -> None:
         assert script.read_text().startswith("#!/usr/bin/env bash"), script.name
 
 
-def test_slurm_recipe_is_valid_bash_and_uses_srun() -> None:
-    """SLURM cannot run here (no scheduler); check the recipe's syntax and what detection relies on."""
+def test_slurm_recipe_is_valid_bash_and_asks_pmi_for_the_backends_that_need_it() -> None:
+    """The recipe's own table (mpi: --mpi=pmi2, the others --mpi=none) agrees with the registry's needs_pmi;
+    tests/slurm/test_slurm.py submits it to a real Slurm for every backend."""
+    import re
     import subprocess
+
+    from unidist import registry
 
     path = ROOT / "launch_scripts" / "slurm.sbatch"
     subprocess.run(["bash", "-n", str(path)], check=True)
     text = path.read_text()
-    assert "srun" in text and "#SBATCH --ntasks-per-node" in text
+    assert 'srun --kill-on-bad-exit=1 --mpi="$mpi"' in text
+    needing = set(re.findall(r"^\s*([\w|]+)\) mpi=\$\{SLURM_MPI_TYPE:-pmi2\}", text, re.M)[0].split("|"))
+    built_in = {b.name for b in registry.records() if b.needs_pmi and not b.name.startswith("mpi_")}  # not tests'
+    assert needing == built_in, f"slurm.sbatch asks PMI for {needing}; the registry's needs_pmi: {built_in}"
 
 
 def test_ds_config_is_json_with_a_zero_stage() -> None:
