@@ -40,6 +40,7 @@ FIGURES: dict[tuple[str, str], str] = {
     ("docs/reliability.md", "1%"): "=unidist.comm.check:TARGET",
     ("docs/reliability.md", "1.05x"): "why: a target (issue 11), said to be missed at 64 KiB",
     ("docs/reliability.md", "~1 ms"): "why: gloo's small-call latency (RESULTS.md's 8 B rows)",
+    ("docs/launchers/slurm.md", "15 s"): "why: the bound tests/slurm/test_slurm.py asserts for scancel",
     ("docs/settings.md", "10 s"): "=unidist.comm.watchdog:ENGINE_GRACE",
     ("docs/settings.md", "~1%"): "=unidist.comm.check:TARGET",
     ("docs/several-hosts.md", "15 s"): "=unidist.comm.watchdog:BACKSTOP_GRACE",
