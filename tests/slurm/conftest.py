@@ -7,6 +7,7 @@ it, and CI installs the packages with .ci/install_slurm.sh) turns that into a fa
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,3 +36,4 @@ def slurm() -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         cluster.stop()
+        shutil.rmtree(cluster.root, ignore_errors=True)  # failures quote the logs they need

@@ -225,6 +225,19 @@ class SlurmCluster:
                 except subprocess.TimeoutExpired:
                     _signal(proc, signal.SIGKILL)
                     proc.wait()
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """SIGKILL what the daemons started and left (slurmstepd and its tasks outlive a stopped slurmd): every
+        process of this host whose environment names this cluster's slurm.conf."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit() and int(proc.name) != os.getpid():
+                try:
+                    if mark in (proc / "environ").read_bytes().split(b"\0"):
+                        os.kill(int(proc.name), signal.SIGKILL)
+                except (OSError, ProcessLookupError):
+                    pass
 
     def __enter__(self) -> SlurmCluster:
         return self.start()

@@ -30,7 +30,10 @@ CELLS = [pytest.param(b, pmi, marks=MARKS[b], id=f"{b}-{pmi}") for b in BACKENDS
 
 
 def env(backend: str, **extra: str) -> dict[str, str]:
-    return clean_env({"UNIDIST_BACKEND": backend, "UNIDIST_TIMEOUT": "60", "DS_ACCELERATOR": "cpu", **extra})
+    # one thread a rank, as the batch script sets: torch's intra-op threads beside busy-polling MPI ranks on 2 cores
+    # made the same training 10x slower
+    return clean_env({"UNIDIST_BACKEND": backend, "UNIDIST_TIMEOUT": "60", "DS_ACCELERATOR": "cpu",
+                      "OMP_NUM_THREADS": "1", **extra})
 
 
 def srun(slurm: SlurmCluster, backend: str, pmi: str, argv: list[str], timeout: float = 300) -> tuple[Any, float]:

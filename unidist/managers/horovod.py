@@ -20,7 +20,7 @@ from unidist.comm.mismatch import Framing, Verdicts
 from unidist.comm.work import EngineWork, Work
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.launch import slurm_step_hosts
-from unidist.managers import horovod_gloo, stores
+from unidist.managers import horovod_gloo, mpi_shm, stores
 from unidist.managers.base import Manager
 from unidist.net import listener, rendezvous_address
 from unidist.ops import ReduceOp
@@ -186,6 +186,8 @@ class HorovodManager(Manager):
         if self.launch.launcher == "slurm":  # srun without PMI: no MPI world, so Horovod's gloo, met at rank 0
             self._gloo_rendezvous = horovod_gloo.start(self.launch, slurm_step_hosts(os.environ), self._setenv,
                                                        watchdog.engine_timeout(self.config.timeout).total_seconds())
+        elif self.launch.launcher != "horovodrun":  # Horovod's MPI_Init: clear what a killed job left first
+            mpi_shm.remove_stale()
         hvd.init(process_sets="dynamic")  # groups are registered at run time (split, new_group)
         if self.launch.launched and hvd.size() != self.launch.size:
             size = hvd.size()

@@ -8,6 +8,7 @@ class does that); moving them needs no arithmetic, so they travel as raw 16-bit 
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import accumulate
 from typing import Any, ClassVar
@@ -19,6 +20,7 @@ from unidist.comm.engine import Engine
 from unidist.comm.work import DONE, EngineWork, Work
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.launch import family
+from unidist.managers import mpi_shm
 from unidist.managers.base import Manager
 from unidist.managers.mpi_checks import MessageGuard
 from unidist.ops import ReduceOp
@@ -31,6 +33,8 @@ _SUM = ReduceOp.SUM
 
 def import_mpi() -> Any:
     """``mpi4py.MPI``, or a BackendUnavailableError that says what to install."""
+    if "mpi4py.MPI" not in sys.modules:  # MPI_Init runs at this import: clear what a killed job left first
+        mpi_shm.remove_stale()
     try:
         from mpi4py import MPI
     except ImportError as err:
