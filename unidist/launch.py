@@ -21,7 +21,7 @@ from unidist.errors import HostsError, LaunchEnvironmentError
 from unidist.hosts import expand_nodelist, tasks_per_node
 
 __all__ = ["LAUNCHERS", "NO_LAUNCHER", "Command", "Family", "LaunchInfo", "detect", "family", "find_program",
-           "programs", "script_args", "slurm_pmi", "slurm_port", "slurm_step_hosts"]
+           "programs", "script_args", "slurm_job", "slurm_port", "slurm_step_hosts"]
 
 
 NO_LAUNCHER = "none"  # ``LaunchInfo.launcher`` of a plain ``python script.py``: no family matches
@@ -257,14 +257,13 @@ def slurm_step_hosts(environ: Mapping[str, str]) -> list[tuple[str, int]]:
     return list(zip(nodes, counts[:len(nodes)], strict=True))
 
 
-def slurm_pmi(environ: Mapping[str, str]) -> str | None:
-    """The PMI srun gave this step's tasks ("pmi2", "pmix", ...) or None (``--mpi=none``, Debian's MpiDefault)."""
-    if "PMIX_RANK" in environ:
-        return "pmix"
-    if "PMI_RANK" in environ or "PMI_FD" in environ:
-        mpi_type = environ.get("SLURM_MPI_TYPE", "pmi2")
-        return mpi_type if mpi_type != "none" else "pmi2"
-    return None
+def slurm_job(environ: Mapping[str, str]) -> str | None:
+    """The id ``scontrol`` knows this job by (an array task's ``<array job>_<task>``, as Lightning writes it), or
+    None outside a Slurm job."""
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return environ.get("SLURM_JOB_ID") or None
 
 
 def _from_family(environ: Mapping[str, str], fam: Family) -> LaunchInfo:

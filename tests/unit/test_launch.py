@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from unidist import LaunchEnvironmentError, LaunchInfo, detect
-from unidist.launch import script_args, slurm_first_host, slurm_pmi, slurm_port
+from unidist.launch import script_args, slurm_first_host, slurm_job, slurm_port
 
 CASES = {
     "nothing": ({}, LaunchInfo()),
@@ -188,7 +188,18 @@ def test_slurm_port_is_the_steps_own_and_below_the_ephemeral_range() -> None:
     assert slurm_port({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "batch"}) is None
 
 
-def test_slurm_pmi_names_what_srun_gave() -> None:
-    assert slurm_pmi({"PMI_FD": "11", "PMI_RANK": "0", "SLURM_MPI_TYPE": "pmi2"}) == "pmi2"
-    assert slurm_pmi({"PMIX_RANK": "0"}) == "pmix"
-    assert slurm_pmi({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0"}) is None
+def test_slurm_job_is_what_scontrol_knows() -> None:
+    assert slurm_job({"SLURM_JOB_ID": "12"}) == "12"
+    assert slurm_job({"SLURM_JOB_ID": "13", "SLURM_ARRAY_JOB_ID": "12", "SLURM_ARRAY_TASK_ID": "1"}) == "12_1"
+    assert slurm_job({}) is None
+
+
+def test_srun_pmi2_takes_the_steps_placement() -> None:
+    """srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE but no node-local numbering: the step's variables place the task
+    (read as one node before, the several-host job pinned its engines to loopback)."""
+    from unidist.launch import detect
+
+    env = {"PMI_RANK": "2", "PMI_SIZE": "4", "PMI_FD": "11", "SLURM_STEP_ID": "0", "SLURM_PROCID": "2",
+           "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    info = detect(env)
+    assert (info.launcher, info.local_rank, info.local_size, info.node_rank) == ("mpich", 0, 2, 1)
