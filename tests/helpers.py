@@ -213,3 +213,19 @@ class _Marks(dict[str, Any]):
 
 MARKS = _Marks(local=pytest.mark.local, mpi=pytest.mark.mpi, torch=pytest.mark.torch,
                deepspeed=pytest.mark.deepspeed, horovod=pytest.mark.horovod)
+
+
+def assert_trains_like_one_process(reports: Mapping[int, Mapping[str, Any]], backend: str,
+                                   tolerance: Mapping[str, float]) -> None:
+    """tests/workers/equivalence.py's reports, every rank: run by ``backend``, each variant not refused, the ranks'
+    parameters identical after every step and within its tolerance of one process on the whole batch, and
+    synchronize() then step() reducing once (the several-host and Slurm suites check the same)."""
+    for rank, report in reports.items():
+        assert report["backend"] == backend, (rank, report["backend"])
+        for variant, tol in tolerance.items():
+            r = report[variant]
+            assert "refused" not in r, (rank, variant, r)
+            assert r["max_spread"] == 0.0, (rank, variant, r)  # identical parameters on every rank
+            assert r["max_diff"] <= tol, (rank, variant, r)
+        once = report["synchronize_once"]
+        assert once["applied_minus_synchronized"] <= 1e-6 and once["synchronized_minus_expected"] <= 1e-4, once

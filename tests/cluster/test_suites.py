@@ -51,6 +51,7 @@ from typing import Any
 
 import pytest
 from fakehosts import Cluster
+from helpers import assert_trains_like_one_process
 from jobs import LAUNCHES, ClusterLaunch, Hosts, run_job
 
 WORKERS = Path(__file__).resolve().parents[1] / "workers"
@@ -122,15 +123,7 @@ TOLERANCE = {"plain": 1e-5, "k2": 1e-5, "fp16": 1e-3, "adam_clip": 1e-4, "sgd_on
 @pytest.mark.parametrize("launch", rows("equivalence"))
 def test_equivalence(cluster3: Cluster, launch: ClusterLaunch) -> None:
     res = launch_worker(cluster3, launch, "equivalence", "equivalence.py", "--variants", ",".join(TOLERANCE))
-    for rank, report in res.items():
-        assert report["backend"] == launch.backend
-        for variant, tol in TOLERANCE.items():
-            r = report[variant]
-            assert "refused" not in r, (rank, variant, r)
-            assert r["max_spread"] == 0.0, (rank, variant, r)  # identical parameters on both hosts
-            assert r["max_diff"] <= tol, (rank, variant, r)
-        once = report["synchronize_once"]
-        assert once["applied_minus_synchronized"] <= 1e-6 and once["synchronized_minus_expected"] <= 1e-4, once
+    assert_trains_like_one_process(res, launch.backend, TOLERANCE)  # parameters identical on both hosts
 
 
 ZERO_TOL = {"adam": (1e-4, 1e-4), "group": (1e-5, 1e-5)}  # parameters, optimizer state (test_zero.py's)

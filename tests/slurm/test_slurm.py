@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import MARKS, ROOT, clean_env, require
+from helpers import MARKS, ROOT, assert_trains_like_one_process, clean_env, require
 from slurmcluster import SlurmCluster
 
 WORKERS = ROOT / "tests" / "workers"
@@ -84,11 +84,7 @@ def test_srun_every_backend(slurm: SlurmCluster, backend: str, pmi: str, tmp_pat
     eq, eq_s = srun(slurm, backend, pmi, [str(WORKERS / "equivalence.py"), "--variants", ",".join(EQUIVALENCE),
                                           "--out", str(tmp_path / "eq")])
     assert eq.returncode == 0, (eq.stdout + eq.stderr)[-6000:]
-    for rank, rep in reports(tmp_path / "eq").items():
-        assert rep["backend"] == backend
-        for variant, tol in EQUIVALENCE.items():
-            got = rep[variant]
-            assert "refused" not in got and got["max_spread"] == 0.0 and got["max_diff"] <= tol, (rank, variant, got)
+    assert_trains_like_one_process(reports(tmp_path / "eq"), backend, EQUIVALENCE)
     worst = max(rep[v]["max_diff"] for rep in reports(tmp_path / "eq").values() for v in EQUIVALENCE)
     print(f"slurm srun {backend} {pmi}: topology {seconds:.1f} s, collectives {len(want)} cases {coll_s:.1f} s, "
           f"equivalence {eq_s:.1f} s (worst {worst:.1e})")
