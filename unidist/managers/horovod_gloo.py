@@ -50,8 +50,8 @@ def _iface(master: str, single_node: bool) -> str | None:
 class Rendezvous:
     """Rank 0's Horovod rendezvous server (None elsewhere), kept until ``stop``."""
 
-    def __init__(self, server: Any = None, thread: Any = None) -> None:
-        self._server, self._thread = server, thread
+    def __init__(self, server: Any = None) -> None:
+        self._server = server  # its serve_forever thread ends with shutdown()
 
     def stop(self) -> None:
         if self._server is not None:
@@ -102,9 +102,8 @@ def _serve(addr: str, port: int, size: int, hosts: list[tuple[str, int]]) -> Ren
     server.socket, server.server_address = sock, sock.getsockname()[:2]
     server.init([SlotInfo(h, r, lr, cr, size, ls, cs)
                  for r in range(size) for h, lr, ls, cr, cs in [layout(r, hosts)]])
-    thread = threading.Thread(target=server.serve_forever, name="unidist-horovod-rendezvous", daemon=True)
-    thread.start()
-    return Rendezvous(server, thread)
+    threading.Thread(target=server.serve_forever, name="unidist-horovod-rendezvous", daemon=True).start()
+    return Rendezvous(server)
 
 
 def _wait_for(addr: str, port: int, timeout: float) -> None:
