@@ -21,7 +21,7 @@ from unidist.errors import HostsError, LaunchEnvironmentError
 from unidist.hosts import expand_nodelist, tasks_per_node
 
 __all__ = ["LAUNCHERS", "NO_LAUNCHER", "Command", "Family", "LaunchInfo", "detect", "family", "find_program",
-           "programs", "script_args", "slurm_job", "slurm_port", "slurm_step_hosts"]
+           "programs", "script_args", "slurm_port", "slurm_step_hosts"]
 
 
 NO_LAUNCHER = "none"  # ``LaunchInfo.launcher`` of a plain ``python script.py``: no family matches
@@ -255,15 +255,6 @@ def slurm_step_hosts(environ: Mapping[str, str]) -> list[tuple[str, int]]:
         raise LaunchEnvironmentError(f"{nodelist!r} names {len(nodes)} nodes but the tasks per node {spec!r} "
                                      f"cover {len(counts)}")
     return list(zip(nodes, counts[:len(nodes)], strict=True))
-
-
-def slurm_job(environ: Mapping[str, str]) -> str | None:
-    """The id ``scontrol`` knows this job by (an array task's ``<array job>_<task>``, as Lightning writes it), or
-    None outside a Slurm job."""
-    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    if array and task:
-        return f"{array}_{task}"
-    return environ.get("SLURM_JOB_ID") or None
 
 
 def _from_family(environ: Mapping[str, str], fam: Family) -> LaunchInfo:

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from unidist import LaunchEnvironmentError, LaunchInfo, detect
-from unidist.launch import script_args, slurm_first_host, slurm_job, slurm_port
+from unidist.launch import script_args, slurm_first_host, slurm_port
+from unidist.train.preempt import slurm_job
 
 CASES = {
     "nothing": ({}, LaunchInfo()),

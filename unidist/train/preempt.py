@@ -37,9 +37,8 @@ from typing import Any
 import torch
 
 from unidist.errors import InvalidArgumentError
-from unidist.launch import slurm_job
 
-__all__ = ["DEFAULT_SIGNALS", "FALLBACK_SECONDS", "SCONTROL_TIMEOUT", "Preemption"]
+__all__ = ["DEFAULT_SIGNALS", "FALLBACK_SECONDS", "SCONTROL_TIMEOUT", "Preemption", "slurm_job"]
 
 DEFAULT_SIGNALS = ("SIGUSR1", "SIGTERM")  # Slurm's usual warning (--signal=USR1@N) and preemption/scancel
 # After the grace, the main thread is asked to give the signal its old meaning; one blocked in C that long (a
@@ -280,6 +279,15 @@ def _signal_numbers(signals: Iterable[str | int]) -> list[int]:
         raise InvalidArgumentError("mgr.preemption(signals=()) names no signal; the default is "
                                    f"{DEFAULT_SIGNALS}")
     return [int(s) for s in out]
+
+
+def slurm_job(environ: Mapping[str, str]) -> str | None:
+    """The id ``scontrol`` knows this job by (an array task's ``<array job>_<task>``, as Lightning writes it), or
+    None outside a Slurm job."""
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return environ.get("SLURM_JOB_ID") or None
 
 
 def _scontrol_requeue(environ: Mapping[str, str]) -> bool:
