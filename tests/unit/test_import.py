@@ -43,7 +43,7 @@ def test_error_family() -> None:
 # above them; the records sit on top and point down. The training layer writes checkpoints through
 # unidist.checkpoint, which knows files, manifests and agreement only (each prepared optimizer supplies its own
 # layout), so it imports no training code.
-BASE = ("unidist.errors", "unidist.ops", "unidist.config")
+BASE = ("unidist.errors", "unidist.ops", "unidist.config", "unidist.tree")
 LAYERS = {
     "comm": (*BASE, "unidist.comm"),
     "managers": (*BASE, "unidist.comm", "unidist.managers", "unidist.launch", "unidist.net", "unidist.registry"),

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch
 
 from unidist.config import PRECISIONS
 from unidist.errors import InvalidArgumentError, UnidistError
+from unidist.tree import map_tensors
 
 __all__ = ["GROWTH_RULES", "PRECISIONS", "LossScaleFloorError", "LossScaler", "Precision", "ScalerOptions",
            "cast_floats", "next_scale"]
@@ -317,15 +318,7 @@ class Precision:
 
 
 def cast_floats(data: Any, dtype: torch.dtype) -> Any:
-    """Every floating tensor in ``data`` (nested tuples, lists, dicts) as ``dtype``; the rest unchanged. (Also
-    DeepSpeed's output cast, train/deepspeed.py.)"""
-    cast: Callable[[Any], Any] = lambda d: cast_floats(d, dtype)  # noqa: E731
-    if isinstance(data, torch.Tensor):
-        return data.to(dtype) if data.is_floating_point() and data.dtype != dtype else data
-    if isinstance(data, tuple):
-        return type(data)(*map(cast, data)) if hasattr(data, "_fields") else tuple(map(cast, data))
-    if isinstance(data, list):
-        return [cast(d) for d in data]
-    if isinstance(data, dict):
-        return {k: cast(v) for k, v in data.items()}
-    return data
+    """Every floating tensor in ``data`` as ``dtype``, each container keeping its type (``ModelOutput``,
+    namedtuples, dataclasses, nested lists and dicts: unidist/tree.py); the rest unchanged. (Also DeepSpeed's
+    output cast, train/deepspeed.py.)"""
+    return map_tensors(data, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
