@@ -66,6 +66,28 @@ class Compressor:
                 offset += n
 
 
+    @staticmethod
+    def write_rows(rows: torch.Tensor, chunk: int, grads: Sequence[torch.Tensor | None], numels: Sequence[int],
+                   scale: float) -> None:
+        """As :meth:`write`, into the first ``chunk`` columns of each row of ``rows`` (N rows of ``chunk`` + k
+        columns): the flat order runs on from one row's first ``chunk`` columns to the next row's, past the k after
+        them (a reduce-scatter's chunk r is row r; ZeRO sends each rank the used-flags of its unit in those k).
+        Missing gradients are left as they are (``rows`` is freshly zeroed)."""
+        offset = 0
+        with torch.no_grad():
+            for g, n in zip(grads, numels, strict=True):
+                if g is not None:
+                    src = g.reshape(-1)
+                    done = 0
+                    while done < n:
+                        row, col = divmod(offset + done, chunk)
+                        take = min(n - done, chunk - col)
+                        piece = src[done:done + take]
+                        rows[row, col:col + take].copy_(piece.mul(scale) if scale != 1.0 else piece)
+                        done += take
+                offset += n
+
+
 class NoneCompressor(Compressor):
     """Gradients travel in their own dtype."""
 
@@ -143,13 +165,24 @@ S = TypeVar("S", bound=Slot)
 class InOrder(Generic[S]):
     """Slots launched strictly in order on every rank, from the gradient hooks, and drained in order.
 
-    ``launch`` is the optimizer's: it starts one slot's collective (its wire copy and async call)."""
+    ``launch`` is the optimizer's: it starts one slot's collective (its wire copy and async call).
 
-    def __init__(self, launch: Callable[[S], None]) -> None:
+    The first order (reverse registration) is a guess at the order backward makes gradients. Where it is wrong
+    (a tied embedding registered first whose gradient is complete only at the very end; a head registered after
+    the layers it follows) one late slot holds back every slot after it: nothing overlaps backward, and ZeRO-3
+    keeps every such unit whole until the end. So, as DDP rebuilds its buckets after the first iteration, the
+    order in which the first backward completed the slots is recorded and, at the end of the first drain, rank 0's
+    is adopted by every rank (``agree``: one broadcast, once); slots that never completed keep their places after.
+    """
+
+    def __init__(self, launch: Callable[[S], None], agree: Callable[[list[int]], list[int]] | None = None) -> None:
         self.slots: list[S] = []
         self._of: dict[int, S] = {}
         self._launch = launch
         self._next = 0  # the next slot to launch
+        self._agree = agree  # rank 0's completion order, on every rank (None: keep the first order)
+        # slot indices in the order the first pass completed them (None: not learning)
+        self._seen: list[int] | None = [] if agree is not None else None
 
     def add(self, slot: S) -> None:
         self.slots.append(slot)
@@ -162,6 +195,11 @@ class InOrder(Generic[S]):
         """Mark ``p``'s gradient ready; returns its slot."""
         slot = self._of[id(p)]
         slot.ready.add(id(p))
+        seen = self._seen
+        if seen is not None and len(slot.ready) == len(slot.params):
+            index = next(i for i, s in enumerate(self.slots) if s is slot)
+            if index not in seen:
+                seen.append(index)
         return slot
 
     def launch_ready(self) -> None:
@@ -186,3 +224,8 @@ class InOrder(Generic[S]):
             slot.finish()
             slot.ready.clear()
         self._next = 0
+        if self._seen is not None and self._agree is not None:
+            order = self._agree(self._seen)
+            self._seen = None
+            first = [self.slots[i] for i in order]
+            self.slots[:] = first + [s for i, s in enumerate(self.slots) if i not in set(order)]

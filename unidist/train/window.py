@@ -82,6 +82,9 @@ class WindowedOptimizer(OptimizerView):
     def _hold(self, on: bool) -> None:
         """Keep (``on``) or stop keeping what the forward would otherwise fetch each time (ZeRO-3's parameters)."""
 
+    def _before_step(self) -> None:
+        """Just before the wrapped optimizer's step (ZeRO keeps the slices of unused parameters here)."""
+
     def _after_step(self) -> None:
         """After the wrapped optimizer's step (ZeRO shares the updated shards here)."""
 
@@ -115,10 +118,12 @@ class WindowedOptimizer(OptimizerView):
         if found is None or not bool(found):  # no loss scaling, or no inf/nan anywhere
             if self.clip_grad_norm is not None:
                 self.last_grad_norm = self._clip(self.clip_grad_norm)
+            self._before_step()
             self.optimizer.step()
             self._after_step()
         if self.scaler is not None and found is not None:
             self.scaler.update(found)
+        self._sync_buffers()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients after a step; between accumulation passes it keeps them."""

@@ -11,10 +11,11 @@ shards) steps. So every rank keeps optimizer state for 1/N of the parameters.
 - stage 2: the reduce-scatter of a unit starts from the gradient hooks as soon as its gradients are ready
   (in unit order, overlapping the rest of backward, as the DistributedOptimizer does), and the full
   gradients are freed: each rank keeps only its gradient shard.
-- stage 3: as stage 2, and each rank keeps only its parameter shard: a module's full parameters are
-  all-gathered just before its forward and again before its backward (a hook on its outputs) and freed
-  after each. Outside forward/backward, use ``gathered_parameters``. A module's parameters must be used by
-  that module's forward only (no weight tying across modules) and once per forward.
+- stage 3: as stage 2, and each rank keeps only its parameter shard: a unit is all-gathered before the forward
+  of every module that reads it (its owner, and any module seen reading it during the first step: attention
+  reading ``out_proj.weight``, a tied head, a parent reading a child's weight) and again before their backward
+  (a hook on their outputs), and freed when no forward holds it and its gradients are reduced (zero_fetch.py).
+  Outside forward/backward, use ``gathered_parameters``.
 
 With ``backward_passes_per_step=k`` the first k-1 passes accumulate full gradients locally and the k-th
 reduces them, so the update equals one k-times larger batch (stage 2/3 save gradient memory on that pass).
@@ -34,6 +35,7 @@ from unidist.ops import ReduceOp
 from unidist.train.gradcore import Compression, Compressor, InOrder, pack
 from unidist.train.options import SyncOptions
 from unidist.train.window import WindowedOptimizer
+from unidist.train.zero_fetch import Fetcher
 from unidist.train.zero_layout import ZeroLayout
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ class _Unit:
             self.release()
         self.ready: set[int] = set()
         self.handle: Handle[torch.Tensor] | None = None
+        self.used: torch.Tensor | None = None  # after a reduction: which parameters some rank had a gradient for
 
     # ------------------------------------------------------------------ parameters
     def _bind(self, full: torch.Tensor) -> None:
@@ -117,9 +120,14 @@ class _Unit:
 
     # ------------------------------------------------------------------ gradients
     def launch(self, scale: float, compressor: Compressor, free_grads: bool) -> None:
-        """Start the reduce-scatter of this unit's (local) gradients; missing gradients count as zeros."""
-        flat = buffers.zeros(self.chunk * self.dp.size, compressor.wire_dtype(self.dtype), self.device)
-        compressor.write(flat, [p.grad for p in self.params], self.numels, scale, zero_missing=False)
+        """Start the reduce-scatter of this unit's (local) gradients; missing gradients count as zeros. Each rank's
+        chunk carries, after its gradient, one flag per parameter of the unit (1 where this rank has a gradient for
+        it), so every rank learns which parameters no rank used (``used``) in the same call."""
+        k = len(self.params)
+        flat = buffers.zeros((self.chunk + k) * self.dp.size, compressor.wire_dtype(self.dtype), self.device)
+        rows = flat.view(self.dp.size, self.chunk + k)
+        compressor.write_rows(rows, self.chunk, [p.grad for p in self.params], self.numels, scale)
+        rows[:, self.chunk:] = torch.tensor([p.grad is not None for p in self.params], dtype=rows.dtype)
         if free_grads:
             for p in self.params:
                 p.grad = None
@@ -139,7 +147,22 @@ class _Unit:
         else:
             got = self.handle.wait()
         self.handle = None
-        self.shard.grad = got if got.dtype == self.dtype else got.to(self.dtype)
+        grad = got[:self.chunk]
+        self.shard.grad = grad if grad.dtype == self.dtype else grad.to(self.dtype)
+        self.used = got[self.chunk:] > 0  # per parameter: some rank had a gradient for it
+
+    def unused_parts(self) -> list[tuple[int, int]]:
+        """(start, end) in this rank's shard of each parameter no rank had a gradient for in the last reduction:
+        one process would not have stepped it (its gradient is None there), so the step must leave it as it was."""
+        if self.used is None:
+            return []
+        parts = []
+        for i in (~self.used).nonzero().flatten().tolist():
+            own = self.owned(i)
+            if own is not None:
+                s, e, at = own
+                parts.append((at, at + e - s))
+        return parts
 
 
 class ZeroOptimizer(WindowedOptimizer):
@@ -164,7 +187,7 @@ class ZeroOptimizer(WindowedOptimizer):
         self.full_groups = [list(g["params"]) for g in optimizer.param_groups]
         full_state = _full_state(optimizer)
         trainable = {id(p) for g in self.full_groups for p in g if p.requires_grad}
-        self._order: InOrder[_Unit] = InOrder(self._launch)
+        self._order: InOrder[_Unit] = InOrder(self._launch, lambda seen: list(dp.broadcast_object(seen, 0)))
         for unit in self._make_units(model, options.bucket_bytes, trainable):
             self._order.add(unit)
         self.units = self._order.slots
@@ -178,8 +201,10 @@ class ZeroOptimizer(WindowedOptimizer):
         self._synced = False
         self._hooks: list[Any] = [p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
                                   for u in self.units for p in u.params]
+        self.fetcher: Fetcher | None = None  # stage 3: who gathers which unit (zero_fetch.py)
         if stage == 3:
-            self._hooks += self._module_hooks(model)
+            self.fetcher = Fetcher(model, self._order.slot_of)
+            self._hooks += self.fetcher.hooks
 
     def _make_units(self, model: torch.nn.Module, limit: float, trainable: set[int]) -> list[_Unit]:
         group_of = {id(p): gi for gi, g in enumerate(self.full_groups) for p in g}
@@ -203,41 +228,26 @@ class ZeroOptimizer(WindowedOptimizer):
                                                                                         p.device))]
         return [_Unit(self.dp, ps, gi, keep_full=self.stage < 3) for gi, ps in chunks]
 
-    def _module_hooks(self, model: torch.nn.Module) -> list[Any]:
-        hooks: list[Any] = []
-        for module in model.modules():
-            units = list({id(u): u for p in module.parameters(recurse=False)
-                          if (u := self._order.slot_of(p)) is not None}.values())
-            if not units:
-                continue
+    def add_reader(self, module: torch.nn.Module, param: torch.Tensor) -> None:
+        """Stage 3: declare that ``module``'s forward reads ``param`` although the first training step did not show
+        it (as ``deepspeed.zero.register_external_parameter``); its unit is then gathered around that forward.
+        Reads made during the first step need no declaration (zero_fetch.py). A no-op at stages 1-2.
 
-            # torch.compile: dynamo must not trace the parameter swap (it bakes the empty tensors into its graph),
-            # so the hooks run eagerly between compiled pieces (a graph break at each ZeRO-3 module)
-            @torch.compiler.disable  # type: ignore[untyped-decorator]
-            def pre(mod: torch.nn.Module, args: Any, units: list[_Unit] = units) -> None:
-                for u in units:
-                    u.gather()
-
-            @torch.compiler.disable  # type: ignore[untyped-decorator]
-            def post(mod: torch.nn.Module, args: Any, out: Any, units: list[_Unit] = units) -> None:
-                if torch.is_grad_enabled():
-                    for t in _tensors(out):
-                        if t.requires_grad:
-                            t.register_hook(lambda grad, units=units: _gather_all(units))  # type: ignore[no-untyped-call]
-                if not self._holding:
-                    for u in units:
-                        u.release()
-            hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-        return hooks
+        Args:
+            module: a submodule of the prepared model.
+            param: a parameter of the prepared model.
+        """
+        if self.fetcher is not None:
+            self.fetcher.add_reader(module, param)
 
     # ------------------------------------------------------------------ gradients
     def _on_grad(self, p: torch.Tensor) -> None:
         unit = self._order.ready(p)
         if len(unit.ready) < len(unit.params):
             return
+        if self.fetcher is not None:  # every gradient of the unit is in: backward needs its parameters no more
+            self.fetcher.done(unit)
         if not (self._sync_pass and self.stage >= 2):  # stage 1 reduces in synchronize()
-            if self.stage == 3 and not self._holding:
-                unit.release()
             unit.ready.clear()
             return
         self._order.launch_ready()
@@ -246,8 +256,8 @@ class ZeroOptimizer(WindowedOptimizer):
         scale = 1.0 / self.dp.size if self.op is ReduceOp.MEAN else 1.0
         unit.launch(scale, self._compressor, free_grads=self.stage >= 2)
         unit.ready.clear()
-        if self.stage == 3:
-            unit.release()
+        if self.fetcher is not None:
+            self.fetcher.done(unit)
 
     def synchronize(self) -> None:
         """Reduce-scatter whatever has not started yet and wait for all: shard gradients are then final."""
@@ -255,9 +265,37 @@ class ZeroOptimizer(WindowedOptimizer):
         self._order.drain()
 
     # ------------------------------------------------------------------ optimizer protocol (window.py)
+    def _before_step(self) -> None:
+        """Keep what the step must not change: the shard slices (and their per-element optimizer state) of parameters
+        no rank had a gradient for. One process skips a parameter whose gradient is None; a shard is stepped whole,
+        so those slices are put back after the step (Adam's step count, one per unit, still advances). One host
+        read of the flags per step decides whether there is anything to keep."""
+        self._kept: list[tuple[torch.Tensor, int, int, dict[str, torch.Tensor], torch.Tensor]] = []
+        flags = [u.used for u in self.units if u.used is not None]
+        if not flags or bool(torch.cat(flags).all()):
+            return
+        for unit in self.units:
+            state = self.optimizer.state.get(unit.shard, {})
+            for s, e in unit.unused_parts():
+                saved = {k: v[s:e].clone() for k, v in state.items()
+                         if isinstance(v, torch.Tensor) and v.shape == unit.shard.shape}
+                self._kept.append((unit.shard, s, e, saved, unit.shard.detach()[s:e].clone()))
+
     def _after_step(self) -> None:
+        with torch.no_grad():
+            for shard, s, e, saved, values in getattr(self, "_kept", ()):
+                shard[s:e] = values
+                state = self.optimizer.state.get(shard, {})
+                for k, v in saved.items():
+                    state[k][s:e] = v
+                for k, v in state.items():  # state the step created: a fresh one's zeros where nothing was saved
+                    if k not in saved and isinstance(v, torch.Tensor) and v.shape == shard.shape:
+                        v[s:e] = 0
+        self._kept = []
         for unit in self.units:
             unit.refresh()
+        if self.fetcher is not None:
+            self.fetcher.stop_tracing()  # the first step has shown every module's reads
 
     def _clip(self, max_norm: float) -> float:
         """torch.nn.utils.clip_grad_norm_ over the whole model: the shards' squared norms summed over ranks."""
@@ -270,19 +308,11 @@ class ZeroOptimizer(WindowedOptimizer):
                 g.mul_(coef)
         return total
 
-    _holding = False  # inside accumulate(): stage 3 keeps the full parameters, so no forward fetches them
-
     def _hold(self, on: bool) -> None:
         """Stage 3 gathers every unit once for an accumulate() block and frees them as it leaves: the
         micro-steps' forwards and backwards then communicate nothing (stage 2's memory during the block)."""
-        if self.stage < 3:
-            return
-        self._holding = on
-        for unit in self.units:
-            if on:
-                unit.gather()
-            else:
-                unit.release()
+        if self.fetcher is not None:
+            (self.fetcher.acquire if on else self.fetcher.let_go)(self.units)
 
     def _scaled_grads(self) -> list[torch.Tensor]:
         return [u.shard.grad for u in self.units if u.shard.grad is not None]
@@ -316,18 +346,16 @@ class ZeroOptimizer(WindowedOptimizer):
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         """Full parameters inside; edits made inside (identically on every rank) are kept."""
-        if self.stage < 3:
+        if self.fetcher is None:
             yield
             return
-        gathered = [u for u in self.units if u.full is None]
-        for u in gathered:
-            u.gather()
+        self.fetcher.acquire(self.units)  # held: a forward inside the block frees nothing
         try:
             yield
         finally:
-            for u in gathered:
+            for u in self.units:
                 u.write_back()
-                u.release()
+            self.fetcher.let_go(self.units)
 
     def full_state_dict(self) -> dict[str, Any]:
         """The optimizer's ``state_dict()`` as one process holding every parameter would return it."""
@@ -386,18 +414,3 @@ def _full_state(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
     """The optimizer's existing state by parameter index (empty for a fresh optimizer)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     return {i: dict(optimizer.state[p]) for i, p in enumerate(params) if optimizer.state.get(p)}
-
-
-def _gather_all(units: list[_Unit]) -> None:
-    for u in units:
-        u.gather()
-
-
-def _tensors(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors(o)]
-    return []

@@ -96,6 +96,10 @@ class ZeroLayout(Layout):
             unit, s, e, at = own
             model[k] = (s, unit.shard.detach()[at:at + e - s].clone())
         for p, name in zip(self.params, self.opt_names, strict=True) if self.optimizer is not None else ():
+            if id(p) not in self.where:  # frozen: whole on every rank, outside the shards (its state, if any, too)
+                st = self.optimizer.state.get(p, {})
+                optim[name] = {k: even_slice(v, self.rank, self.size) for k, v in st.items() if per_element(v, p.shape)}
+                continue
             unit, _ = self.where[id(p)]
             st = self.optimizer.state.get(unit.shard, {})
             own = self._owned(p)
@@ -110,8 +114,10 @@ class ZeroLayout(Layout):
         return {"model": model, "optim": optim}
 
     def state_holder(self, p: torch.Tensor) -> torch.Tensor:
-        """The unit's shard: the optimizer steps shards, so their state is held under them."""
-        return self.where[id(p)][0].shard
+        """The unit's shard: the optimizer steps shards, so their state is held under them (a frozen parameter,
+        in no unit, holds its own)."""
+        hit = self.where.get(id(p))
+        return hit[0].shard if hit is not None else p
 
     def load(self, read: Read, meta: dict[str, Any], state_keys: dict[str, list[str]]) -> None:
         name_of = dict(zip((id(p) for p in self.params), self.opt_names, strict=True))
@@ -129,22 +135,34 @@ class ZeroLayout(Layout):
                 if self.optimizer is not None:
                     self._load_state(unit, name_of, read, meta, state_keys)
                 unit.refresh()  # stages 1-2: every rank's loaded shard into the full parameters
+            for p in self.params if self.optimizer is not None else ():
+                if id(p) not in self.where:  # frozen: its own state, whole
+                    name = name_of[id(p)]
+                    entry = {k: read("optim", name, k, 0, p.numel()).view(p.shape) for k in state_keys.get(name, [])}
+                    entry.update(fresh_scalars(meta["scalars"].get(name, {})))
+                    self.optimizer.state.pop(p, None)
+                    if entry:
+                        self.optimizer.state[p] = entry
         if self.optimizer is not None:
             self.set_settings(meta["param_groups"])
 
     def _load_state(self, unit: ShardUnit, name_of: dict[int, str], read: Read, meta: dict[str, Any],
                     state_keys: dict[str, list[str]]) -> None:
-        """The unit's shard optimizer state from the per-parameter full state."""
-        first = name_of[id(unit.params[0])]
+        """The unit's shard optimizer state from the per-parameter full state. A parameter saved without state (one
+        process never stepped it: it never had a gradient) gets zeros in the shard, what a fresh state holds; the
+        unit's scalars (Adam's step) are those of its first parameter that has any."""
+        names = [name_of[id(p)] for p in unit.params]
+        keys = list(dict.fromkeys(k for n in names for k in state_keys.get(n, [])))
         target: dict[str, Any] = {}
-        for key in state_keys.get(first, []):
+        for key in keys:
             flat = torch.zeros(unit.chunk, dtype=unit.dtype, device=unit.device)
-            for p in unit.params:
+            for p, name in zip(unit.params, names, strict=True):
                 own = self._owned(p)
-                if own is not None:
+                if own is not None and key in state_keys.get(name, []):
                     _, s, e, at = own
-                    flat[at:at + e - s] = read("optim", name_of[id(p)], key, s, e)
+                    flat[at:at + e - s] = read("optim", name, key, s, e)
             target[key] = flat
+        first = next((n for n in names if meta["scalars"].get(n)), names[0])
         target.update(fresh_scalars(meta["scalars"].get(first, {})))
         self.optimizer.state.pop(unit.shard, None)
         if target:
