@@ -83,6 +83,11 @@ class HorovodTrainer(Trainer):
                                        "unavailable on the horovod backend; use compression='fp16'")
         raise InvalidArgumentError(f"compression={name!r}; use none or fp16")
 
+    def takes_sparse(self, opts: TrainOptions) -> bool:
+        """``hvd.DistributedOptimizer`` allgathers sparse gradients (an ``nn.Embedding(sparse=True)``); unidist's
+        reducer (``reducer='unidist'``) does not."""
+        return opts.reducer != "unidist"
+
     def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions
                  ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Model on ``device``, rank 0's parameters and optimizer state everywhere, Horovod's optimizer behind
@@ -134,9 +139,20 @@ class HorovodOptimizer(OptimizerView):
         return FullLayout(self.world.rank, self.world.size, model, self.optimizer)
 
     def synchronize(self) -> None:
-        """Wait for the averaged gradients (written into ``p.grad``); the next ``step()`` uses them as they are."""
+        """Wait for the averaged gradients (written into ``p.grad``); the next ``step()`` uses them as they are.
+
+        Horovod gives a parameter that had no gradient a zero one and averages it; one process would have left it
+        None, and its optimizer would have skipped it (no weight decay, no momentum). So which parameters had a
+        gradient travels too (one small allreduce), and a parameter no rank had one for gets None back."""
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        had = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
         with timeline.watching("hvd optimizer.synchronize (gradient exchange)"):
             self.optimizer.synchronize()
+        if self.world.size > 1 and params:
+            some = self.world.allreduce(had, "sum").tolist()
+            for p, n in zip(params, some, strict=True):
+                if n == 0:
+                    p.grad = None
         self._synced = True
 
     def step(self, closure: Any = None) -> Any:
@@ -146,25 +162,24 @@ class HorovodOptimizer(OptimizerView):
         self._calls += 1
         if self._calls % self.backward_passes_per_step:
             return None
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if self.scaler is not None:
-            if not self._synced:
-                self.synchronize()
-            found = self.scaler.unscale([p.grad for p in params])
-            self.scaler.update(found)
-            if self.scaler.last_step_skipped:
-                self._synced = False
-                return None
-        if self.clip_grad_norm is not None:
-            if not self._synced:
-                self.synchronize()
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-            self._synced = True
+        result = self._boundary_step()
+        self._sync_buffers()
+        return result
+
+    def _boundary_step(self) -> Any:
+        """The window's last pass: average (unless synchronize() did), unscale and maybe skip, clip, step."""
         try:
-            if self._synced:
-                with self.optimizer.skip_synchronize():
-                    return self.optimizer.step()
-            with timeline.watching("hvd optimizer.step (gradient exchange)"):
+            if not self._synced:
+                self.synchronize()
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if self.scaler is not None:
+                found = self.scaler.unscale([p.grad for p in params])
+                self.scaler.update(found)
+                if self.scaler.last_step_skipped:
+                    return None
+            if self.clip_grad_norm is not None:
+                self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+            with self.optimizer.skip_synchronize():
                 return self.optimizer.step()
         finally:
             self._synced = False

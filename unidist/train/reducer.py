@@ -17,7 +17,9 @@ How a bucket is reduced depends on what the engine costs, not on a setting (``Co
   reduced one after another when backward is over.
 
 Buckets start strictly in order on every rank, so a parameter that gets no gradient on one rank cannot reorder
-the collectives (``gradcore.InOrder``).
+the collectives (``gradcore.InOrder``). A parameter that gets no gradient on *any* rank ends the reduction with
+none (``p.grad is None``), as in one process, so the optimizer skips it (no weight decay, no momentum): each rank's
+used-flags travel after the last bucket's gradients, in the same call.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class _Bucket:
     in once and replaced by its view; ``zero_grad(set_to_none=False)`` zeroes the views in place and then no copy
     is made at all. With a narrower wire dtype the buffer is a separate, compressed copy."""
 
-    __slots__ = ("buffer", "handle", "inplace", "numels", "offsets", "params", "ready", "views")
+    __slots__ = ("buffer", "extra", "handle", "inplace", "numels", "offsets", "params", "ready", "views")
 
     def __init__(self, params: list[torch.nn.Parameter], compressor: Compressor, inplace: bool = False) -> None:
         self.params = params
@@ -54,6 +56,7 @@ class _Bucket:
         self.inplace = inplace and len(params) == 1 and not compressor.copies(first.dtype)
         self.views = not compressor.copies(first.dtype) and not self.inplace
         self.numels = [p.numel() for p in params]
+        self.extra = 0  # elements after the gradients: the used-flags of every parameter, in the last bucket
         self.buffer = first.new_empty(0) if self.inplace else \
             buffers.zeros(sum(self.numels), compressor.wire_dtype(first.dtype), first.device)
         self.offsets = [0]
@@ -61,6 +64,13 @@ class _Bucket:
             self.offsets.append(self.offsets[-1] + n)
         self.ready: set[int] = set()
         self.handle: Handle[torch.Tensor] | None = None
+
+    def resize(self, extra: int) -> None:
+        """Room for ``extra`` flags after the gradients (a new buffer: gradients that were views into the old one
+        are copied in again at the next launch, as after ``zero_grad``)."""
+        if extra != self.extra and not self.inplace:
+            self.buffer = buffers.zeros(sum(self.numels) + extra, self.buffer.dtype, self.buffer.device)
+            self.extra = extra
 
     def piece(self, i: int) -> torch.Tensor:
         """Parameter i's part of the buffer, shaped like it. (Never kept: a second reference to a gradient
@@ -130,10 +140,17 @@ class GradientReducer:
                  bucket_bytes: float, sync_pass: Callable[[], bool]) -> None:
         self.dp, self.op, self._compressor, self._bucket_bytes = comm, op, compressor, bucket_bytes
         self._sync_pass = sync_pass
-        self._order: InOrder[_Bucket] = InOrder(self._launch)
+        self._order: InOrder[_Bucket] = InOrder(self._launch, lambda seen: list(comm.broadcast_object(seen, 0)))
         self.hooks: list[Any] = []
         self._overlap = comm.overlaps
         self._alone_from = comm.reduce_alone_from
+        # which parameters had a gradient on this rank at their bucket's launch; the last bucket carries the flags of
+        # all (or, when it is reduced in place, a small allreduce of their own after the drain), and a parameter no
+        # rank had a gradient for gets none after the reduction, as in one process (DDP's find_unused_parameters)
+        self._params: list[torch.nn.Parameter] = []
+        self._index: dict[int, int] = {}
+        self._used: list[bool] = []
+        self._flags: torch.Tensor | None = None  # the flags' own buffer, when the last bucket cannot carry them
         self.track(list(params))
 
     @property
@@ -153,6 +170,22 @@ class GradientReducer:
                                     members[0].numel() * members[0].element_size() >= self._alone_from))
         self.hooks += [p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
                        for p in params]
+        for p in params:
+            self._index[id(p)] = len(self._params)
+            self._params.append(p)
+        self._used = [True] * len(self._params)
+        self._plan_flags()
+
+    def _plan_flags(self) -> None:
+        """The used-flags ride after the last bucket's gradients (when it launches, every earlier bucket has: their
+        flags are final), or in a buffer of their own when that bucket is a gradient reduced in place."""
+        n = len(self._params)
+        last = self.buckets[-1] if self.buckets else None
+        for b in self.buckets:
+            b.resize(n if b is last and not b.inplace else 0)
+        self._flags = None
+        if last is not None and last.inplace:
+            self._flags = torch.zeros(n, dtype=torch.float32, device=last.params[0].device)
 
     def held_buffers(self) -> list[torch.Tensor]:
         """The fusion buffers this reducer keeps beyond the model's gradients."""
@@ -173,6 +206,8 @@ class GradientReducer:
 
     def _launch_now(self, bucket: _Bucket) -> None:
         scale = 1.0 / self.dp.size if self.op is ReduceOp.MEAN else 1.0
+        for p in bucket.params:  # before own()/adopt() give missing gradients zeros
+            self._used[self._index[id(p)]] = p.grad is not None
         with torch.no_grad():
             if bucket.inplace or bucket.views:
                 bucket.own() if bucket.inplace else bucket.adopt()
@@ -180,6 +215,8 @@ class GradientReducer:
                     bucket.buffer.mul_(scale)
             else:
                 self._compressor.write(bucket.buffer, [p.grad for p in bucket.params], bucket.numels, scale)
+            if bucket.extra:
+                bucket.buffer[-bucket.extra:] = torch.tensor(self._used, dtype=bucket.buffer.dtype)
         if self._overlap:
             bucket.handle = self.dp.allreduce_async_(bucket.buffer, ReduceOp.SUM)
         else:
@@ -188,8 +225,23 @@ class GradientReducer:
     def synchronize(self) -> None:
         """Finish every bucket's allreduce (launching those whose gradients never all arrived) and leave the
         result in ``p.grad``."""
-        if self.dp.size > 1:
-            self._order.drain()
+        if self.dp.size == 1 or not self.buckets:
+            return
+        carrier = self.buckets[-1]
+        self._order.drain()
+        flags = self._flags
+        if flags is not None:
+            flags.copy_(torch.tensor(self._used, dtype=flags.dtype))
+            self.dp.allreduce_(flags, ReduceOp.SUM)
+        else:
+            flags = carrier.buffer[-carrier.extra:]
+        used = (flags > 0).tolist()  # one host read per step
+        if not all(used):
+            for p, u in zip(self._params, used, strict=True):
+                if not u:
+                    p.grad = None
+        if self.buckets[-1] is not carrier:  # the first drain learned another order (gradcore.InOrder)
+            self._plan_flags()
 
     def remove_hooks(self) -> None:
         """Stop reducing: detach the gradient hooks."""
