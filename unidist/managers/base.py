@@ -314,8 +314,8 @@ class Manager(Communicator):
                 compression: str | None = None, backward_passes_per_step: int | None = None,
                 bucket_mb: float | None = None, group: Group | None = None,
                 deepspeed_config: Mapping[str, Any] | str | None = None, precision: str | None = None,
-                loss_scaling: Mapping[str, Any] | None = None, reducer: str = "auto", **unknown: Any
-                ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+                loss_scaling: Mapping[str, Any] | None = None, reducer: str = "auto", sync_batchnorm: bool = False,
+                **unknown: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Make ``model`` and ``optimizer`` data parallel; then ``mgr.backward(loss); opt.step();
         opt.zero_grad()`` is the whole loop, the same on every backend.
 
@@ -357,12 +357,17 @@ class Manager(Communicator):
                 the engine's collectives; the engine's optimizer step, clipping and loss scaling unchanged) or
                 ``"auto"`` (default: unidist's where it was measured faster and keeps the engine's math, see
                 ``unidist.train.reducer``). The mpi, torch and local backends always use unidist's.
+            sync_batchnorm: replace every BatchNorm of the model with one that normalises by the statistics of the
+                whole batch across the data-parallel ranks (``unidist.train.sync_batchnorm``; CPU and GPU, every
+                backend), so N ranks train like one process on B rows with BatchNorm too. Default False: each rank's
+                own rows, as DDP without ``convert_sync_batchnorm``. Either way every rank holds rank 0's buffers
+                (running statistics) after every optimizer step.
         """
         return self._training().prepare(  # type: ignore[no-any-return]
             model, optimizer, zero_stage=zero_stage, clip_grad_norm=clip_grad_norm, op=op, compression=compression,
             backward_passes_per_step=backward_passes_per_step, bucket_mb=bucket_mb, group=group,
             deepspeed_config=deepspeed_config, precision=precision, loss_scaling=loss_scaling, reducer=reducer,
-            unknown=unknown)
+            sync_batchnorm=sync_batchnorm, unknown=unknown)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` for the prepared model (divided by ``backward_passes_per_step``; on DeepSpeed

@@ -126,6 +126,8 @@ class EngineOptimizer(OptimizerView):
         if scaler is not None:
             zero = self.zero_optimizer
             scaler.end_step(bool(getattr(zero, "overflow", False)) if zero is not None else False)
+        if boundary:
+            self._sync_buffers()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: the engine clears gradients itself after the step at each accumulation boundary, and

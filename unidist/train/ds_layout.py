@@ -42,17 +42,32 @@ class DeepSpeedLayout(Layout):
         by_id = {id(p): n for n, p in self.module.named_parameters()}
         for k, v in self.module.state_dict(keep_vars=True).items():
             full = safe_get_full_fp32_param(v) if id(v) in by_id else None
+            if full is None and hasattr(v, "ds_id"):  # a frozen parameter at stage 3: partitioned, no fp32 master
+                full = self._gathered(v)
             model[k] = even_slice(full if full is not None else v, self.rank, self.size)
-        optim = {name: {key: even_slice(safe_get_full_optimizer_state(p, key), self.rank, self.size)
-                        for key in self.keys} for p, name in zip(self.params, self.opt_names, strict=True)
-                 } if self.optimizer is not None else {}
+        optim: dict[str, dict[str, Any]] = {}
+        for p, name in zip(self.params, self.opt_names, strict=True) if self.optimizer is not None else ():
+            # a frozen parameter is in no partition and has no state (DeepSpeed answers None for it)
+            found = {key: safe_get_full_optimizer_state(p, key) for key in self.keys} if p.requires_grad else {}
+            optim[name] = {key: even_slice(v, self.rank, self.size) for key, v in found.items() if v is not None}
         return {"model": model, "optim": optim}
+
+    @staticmethod
+    def _gathered(p: Any) -> torch.Tensor:
+        """A stage-3 parameter's whole value (a collective, as DeepSpeed's GatheredParameters is)."""
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p]):
+            whole: torch.Tensor = p.detach().clone()
+        return whole
 
     def meta(self) -> dict[str, Any]:
         if self.optimizer is None:
             return {"param_groups": [], "scalars": {}}
         scalars = {k: v for k, v in self.flat_state.items() if k not in self.keys}
-        return {"param_groups": self.settings(), "scalars": {name: scalars for name in self.opt_names}}
+        return {"param_groups": self.settings(), "scalars": {name: scalars for p, name in
+                                                             zip(self.params, self.opt_names, strict=True)
+                                                             if p.requires_grad}}
 
     def load(self, read: Read, meta: dict[str, Any], state_keys: dict[str, list[str]]) -> None:
         import deepspeed
@@ -67,7 +82,7 @@ class DeepSpeedLayout(Layout):
         self.zero.refresh_fp32_params()  # the fp32 master partitions from the loaded parameters
         if self.optimizer is None:
             return
-        saved = meta["scalars"].get(self.opt_names[0], {}) if self.opt_names else {}
+        saved: dict[str, Any] = next((meta["scalars"][n] for n in self.opt_names if meta["scalars"].get(n)), {})
         keys = sorted({k for name in self.opt_names for k in state_keys.get(name, [])})
         # A fresh engine has no optimizer state yet (it is made at the first step): make it, zeros, on the
         # fp32 master partitions, and have DeepSpeed link its per-parameter views into it.
@@ -80,6 +95,8 @@ class DeepSpeedLayout(Layout):
             self.zero._hp_optimizer_states_linked = False
             self.zero._lazy_init_hp_params_optimizer_state()
         for p, name in zip(self.params, self.opt_names, strict=True):
+            if not p.requires_grad:  # frozen: in no partition, no state to set
+                continue
             for key in state_keys.get(name, []):
                 numel: int = getattr(p, "ds_numel", p.numel())  # stage 3 parameters are empty here
                 if hasattr(p, "ds_id"):

@@ -126,6 +126,7 @@ class TrainOptions:
     precision: str = "32"
     loss_scaling: ScalerOptions = field(default_factory=ScalerOptions)
     reducer: str = "auto"
+    sync_batchnorm: bool = False  # BatchNorm over the whole batch across the data-parallel ranks (sync_batchnorm.py)
     # where each explicitly set option came from ("prepare(zero_stage=3)", "UNIDIST_ZERO_STAGE=3"); an engine
     # config that disagrees names it (train/ds_config.py)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -135,7 +136,7 @@ class TrainOptions:
               op: ReduceOp | str, compression: str | None, backward_passes_per_step: int | None,
               bucket_mb: float | None, group: Any, deepspeed_config: Mapping[str, Any] | str | Path | None,
               precision: str | None = None, loss_scaling: Mapping[str, Any] | None = None,
-              reducer: str = "auto", unknown: Mapping[str, Any]) -> TrainOptions:
+              reducer: str = "auto", sync_batchnorm: bool = False, unknown: Mapping[str, Any]) -> TrainOptions:
         """``None`` takes the UNIDIST_* default; ``unknown`` are the keywords prepare did not recognise."""
         if unknown:
             hints = {"config": "deepspeed_config", "gradient_clipping": "clip_grad_norm",
@@ -162,6 +163,8 @@ class TrainOptions:
                                        f"runs precision={mode!r}; pass it with precision='fp16-mixed'")
         if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
             raise InvalidArgumentError(f"prepare(zero_stage={stage!r}); use 0, 1, 2 or 3")
+        if not isinstance(sync_batchnorm, bool):
+            raise InvalidArgumentError(f"prepare(sync_batchnorm={sync_batchnorm!r}) takes True or False")
         if reducer not in REDUCERS:
             raise InvalidArgumentError(f"prepare(reducer={reducer!r}); use one of {', '.join(REDUCERS)}")
         if deepspeed_config is not None and not isinstance(deepspeed_config, (Mapping, str, Path)):
@@ -174,7 +177,7 @@ class TrainOptions:
         return cls(zero_stage=stage, clip_grad_norm=sync.clip_grad_norm, op=sync.op, compression=sync.compression,
                    backward_passes_per_step=sync.backward_passes_per_step, bucket_mb=sync.bucket_mb, group=group,
                    deepspeed_config=deepspeed_config, precision=mode, loss_scaling=scaling, reducer=reducer,
-                   sources=sources)
+                   sync_batchnorm=sync_batchnorm, sources=sources)
 
     @property
     def sync(self) -> SyncOptions:

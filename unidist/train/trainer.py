@@ -24,6 +24,7 @@ from unidist.comm import trace_hooks
 from unidist.comm.group import Group
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
+from unidist.train.buffer_sync import BufferSync
 from unidist.train.ddp import DistributedOptimizer
 from unidist.train.memory import MemoryStats, optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import SyncOptions, TrainOptions
@@ -31,6 +32,7 @@ from unidist.train.precision import LossScaler, Precision
 from unidist.train.preempt import Preemption
 from unidist.train.sampler import ShardSampler
 from unidist.train.state import broadcast_optimizer_state, broadcast_parameters
+from unidist.train.sync_batchnorm import convert_sync_batchnorm
 from unidist.train.zero import ZeroOptimizer
 
 __all__ = ["ENGINE_OPTIONS", "SCALER_KEY", "Trainer"]
@@ -73,9 +75,20 @@ class Trainer:
                 "prepare() was already called for this model: a second call would hook its gradients twice (or "
                 "shard it again); prepare each model once, and keep using the model and optimizer it returned")
         self.model = model
-        if opts.group is not None or (opts.zero_stage and not self.engine_zero):
-            return self._prepare_unidist(model, optimizer, opts)
-        return self._prepare(model, optimizer, opts)
+        comm = opts.group if opts.group is not None else self.mgr
+        own = opts.group is not None or (opts.zero_stage and not self.engine_zero)
+        if own or not self.takes_sparse(opts):
+            refuse_sparse(model)
+        if opts.sync_batchnorm:
+            model = convert_sync_batchnorm(model, comm)
+        prepared, opt = self._prepare_unidist(model, optimizer, opts) if own else self._prepare(model, optimizer, opts)
+        opt.buffer_sync = BufferSync(comm, self.unwrap(prepared))  # type: ignore[attr-defined]  # an OptimizerView
+        return prepared, opt
+
+    def takes_sparse(self, opts: TrainOptions) -> bool:
+        """Whether the engine's own training takes sparse gradients with these options (unidist's buckets and ZeRO
+        shards never do; Horovod's optimizer allgathers them)."""
+        return False
 
     engine_zero = False  # True where the engine shards itself (DeepSpeed): zero_stage goes to _prepare
 
@@ -286,3 +299,16 @@ class Trainer:
 
     def shard(self, data: Sized | int, *, shuffle: bool, seed: int, drop_last: bool) -> ShardSampler:
         return ShardSampler(data, self.mgr.rank, self.mgr.size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+
+def refuse_sparse(model: torch.nn.Module) -> None:
+    """An embedding with ``sparse=True`` makes sparse gradients, which unidist's fusion buckets and ZeRO shards (dense,
+    flat) cannot carry: refused before anything changes, naming the module, rather than failing inside backward."""
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse \
+                and module.weight.requires_grad:
+            raise InvalidArgumentError(
+                f"prepare(): {name or 'the model'} is {type(module).__name__}(sparse=True), whose sparse gradients "
+                "unidist's gradient buckets and ZeRO shards cannot reduce; build it with sparse=False (the default: "
+                "the same update, as a dense gradient), or on the horovod backend use zero_stage=0 without group=, "
+                "where Horovod's own optimizer allgathers sparse gradients")

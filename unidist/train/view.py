@@ -92,6 +92,15 @@ class OptimizerView(torch.optim.Optimizer):
             "optimizer before prepare()"
         )
 
+    # rank 0's persistent buffers after every optimizer step (buffer_sync.py); prepare() sets it, a building-block
+    # optimizer (distributed_optimizer) has none
+    buffer_sync: Any = None
+
+    def _sync_buffers(self) -> None:
+        """Called by every prepared optimizer at the end of each optimizer step (applied or skipped)."""
+        if self.buffer_sync is not None:
+            self.buffer_sync.sync()
+
     # fp16's loss scale, the same report from every prepared optimizer: a LossScaler (train/precision.py) or
     # DeepSpeed's AgreedGradScaler (train/ds_scaler.py), both with scale_value, last_step_skipped, skipped_steps
     scaler: Any = None
