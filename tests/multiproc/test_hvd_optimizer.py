@@ -56,13 +56,13 @@ def test_compat_distributed_optimizer(launch_id: str, tmp_path: Path) -> None:
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(launch.size)]
     assert reports[0]["size"] == launch.size
     check(reports, launch.size)
-    for report in reports:  # no zero-gradient step: a fresh optimizer's state stays empty (README: Coming from Horovod)
-        assert report["protocol"]["fresh_adam_steps_after_broadcast"] == "[]"
+    for report in reports:  # Horovod's zero-gradient step, as real Horovod takes it (docs/coming-from/horovod.md)
+        assert report["protocol"]["fresh_adam_steps_after_broadcast"] == str([1.0] * 6)
 
 
 @pytest.mark.horovod
 def test_real_horovod_agrees_with_the_reference(tmp_path: Path) -> None:
-    """The same worker on real horovod.torch: the reference is Horovod's math; and the one deliberate difference."""
+    """The same worker on real horovod.torch: the reference is Horovod's math, zero-gradient step included."""
     require("horovod")
     proc = run(horovodrun(2, WORKER, "--impl", "horovod", "--out", str(tmp_path)), timeout=600)
     assert proc.returncode == 0, proc.describe()

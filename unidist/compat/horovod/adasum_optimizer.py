@@ -127,6 +127,11 @@ class _AdasumOptimizer(torch.optim.Optimizer):
         self._ada_pending.clear()
         return loss
 
+    def step_without_reduction(self) -> Any:
+        """The wrapped optimizer class's own step on the gradients as they are (``broadcast_optimizer_state``'s
+        state initialisation, as Horovod's)."""
+        return super().step()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Refused between ``backward()`` and ``step()``, as in Horovod."""
         if self._ada_pending:

@@ -4,12 +4,15 @@
 parameters or of ``(name, parameter)`` pairs) and fuses the broadcast per dtype (unidist's
 ``broadcast_parameters``) instead of one call per tensor: the values are the same.
 
-``broadcast_optimizer_state`` differs from Horovod on purpose. On an optimizer with no state yet, Horovod
-first runs ``step()`` with zero gradients so that the state exists; for Adam that advances ``step`` to 1, which
-changes every later bias correction (and applies weight decay once): the trained weights then differ from
-what the same optimizer gives in one process. Here an empty state stays empty (every rank's fresh optimizer
-already agrees), and an existing state is rank ``root_rank``'s, tensors and scalars (``step``, ``lr`` and every
-other ``param_groups`` option), loaded on every rank.
+``broadcast_optimizer_state`` is Horovod's, step for step, because a script written for Horovod must end with
+Horovod's weights: on a rank whose optimizer has no state yet it first gives every parameter that requires a
+gradient a zero gradient (sparse for ``SparseAdam``, and for SGD on a sparse embedding of ``model``) and takes one
+step of the wrapped optimizer's own class, without any reduction, so that the state exists. That step is not
+neutral: with weight decay it moves each weight by ``lr * wd * w`` and seeds the momentum buffer with ``wd * w``;
+Adam starts its bias correction at step 1. Then rank ``root_rank``'s state (tensors and scalars such as ``step``)
+and ``param_groups`` options are loaded on every rank. As in Horovod the decision is each rank's own: on a resume
+where only rank 0 loaded a checkpoint, the other ranks take the zero step (their weights then move and rank 0's do
+not). ``unidist``'s own ``mgr.broadcast_optimizer_state`` takes no such step.
 
 Objects travel with cloudpickle when it is installed (as Horovod, which depends on it: lambdas and local
 classes work), else with pickle.
@@ -69,19 +72,38 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | list[Any], root_ra
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None) -> None:
-    """Rank ``root_rank``'s optimizer state and options on every rank (see the module docstring for the one
-    deliberate difference from Horovod: no zero-gradient step on a fresh optimizer).
+    """Rank ``root_rank``'s optimizer state and options on every rank, after Horovod's zero-gradient step on a rank
+    whose optimizer has no state yet (see the module docstring).
 
     Args:
         optimizer: a torch optimizer or this module's DistributedOptimizer.
         root_rank: the rank whose state everyone gets.
-        model: accepted for Horovod's signature (it used it to find sparse parameters; not needed here).
+        model: used, as in Horovod, to find sparse embeddings (their zero gradient is sparse for SGD).
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise InvalidArgumentError("cannot broadcast torch.optim.LBFGS state (as in Horovod: its state is nested "
                                    "Python objects; build the same LBFGS on every rank from broadcast parameters)")
     _check_root(root_rank)
+    if len(optimizer.state_dict()["state"]) == 0:
+        _zero_gradient_step(optimizer, model)
     manager().broadcast_optimizer_state(optimizer, root_rank)
+
+
+def _zero_gradient_step(optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """Horovod's state initialisation (horovod/torch/functions.py ``broadcast_optimizer_state``): a zero gradient for
+    every parameter that requires one, then the wrapped optimizer class's own step, with no reduction (a
+    DistributedOptimizer's step would reduce, and deadlock unless every rank took it). The gradients stay zeros."""
+    sparse = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse
+              for p in m.parameters()} if model is not None else set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = p.data.new(p.size()).zero_()
+                if isinstance(optimizer, torch.optim.SparseAdam) or (isinstance(optimizer, torch.optim.SGD)
+                                                                     and id(p) in sparse):
+                    p.grad = p.grad.to_sparse()
+    local = getattr(optimizer, "step_without_reduction", None)  # this module's DistributedOptimizers
+    (local if local is not None else optimizer.step)()
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,

@@ -231,6 +231,11 @@ class _HorovodOptimizer(torch.optim.Optimizer):
         self._hvd_synchronized = False
         return super().step(closure)
 
+    def step_without_reduction(self) -> Any:
+        """The wrapped optimizer class's own step on the gradients as they are (``broadcast_optimizer_state``'s
+        state initialisation: Horovod's ``super(optimizer.__class__, optimizer).step()``)."""
+        return super().step()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Refused between ``backward()`` and ``step()``/``synchronize()``, as in Horovod (the reductions in
         flight write into the gradients)."""
