@@ -1,0 +1,84 @@
+"""What one process computes, in plain torch (no unidist): the reference every zoo cell is compared with.
+
+- float32, ``whole_batch``: one process on all ``BATCH`` rows (what N ranks on B/N rows must equal).
+- otherwise (bf16-mixed; BatchNorm with each rank's own statistics): one process that runs each rank's rows
+  separately — under ``torch.autocast`` for bf16-mixed, its floating outputs then cast to float32 — and averages the
+  rows' losses in float32, the buffers left as rank 0's rows made them. That is what DDP computes (under autocast,
+  with ``broadcast_buffers``); one autocast backward over the whole batch differs from it by bfloat16 rounding alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from zoo.models import Entry, rows
+
+__all__ = ["reference", "to_float32"]
+
+
+def to_float32(out: Any) -> Any:
+    """The floating tensors of a model's output as float32, written without unidist (ModelOutput, tuples, tensors)."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.is_floating_point() else out
+    if dataclasses.is_dataclass(out) and isinstance(out, dict):  # a Hugging Face ModelOutput
+        return dataclasses.replace(out, **{k: to_float32(v) for k, v in out.items()})
+    if isinstance(out, tuple):
+        return type(out)(to_float32(v) for v in out)
+    return out
+
+
+class _Autocast(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = self.model(*args, **kwargs)
+        return to_float32(out)
+
+
+def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.named_buffers()}
+
+
+def _set_buffers(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, v in model.named_buffers():
+            v.copy_(values[k])
+
+
+def reference(entry: Entry, precision: str, size: int, steps: int) -> tuple[dict[str, torch.Tensor], str, float]:
+    """(the trained state dict, the type name of the model's output, the first step's gradient norm)."""
+    with torch.random.fork_rng():
+        model = entry.build()
+        opt = entry.optimizer(model)
+        run = _Autocast(model) if precision == "bf16-mixed" else model
+        whole = precision == "32" and entry.whole_batch
+        out_type, first_norm = "", 0.0
+        for step in range(steps):
+            batch = entry.batch(step)
+            if whole:
+                loss, out = entry.loss(run, batch, step)
+                loss.backward()
+            else:
+                before, after = _buffers(model), None
+                for r in range(size):
+                    _set_buffers(model, before)
+                    loss, out = entry.loss(run, rows(batch, r, size), step)
+                    (loss / size).backward()
+                    if r == 0:
+                        after = _buffers(model)
+                if after is not None:
+                    _set_buffers(model, after)
+            if step == 0:
+                out_type = type(out).__name__
+                grads = [(p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1) for p in model.parameters()
+                         if p.grad is not None]
+                first_norm = float(torch.cat(grads).norm())
+            opt.step()
+            opt.zero_grad()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, out_type, first_norm
