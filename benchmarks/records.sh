@@ -4,10 +4,11 @@
 # The pages include these files as they are, so a page's figure is what the command last printed.
 #
 #   bash benchmarks/records.sh                 # all (about 20 minutes; run it on a quiet machine)
-#   bash benchmarks/records.sh check faults    # some: check, timeline, checkpoint, faults
+#   bash benchmarks/records.sh check faults    # some: check, timeline, checkpoint, faults, zoo
 #
 # Python comes from BENCH_BIN (a directory with python, mpiexec and every engine; default: .tox/py/bin, whose
-# environment has mpi4py and torch; the fault table needs every engine, so point BENCH_BIN at one that has them).
+# environment has mpi4py and torch; the fault table and the model zoo's need every engine (and transformers), so
+# point BENCH_BIN at one that has them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin="${BENCH_BIN:-.tox/py/bin}"
@@ -15,7 +16,7 @@ export PATH="$bin:$PATH" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DS_ACCELER
 out=benchmarks/records
 record() { "$bin/python" -m unidist.bench.record "$@"; }
 want() { [ $# -eq 0 ] || [[ " $* " == *" $name "* ]]; }
-for name in check timeline checkpoint faults; do
+for name in check timeline checkpoint faults zoo; do
     want "${@}" || continue
     case $name in
     check) record $out/check.md -- mpiexec -n 2 python -m unidist.bench.check --rounds 21 ;;
@@ -30,6 +31,12 @@ for name in check timeline checkpoint faults; do
         UNIDIST_FAULT_TABLE="$rows" "$bin/python" -m pytest -q -p no:cacheprovider tests/multiproc/test_faults.py
         record $out/faults.md --faults "$rows" --seconds $(( $(date +%s) - start )) \
             --command "UNIDIST_FAULT_TABLE=FILE python -m pytest tests/multiproc/test_faults.py"
+        rm -f "$rows" ;;
+    zoo)
+        rows=$(mktemp); start=$(date +%s)
+        ZOO_MATRIX=all ZOO_TABLE="$rows" "$bin/python" -m pytest -q -p no:cacheprovider tests/multiproc/test_model_zoo.py
+        record $out/model_zoo.md --table "$rows" --seconds $(( $(date +%s) - start )) \
+            --command "ZOO_MATRIX=all ZOO_TABLE=FILE python -m pytest tests/multiproc/test_model_zoo.py"
         rm -f "$rows" ;;
     esac
 done

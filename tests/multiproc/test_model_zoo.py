@@ -7,6 +7,9 @@ model at ZeRO-3 in float32 and one more rotating cell. The whole matrix everywhe
 
     ZOO_MATRIX=all python -m pytest tests/multiproc/test_model_zoo.py -m "local or mpi"     # and -m torch, ...
 
+With ``ZOO_TABLE=FILE`` the tests append what they measured (JSON lines) for ``python -m unidist.bench.record --table
+FILE``: benchmarks/records/model_zoo.md, which docs/models.md shows (benchmarks/records.sh regenerates it).
+
 What only the engine decides is asserted as the engine does it, so a change shows: DeepSpeed's ZeRO gives a parameter
 no rank used a zero gradient (it then moves by weight decay and momentum), where unidist, torch's DDP and one process
 leave it None; Horovod's optimizer takes a sparse embedding's gradients, unidist's buckets and shards refuse them.
@@ -15,6 +18,7 @@ leave it None; Horovod's optimizer takes a sparse embedding's gradients, unidist
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +68,14 @@ def test_every_cell_ran(zoo: Zoo) -> None:
     assert {m for m, _, _ in meta["cells"]} == set(meta["models"])  # every model, on every backend
 
 
+def _table(table: str, row: str, column: str, cell: str) -> None:
+    """One measured cell for the record (``ZOO_TABLE``; nothing without it)."""
+    path = os.environ.get("ZOO_TABLE")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"table": table, "row": row, "column": column, "cell": cell}) + "\n")
+
+
 def _refused_here(model: str, backend: str, stage: int) -> bool:
     """Where prepare must refuse the model: the sparse embedding everywhere but Horovod's own optimizer."""
     return ZOO[model].refused is not None and not (backend == "horovod" and stage == 0)
@@ -85,6 +97,16 @@ def test_trains_like_one_process(zoo: Zoo, model: str) -> None:
         _needs_transformers()
     cells = _cells(zoo, model)
     assert cells, f"{model} ran no cell on {launch.backend}"
+    worst: dict[str, float] = {}
+    for where, cell in cells:
+        column = "ZeRO-{} {}".format(*where.split(" ")[-1].split("/")[1:])
+        worst[column] = max(worst.get(column, 0.0), cell.get("diff", 0.0))
+        if "refused" in cell:
+            worst[column] = -1.0
+    for column, diff in worst.items():
+        mark = "*" if _engine_zero_fills(model, launch.backend, int(column.split()[0][-1])) else ""
+        _table(f"{launch.backend} ({launch.size} ranks): max |w - w_one_process| after {matrix.STEPS} steps", model,
+               column, "refused" if diff < 0 else ("0" if diff == 0 else f"{diff:.1e}{mark}"))
     for where, cell in cells:
         _, stage, precision = where.split(" ")[-1].split("/")
         if _refused_here(model, launch.backend, int(stage)):
@@ -124,6 +146,8 @@ def test_zero3_keeps_a_fraction_of_the_parameters_whole(zoo: Zoo) -> None:
     assert rows, "no ZeRO-3 cell measured"
     for model, first, peak, total in rows:
         print(f"{launch.backend} {model}: first step {first / total:.3f}, then {peak / total:.3f} of {total} bytes")
+        _table("ZeRO-3: the most parameter bytes whole at once in a step (after the first), of the model's (stage 0 "
+               "holds them all)", model, f"{launch.backend}-{launch.size}", f"{peak / total:.2f}")
         if model in ("gpt2", "bert", "t5", "llama", "torch_encoder", "torch_transformer") and launch.size > 1:
             assert peak <= 0.3 * total, (model, peak, total)
         assert peak <= total + 64 * launch.size, (model, peak, total)  # never more than the whole model (+ padding)

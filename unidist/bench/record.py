@@ -7,7 +7,9 @@ by hand that the code has since moved away from. ``benchmarks/records.sh`` regen
 Each record says which command made it, when, on what machine (``unidist.bench.machine.line``) and at what load
 (load average before and after: these are shared machines, and a figure measured at load 4 is not one measured
 at load 0), then the command's output verbatim in a text block. ``--faults FILE`` instead renders the JSON lines
-``tests/multiproc/test_faults.py`` appends under ``UNIDIST_FAULT_TABLE`` as a launch x fault table.
+``tests/multiproc/test_faults.py`` appends under ``UNIDIST_FAULT_TABLE`` as a launch x fault table, and ``--table
+FILE`` any JSON lines of ``{"table", "row", "column", "cell"}`` as one table per ``table`` (the model zoo's,
+``tests/multiproc/test_model_zoo.py`` under ``ZOO_TABLE``).
 
     python -m unidist.bench.record benchmarks/records/check.md -- mpiexec -n 2 python -m unidist.bench.check
     python -m unidist.bench.record benchmarks/records/faults.md --faults faults.jsonl --command "pytest ..."
@@ -66,6 +68,22 @@ def fault_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def tables(rows: list[dict[str, Any]]) -> list[str]:
+    """One markdown table per distinct ``table`` (its name as a heading line, unless empty): ``row`` x ``column``,
+    in the order they first appear; a missing cell is ``-``."""
+    out: list[str] = []
+    for name in dict.fromkeys(r["table"] for r in rows):
+        mine = [r for r in rows if r["table"] == name]
+        columns = list(dict.fromkeys(r["column"] for r in mine))
+        cell = {(r["row"], r["column"]): str(r["cell"]) for r in mine}
+        out += [f"**{name}**", ""] if name else []
+        out += ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        out += [f"| {row} | " + " | ".join(cell.get((row, c), "-") for c in columns) + " |"
+                for row in dict.fromkeys(r["row"] for r in mine)]
+        out.append("")
+    return out[:-1]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -73,10 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="the record to write (markdown)")
     parser.add_argument("--faults", type=Path, help="render test_faults' UNIDIST_FAULT_TABLE JSON lines instead")
-    parser.add_argument("--command", help="with --faults: the command that collected them, for the header")
-    parser.add_argument("--seconds", type=float, default=0.0, help="with --faults: how long that command took")
+    parser.add_argument("--table", type=Path, help="render JSON lines of table/row/column/cell instead")
+    parser.add_argument("--command", help="with --faults or --table: the command that collected them, for the header")
+    parser.add_argument("--seconds", type=float, default=0.0,
+                        help="with --faults or --table: how long that command took")
     ns = parser.parse_args(own)
-    if ns.faults:
+    if ns.table:
+        rows = [json.loads(text) for text in ns.table.read_text().splitlines() if text.strip()]
+        if not rows:
+            parser.error(f"{ns.table} holds no rows")
+        load = os.getloadavg()[0]
+        body = [*header(ns.command or str(ns.table), load, load, ns.seconds), *tables(rows)]
+    elif ns.faults:
         rows = [json.loads(text) for text in ns.faults.read_text().splitlines() if text.strip()]
         if not rows:
             parser.error(f"{ns.faults} holds no rows: run the fault tests with UNIDIST_FAULT_TABLE={ns.faults}")

@@ -219,11 +219,14 @@ class _Reads(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-# What a freed parameter answers like the whole one (its dtype, device, flags): asking does not read its values, so
-# it neither gathers the unit nor makes the asking module a reader (Hugging Face's ``self.dtype`` asks the first
-# parameter's dtype from the top-level module: that must not keep the embedding whole for the whole forward)
+# Questions about a parameter, not reads of its values: they neither gather its unit nor make the asking module a
+# reader (Hugging Face's ``self.dtype`` asks the first parameter's dtype from the top-level module: that must not
+# keep the embedding whole for the whole forward; a hook that checks ``weight.numel()`` must see what is there).
+# A freed parameter answers dtype, device and flags as the whole one does; its shape is the placeholder's (empty).
 _METADATA = frozenset({
     *(getattr(torch.Tensor, name).__get__ for name in ("dtype", "device", "requires_grad", "is_leaf", "layout",
-                                                        "is_cuda", "is_sparse", "is_meta", "is_quantized", "grad_fn")),
-    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.get_device,
+                                                        "is_cuda", "is_sparse", "is_meta", "is_quantized", "grad_fn",
+                                                        "shape", "ndim", "nbytes", "itemsize")),
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.get_device, torch.Tensor.numel,
+    torch.Tensor.dim, torch.Tensor.size, torch.Tensor.element_size, torch.Tensor.stride, torch.Tensor.is_contiguous,
 })
