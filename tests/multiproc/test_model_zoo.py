@@ -46,7 +46,7 @@ def zoo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     _needs_transformers()
     out = tmp_path_factory.mktemp(f"zoo-{request.param}")
     cells = "all" if matrix.full() or launch.backend in EVERY_CELL else "sample"
-    proc = run(launch.command(WORKER, "--out", str(out), "--cells", cells), env=launch.env, timeout=900)
+    proc = run(launch.command(WORKER, "--out", str(out), "--cells", cells, "--outputs"), env=launch.env, timeout=900)
     return launch, proc, results(out, launch.size)  # type: ignore[return-value]
 
 
@@ -105,7 +105,8 @@ def test_trains_like_one_process(zoo: Zoo, model: str) -> None:
             worst[column] = -1.0
     for column, diff in worst.items():
         mark = "*" if _engine_zero_fills(model, launch.backend, int(column.split()[0][-1])) else ""
-        _table(f"{launch.backend} ({launch.size} ranks): max |w - w_one_process| after {matrix.STEPS} steps", model,
+        ranks = f"{launch.size} rank" + ("s" if launch.size > 1 else "")
+        _table(f"{launch.backend} ({ranks}): max |w - w_one_process| after {matrix.STEPS} steps", model,
                column, "refused" if diff < 0 else ("0" if diff == 0 else f"{diff:.1e}{mark}"))
     for where, cell in cells:
         _, stage, precision = where.split(" ")[-1].split("/")
@@ -130,6 +131,26 @@ def test_trains_like_one_process(zoo: Zoo, model: str) -> None:
             assert rt["diff"] == 0.0 and rt["tied"], (where, rt)
     # the LoRA model's frozen weights were there to check (and no other model has any)
     assert any(cell.get("frozen") for _, cell in cells) == (model == "lora"), model
+
+
+def test_outputs_keep_their_type_in_every_precision(zoo: Zoo) -> None:
+    """One forward per precision mode at stages 0 and 3: GPT-2's ModelOutput and a frozen dataclass holding a
+    namedtuple and a dict come back as themselves, floats as float32, integer tensors untouched; only what the
+    engine cannot run is refused (DeepSpeed: bf16-true under its ZeRO)."""
+    launch, _, res = zoo
+    for rank, report in res.items():
+        got = {k: v for k, v in report.items() if k.startswith("outputs/")}
+        assert len(got) == (16 if HAS_TRANSFORMERS else 8), (rank, sorted(got))
+        for key, r in got.items():
+            _, model, stage, precision = key.split("/")
+            if launch.backend == "deepspeed" and precision == "bf16-true" and stage != "0":
+                assert "not available on the deepspeed backend at ZeRO stage" in r["refused"], (key, r)
+                continue
+            assert "refused" not in r, (rank, key, r)
+            want = "Frozen" if model == "nested" else "CausalLMOutputWithCrossAttentions"
+            assert r["type"] == want and r["floats"] == ["torch.float32"], (rank, key, r)
+            if model == "nested":
+                assert r["inner"] == "Pair" and r["ints"] == ["torch.int64"], (rank, key, r)
 
 
 def test_zero3_keeps_a_fraction_of_the_parameters_whole(zoo: Zoo) -> None:
@@ -183,3 +204,42 @@ def test_checkpoint_resumes_on_another_backend(case: str, tmp_path: Path) -> Non
         for key, r in got.items():
             assert r["diff"] == 0.0 and r["ints_equal"] and r["tied"] and r["spread"] == 0.0, (rank, key, r)
     print(json.dumps(res[0], indent=1))
+
+
+# one GPU: every model, mixed stages and precisions, against the same process's reference on the same GPU (the worker
+# makes CUDA's kernels deterministic); torchrun at one rank (nccl), so what it checks is the device path, not the
+# reduction (two ranks on one GPU are test_gpu.py's)
+GPU_CELLS = ("gpt2:0:32,gpt2:3:bf16-mixed,bert:2:bf16-mixed,t5:1:32,llama:3:bf16-mixed,torch_encoder:3:32,"
+             "torch_transformer:3:bf16-mixed,resnet:3:bf16-mixed,resnet_syncbn:0:32,lora:3:32,branches:2:32,"
+             "shared:3:32,parent_reads:3:32")
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+@pytest.mark.skipif(_gpus() == 0, reason="needs a CUDA device; torch sees none on this machine")
+def test_zoo_on_one_gpu(tmp_path: Path) -> None:
+    launch = LAUNCHES["torchrun-2"].resized(1)
+    require(*launch.engines)
+    _needs_transformers()
+    proc = run(launch.command(WORKER, "--out", str(tmp_path), "--cells", GPU_CELLS, "--outputs"), env=launch.env,
+               timeout=900)
+    assert proc.returncode == 0, proc.describe()
+    res = results(tmp_path, 1)
+    assert res, proc.describe()
+    for key, cell in res[0].items():
+        if key.startswith("_"):
+            continue
+        if key.startswith("outputs/"):
+            assert "refused" not in cell and cell["floats"] == ["torch.float32"], (key, cell)
+            continue
+        assert "error" not in cell and "refused" not in cell, (key, cell)
+        _, stage, precision = key.split("/")
+        assert cell["out_type"] == cell["ref_type"] and cell["tied"] and cell["never_moved"] == 0.0, (key, cell)
+        assert cell["diff"] <= matrix.tolerance("torch", int(stage), precision), (key, cell)
+        print(f"cuda {key}: max |w - w_one_process| {cell['diff']:.2e}")

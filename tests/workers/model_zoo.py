@@ -16,7 +16,10 @@ For each cell of ``--cells`` (``sample``: tests/zoo/matrix.py's plan for this ba
   after the first (``gathered_first``: during the first, which learns the reads and the gradients' order), against
   the trainable parameters' bytes (what stage 0 holds whole all the time).
 
-A refused model records ``refused``: its error's type and message. ``--resume-from DIR`` then loads the checkpoints
+``--outputs``: one forward per precision mode (32, bf16-mixed, fp16-mixed, bf16-true) at stages 0 and 3, of GPT-2
+and of a model returning a frozen dataclass that holds a namedtuple and a dict (``outputs/<model>/<stage>/<mode>``:
+the type that came back and its floating dtypes). A refused model records ``refused``: its error's type and
+message. ``--resume-from DIR`` then loads the checkpoints
 another launch saved in DIR into models prepared two stages on (``resume/<model>/<stage>``: max |w - saved|, tied
 names, spread): a checkpoint moves across backends, world sizes and stages. Writes ``<out>/rank<R>.json``.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -36,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for t
 
 from zoo import matrix
 from zoo.models import Entry, available, frozen_names, lookup, rows
-from zoo.reference import reference
+from zoo.reference import on, reference
 
 import unidist
 
@@ -79,7 +83,7 @@ def _diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[
 
 
 def _spread(mgr: Any, state: dict[str, torch.Tensor]) -> float:
-    flat = torch.cat([t.reshape(-1).double().cpu() for t in state.values()])
+    flat = torch.cat([t.reshape(-1).double().cpu() for t in state.values()]).to(mgr.device)
     return float((mgr.allreduce(flat, "max") - mgr.allreduce(flat, "min")).abs().max())
 
 
@@ -100,18 +104,19 @@ def train(mgr: Any, entry: Entry, stage: int, precision: str, where: Path) -> di
     except unidist.UnidistError as err:
         return {"refused": f"{type(err).__name__}: {err}"}
     watched = _watch_gathers(popt) if stage == 3 else None
-    out_type, floats = "", []
+    out_type, floats, tied = "", [], True
     for step in range(matrix.STEPS):
-        loss, out = entry.loss(prepared, rows(entry.batch(step), mgr.rank, mgr.size), step)
+        loss, out = entry.loss(prepared, on(rows(entry.batch(step), mgr.rank, mgr.size), mgr.device), step)
         if step == 0:
             out_type, floats = type(out).__name__, _floats(out)
         mgr.backward(loss)
         popt.step()
         popt.zero_grad()
+        tied = tied and _tied(entry, mgr.unwrap(prepared))  # after every step
         if watched is not None and step == 0:  # the first step learns the reads and the gradients' order
             watched["first"], watched["peak"] = watched["peak"], watched["now"]
     gathered = dict(watched) if watched is not None else None  # before full_state_dict gathers everything
-    full = mgr.full_state_dict(prepared)
+    full = {k: v.cpu() for k, v in mgr.full_state_dict(prepared).items()}
     module = mgr.unwrap(prepared)
     state = mgr.full_optimizer_state_dict(popt)["state"]
     result: dict[str, Any] = {
@@ -120,7 +125,7 @@ def train(mgr: Any, entry: Entry, stage: int, precision: str, where: Path) -> di
         "frozen_state": sum(1 for i in frozen_ids if state.get(i)),
         "never_moved": max((float((full[k] - start[k]).abs().max()) for k in full
                             if k.startswith(entry.never_used)), default=0.0) if entry.never_used else 0.0,
-        "tied": _tied(entry, module),
+        "tied": tied and _tied(entry, module),
     }
     if gathered is not None and getattr(popt, "units", None):
         result["gathered_first"], result["gathered_peak"] = gathered["first"], gathered["peak"]
@@ -147,7 +152,7 @@ def _roundtrip(mgr: Any, entry: Entry, prepared: Any, popt: Any, saved: dict[str
             p.add_(1.0)  # a different start: only the checkpoint can make it equal
     fresh, fopt = mgr.prepare(model, entry.optimizer(model), zero_stage=stage, sync_batchnorm=entry.sync_batchnorm)
     mgr.load_checkpoint(where, fresh, fopt)
-    got = mgr.full_state_dict(fresh)
+    got = {k: v.cpu() for k, v in mgr.full_state_dict(fresh).items()}
     out = {"stage": stage, "diff": _diff(got, saved)[0], "tied": _tied(entry, mgr.unwrap(fresh))}
     if hasattr(fopt, "remove_hooks"):
         fopt.remove_hooks()
@@ -167,7 +172,7 @@ def resume(mgr: Any, zoo: dict[str, Entry], source: Path) -> dict[str, Any]:
                 p.add_(1.0)
         fresh, fopt = mgr.prepare(model, entry.optimizer(model), zero_stage=at, sync_batchnorm=entry.sync_batchnorm)
         mgr.load_checkpoint(source / full.name[:-len(".full.pt")], fresh, fopt)
-        got = mgr.full_state_dict(fresh)
+        got = {k: v.cpu() for k, v in mgr.full_state_dict(fresh).items()}
         diff, ints = _diff(got, torch.load(full))
         out[f"resume/{name}/{stage}"] = {"stage": at, "diff": diff, "ints_equal": ints,
                                          "tied": _tied(entry, mgr.unwrap(fresh)), "spread": _spread(mgr, got)}
@@ -176,12 +181,64 @@ def resume(mgr: Any, zoo: dict[str, Entry], source: Path) -> dict[str, Any]:
     return out
 
 
+class Nested(torch.nn.Module):
+    """Returns what unidist must hand back as it came: a frozen dataclass holding a namedtuple, a dict and an int
+    tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        from zoo.models import Frozen, Pair
+
+        h = self.lin(x)
+        return Frozen(Pair(h, {"half": h[:, :2], "ids": torch.arange(2)}))
+
+
+def outputs(mgr: Any, zoo: dict[str, Entry]) -> dict[str, Any]:
+    """One forward per precision mode at stages 0 and 3 (GPT-2's ModelOutput where transformers is installed, and a
+    nested dataclass/namedtuple/dict output): the type each came back as, and its floating dtypes (or the refusal)."""
+    out: dict[str, Any] = {}
+    models = {"nested": (Nested, lambda m: m(torch.randn(2, 4, device=mgr.device)))}
+    if "gpt2" in zoo:
+        models["gpt2"] = (zoo["gpt2"].build, lambda m: m(input_ids=torch.randint(2, 60, (2, 8), device=mgr.device)))
+    for name, (build, call) in models.items():
+        for precision in ("32", "bf16-mixed", "fp16-mixed", "bf16-true"):
+            for stage in (0, 3):
+                model = build()
+                try:
+                    prepared, opt = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                zero_stage=stage, precision=precision)
+                except unidist.InvalidArgumentError as err:
+                    out[f"outputs/{name}/{stage}/{precision}"] = {"refused": str(err)}
+                    continue
+                got = call(prepared)
+                out[f"outputs/{name}/{stage}/{precision}"] = {
+                    "type": type(got).__name__, "inner": type(getattr(got, "pair", None)).__name__,
+                    "floats": _floats(got), "ints": sorted({str(t.dtype) for t in _all(got) if not
+                                                            t.is_floating_point()})}
+                if hasattr(opt, "remove_hooks"):
+                    opt.remove_hooks()
+    return out
+
+
+def _all(out: Any) -> list[torch.Tensor]:
+    from unidist.tree import tensors
+
+    return list(tensors(out))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--cells", default="sample", help="sample, all, none, or model:stage:precision,...")
     parser.add_argument("--resume-from", type=Path, help="load the checkpoints another launch saved there")
+    parser.add_argument("--outputs", action="store_true", help="also check the output types of every precision")
     ns = parser.parse_args(unidist.script_args())
+    if torch.cuda.is_available():  # the reference runs the same kernels: make them repeatable (embedding backward)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     zoo = available()
     with unidist.init() as mgr:
         if ns.cells in ("sample", "all"):
@@ -200,7 +257,7 @@ def main() -> int:
                 got = train(mgr, entry, stage, precision, ns.out / f"ckpt-{name}-{stage}")
                 if "refused" not in got:
                     if (name, precision) not in refs:
-                        refs[(name, precision)] = reference(entry, precision, mgr.size, matrix.STEPS)
+                        refs[(name, precision)] = reference(entry, precision, mgr.size, matrix.STEPS, mgr.device)
                     want, ref_type, norm = refs[(name, precision)]
                     got["diff"], got["ints_equal"] = _diff(got.pop("_full"), want)
                     got["ref_type"], got["first_norm"] = ref_type, norm
@@ -210,6 +267,8 @@ def main() -> int:
                 report[key] = {"error": f"{type(err).__name__}: {err}"}
         if ns.resume_from is not None:
             report.update(resume(mgr, zoo, ns.resume_from))
+        if ns.outputs:
+            report.update(outputs(mgr, zoo))
         (ns.out / f"rank{mgr.rank}.json").write_text(json.dumps(report, indent=1))
         mgr.barrier()
     return 0

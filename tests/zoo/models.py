@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own spelling
@@ -310,6 +310,20 @@ def _branches_loss(model: Any, rows: Batch, step: int) -> tuple[torch.Tensor, An
 def _sparse_loss(model: Any, rows: Batch, step: int) -> tuple[torch.Tensor, Any]:
     out = model(rows["ids"])
     return F.mse_loss(out.float(), rows["y"]), out
+
+
+class Pair(NamedTuple):
+    """An output as some models return it: a namedtuple (the output-type checks, tests/workers/model_zoo.py)."""
+
+    logits: torch.Tensor
+    extra: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """A frozen dataclass output holding a namedtuple (the output-type checks)."""
+
+    pair: Pair
 
 
 ZOO: dict[str, Entry] = {

@@ -16,7 +16,7 @@ import torch
 
 from zoo.models import Entry, rows
 
-__all__ = ["reference", "to_float32"]
+__all__ = ["on", "reference", "to_float32"]
 
 
 def to_float32(out: Any) -> Any:
@@ -31,12 +31,12 @@ def to_float32(out: Any) -> Any:
 
 
 class _Autocast(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.device_type = model, device.type
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
             out = self.model(*args, **kwargs)
         return to_float32(out)
 
@@ -51,16 +51,23 @@ def _set_buffers(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> Non
             v.copy_(values[k])
 
 
-def reference(entry: Entry, precision: str, size: int, steps: int) -> tuple[dict[str, torch.Tensor], str, float]:
-    """(the trained state dict, the type name of the model's output, the first step's gradient norm)."""
-    with torch.random.fork_rng():
-        model = entry.build()
+def on(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def reference(entry: Entry, precision: str, size: int, steps: int, device: torch.device | None = None
+              ) -> tuple[dict[str, torch.Tensor], str, float]:
+    """(the trained state dict, on the CPU; the type name of the model's output; the first step's gradient norm),
+    computed on ``device`` (default the CPU), where the distributed run computed."""
+    device = device if device is not None else torch.device("cpu")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model = entry.build().to(device)
         opt = entry.optimizer(model)
-        run = _Autocast(model) if precision == "bf16-mixed" else model
+        run = _Autocast(model, device) if precision == "bf16-mixed" else model
         whole = precision == "32" and entry.whole_batch
         out_type, first_norm = "", 0.0
         for step in range(steps):
-            batch = entry.batch(step)
+            batch = on(entry.batch(step), device)
             if whole:
                 loss, out = entry.loss(run, batch, step)
                 loss.backward()
@@ -81,4 +88,4 @@ def reference(entry: Entry, precision: str, size: int, steps: int) -> tuple[dict
                 first_norm = float(torch.cat(grads).norm())
             opt.step()
             opt.zero_grad()
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}, out_type, first_norm
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, out_type, first_norm
