@@ -29,140 +29,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unidist.comm import buffers, trace_hooks
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
-from unidist.train.gradcore import Compression, Compressor, InOrder, pack
+from unidist.train.gradcore import Compression, InOrder, pack
 from unidist.train.options import SyncOptions
 from unidist.train.window import WindowedOptimizer
 from unidist.train.zero_fetch import Fetcher
 from unidist.train.zero_layout import ZeroLayout
+from unidist.train.zero_unit import Unit
 
 if TYPE_CHECKING:
-    from unidist.comm.work import Handle
     from unidist.train.protocol import Comm
 
 __all__ = ["ZeroOptimizer"]
-
-
-class _Unit:
-    """Parameters flattened together and split into ``dp.size`` equal chunks; this rank owns one."""
-
-    def __init__(self, dp: Comm, params: list[torch.nn.Parameter], group: int, keep_full: bool) -> None:
-        self.dp, self.params, self.group = dp, params, group
-        self.shapes = [p.shape for p in params]  # stage 3 empties the parameters themselves
-        self.numels = [p.numel() for p in params]
-        self.numel = sum(self.numels)
-        self.chunk = -(-self.numel // dp.size)  # ceil: the last rank's chunk is padded with zeros
-        self.lo = dp.rank * self.chunk
-        first = params[0]
-        self.dtype, self.device = first.dtype, first.device
-        full = buffers.zeros(self.chunk * dp.size, self.dtype, self.device)
-        with torch.no_grad():
-            torch.cat([p.detach().reshape(-1) for p in params], out=full[: self.numel])
-        self.full: torch.Tensor | None = None
-        if keep_full:  # stages 1-2: parameters are views into the flat buffer; the shard is a view of it too
-            self._bind(full)
-            self.shard = torch.nn.Parameter(full[self.lo:self.lo + self.chunk])
-        else:
-            self.shard = torch.nn.Parameter(full[self.lo:self.lo + self.chunk].clone())
-            self.release()
-        self.ready: set[int] = set()
-        self.handle: Handle[torch.Tensor] | None = None
-        self.used: torch.Tensor | None = None  # after a reduction: which parameters some rank had a gradient for
-
-    # ------------------------------------------------------------------ parameters
-    def _bind(self, full: torch.Tensor) -> None:
-        self.full = full
-        offset = 0
-        for p, shape, n in zip(self.params, self.shapes, self.numels, strict=True):
-            p.data = full[offset:offset + n].view(shape)
-            offset += n
-
-    def gather(self) -> None:
-        """Full parameters from every rank's shard (stage 3; a no-op while gathered). Every rank's chunk has
-        the same size, so the allgather writes into a buffer of known size (``out=``): no sizes exchanged."""
-        if self.full is None:
-            full = torch.empty(self.chunk * self.dp.size, dtype=self.dtype, device=self.device)
-            with trace_hooks.span("zero gather", bytes=full):
-                self.dp.allgather(self.shard.detach(), out=full)
-            self._bind(full)
-
-    def release(self) -> None:
-        """Free the full parameters (stage 3): each becomes an empty tensor until the next gather."""
-        for p in self.params:
-            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
-        self.full = None
-
-    def write_back(self) -> None:
-        """Copy this rank's chunk of the full parameters into its shard (after edits inside a gather)."""
-        if self.full is not None:
-            with torch.no_grad():
-                self.shard.copy_(self.full[self.lo:self.lo + self.chunk])
-
-    def refresh(self) -> None:
-        """Stages 1-2 after a step: every rank's updated shard into the full parameters."""
-        if self.full is not None:  # the shard is a view of ``full``: send a copy (MPI forbids aliased buffers)
-            with torch.no_grad(), trace_hooks.span("zero refresh", bytes=self.full):
-                self.dp.allgather(self.shard.detach().clone(), out=self.full)
-
-    # ------------------------------------------------------------------ who owns what (the shard arithmetic)
-    def offset(self, i: int) -> int:
-        """Where parameter i starts in the unit's flat buffer."""
-        return sum(self.numels[:i])
-
-    def owned(self, i: int) -> tuple[int, int, int] | None:
-        """This rank's part of parameter i: (start, end) within the parameter and the start's position in the
-        shard, or None if this rank's chunk holds none of it."""
-        off = self.offset(i)
-        s, e = max(off, self.lo), min(off + self.numels[i], self.lo + self.chunk)
-        return (s - off, e - off, s - self.lo) if s < e else None
-
-    # ------------------------------------------------------------------ gradients
-    def launch(self, scale: float, compressor: Compressor, free_grads: bool) -> None:
-        """Start the reduce-scatter of this unit's (local) gradients; missing gradients count as zeros. Each rank's
-        chunk carries, after its gradient, one flag per parameter of the unit (1 where this rank has a gradient for
-        it), so every rank learns which parameters no rank used (``used``) in the same call."""
-        k = len(self.params)
-        flat = buffers.zeros((self.chunk + k) * self.dp.size, compressor.wire_dtype(self.dtype), self.device)
-        rows = flat.view(self.dp.size, self.chunk + k)
-        compressor.write_rows(rows, self.chunk, [p.grad for p in self.params], self.numels, scale)
-        rows[:, self.chunk:] = torch.tensor([p.grad is not None for p in self.params], dtype=rows.dtype)
-        if free_grads:
-            for p in self.params:
-                p.grad = None
-        if trace_hooks.active:  # the timeline (off, this bool test is all it costs)
-            with trace_hooks.span("bucket launch", bytes=flat):
-                self.handle = self.dp.reduce_scatter_async(flat, ReduceOp.SUM)
-        else:
-            self.handle = self.dp.reduce_scatter_async(flat, ReduceOp.SUM)
-
-    def finish(self) -> None:
-        """Wait for the reduce-scatter and make its result the shard's gradient."""
-        if self.handle is None:
-            return
-        if trace_hooks.active:
-            with trace_hooks.span("bucket wait"):
-                got = self.handle.wait()
-        else:
-            got = self.handle.wait()
-        self.handle = None
-        grad = got[:self.chunk]
-        self.shard.grad = grad if grad.dtype == self.dtype else grad.to(self.dtype)
-        self.used = got[self.chunk:] > 0  # per parameter: some rank had a gradient for it
-
-    def unused_parts(self) -> list[tuple[int, int]]:
-        """(start, end) in this rank's shard of each parameter no rank had a gradient for in the last reduction:
-        one process would not have stepped it (its gradient is None there), so the step must leave it as it was."""
-        if self.used is None:
-            return []
-        parts = []
-        for i in (~self.used).nonzero().flatten().tolist():
-            own = self.owned(i)
-            if own is not None:
-                s, e, at = own
-                parts.append((at, at + e - s))
-        return parts
 
 
 class ZeroOptimizer(WindowedOptimizer):
@@ -187,7 +66,7 @@ class ZeroOptimizer(WindowedOptimizer):
         self.full_groups = [list(g["params"]) for g in optimizer.param_groups]
         full_state = _full_state(optimizer)
         trainable = {id(p) for g in self.full_groups for p in g if p.requires_grad}
-        self._order: InOrder[_Unit] = InOrder(self._launch, lambda seen: list(dp.broadcast_object(seen, 0)))
+        self._order: InOrder[Unit] = InOrder(self._launch, lambda seen: list(dp.broadcast_object(seen, 0)))
         for unit in self._make_units(model, options.bucket_bytes, trainable):
             self._order.add(unit)
         self.units = self._order.slots
@@ -206,7 +85,7 @@ class ZeroOptimizer(WindowedOptimizer):
             self.fetcher = Fetcher(model, self._order.slot_of)
             self._hooks += self.fetcher.hooks
 
-    def _make_units(self, model: torch.nn.Module, limit: float, trainable: set[int]) -> list[_Unit]:
+    def _make_units(self, model: torch.nn.Module, limit: float, trainable: set[int]) -> list[Unit]:
         group_of = {id(p): gi for gi, g in enumerate(self.full_groups) for p in g}
         chunks: list[tuple[int, list[torch.nn.Parameter]]] = []
         if self.stage == 3:  # one unit per module's own parameters (and param group), in reverse order
@@ -226,7 +105,7 @@ class ZeroOptimizer(WindowedOptimizer):
             order = [p for g in self.full_groups for p in g if id(p) in trainable]
             chunks = [(group_of[id(ps[0])], ps) for ps in pack(order, limit, lambda p: (group_of[id(p)], p.dtype,
                                                                                         p.device))]
-        return [_Unit(self.dp, ps, gi, keep_full=self.stage < 3) for gi, ps in chunks]
+        return [Unit(self.dp, ps, gi, keep_full=self.stage < 3) for gi, ps in chunks]
 
     def add_reader(self, module: torch.nn.Module, param: torch.Tensor) -> None:
         """Stage 3: declare that ``module``'s forward reads ``param`` although the first training step did not show
@@ -252,7 +131,7 @@ class ZeroOptimizer(WindowedOptimizer):
             return
         self._order.launch_ready()
 
-    def _launch(self, unit: _Unit) -> None:
+    def _launch(self, unit: Unit) -> None:
         scale = 1.0 / self.dp.size if self.op is ReduceOp.MEAN else 1.0
         unit.launch(scale, self._compressor, free_grads=self.stage >= 2)
         unit.ready.clear()

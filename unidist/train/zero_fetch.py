@@ -1,6 +1,6 @@
 """ZeRO-3's parameter fetching: every unit gathered wherever its parameters are read, and freed when nobody is.
 
-A unit (zero.py's ``_Unit``: the flattened parameters of one module) is all-gathered before the forward of every
+A unit (zero_unit.py's ``Unit``: the flattened parameters of one module) is all-gathered before the forward of every
 module that *reads* one of its parameters, and freed when the last of those forwards has returned. Reading a
 parameter is not the same as owning it: ``nn.MultiheadAttention`` reads ``out_proj.weight`` inside its own forward
 and never calls ``out_proj``; a tied language-model head reads the embedding's weight; user code reads a child's

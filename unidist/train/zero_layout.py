@@ -2,7 +2,7 @@
 
 The checkpoint format knows only full tensors by name (unidist/checkpoint/layout.py); this maps them to the
 units of a ZeroOptimizer. Which part of which parameter a rank owns is the unit's own arithmetic
-(``_Unit.owned``, in zero.py), so a checkpoint saved at any stage and world size loads at any other.
+(``Unit.owned``, in zero_unit.py), so a checkpoint saved at any stage and world size loads at any other.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ __all__ = ["ShardUnit", "Sharded", "ZeroLayout"]
 
 
 class ShardUnit(Protocol):
-    """What the layout reads of one ZeRO unit (zero.py's ``_Unit``): its parameters, their full shapes, which
+    """What the layout reads of one ZeRO unit (zero_unit.py's ``Unit``): its parameters, their full shapes, which
     part of each this rank owns, and its shard of the flat buffer."""
 
     @property

@@ -1,0 +1,143 @@
+"""One ZeRO unit: parameters flattened together, split into N equal chunks, this rank's chunk its shard.
+
+The shard arithmetic (which part of which parameter a rank owns), the stage-3 gather and release of the full
+parameters, and the reduce-scatter of the unit's gradients (with each rank's used-flags riding in its chunk) live
+here; what happens around units (packing, hooks, the step) is ``ZeroOptimizer``'s (zero.py), and how units map to a
+checkpoint is ``ZeroLayout``'s (zero_layout.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from unidist.comm import buffers, trace_hooks
+from unidist.ops import ReduceOp
+from unidist.train.gradcore import Compressor
+
+if TYPE_CHECKING:
+    from unidist.comm.work import Handle
+    from unidist.train.protocol import Comm
+
+__all__ = ["Unit"]
+
+
+class Unit:
+    """Parameters flattened together and split into ``dp.size`` equal chunks; this rank owns one."""
+
+    def __init__(self, dp: Comm, params: list[torch.nn.Parameter], group: int, keep_full: bool) -> None:
+        self.dp, self.params, self.group = dp, params, group
+        self.shapes = [p.shape for p in params]  # stage 3 empties the parameters themselves
+        self.numels = [p.numel() for p in params]
+        self.numel = sum(self.numels)
+        self.chunk = -(-self.numel // dp.size)  # ceil: the last rank's chunk is padded with zeros
+        self.lo = dp.rank * self.chunk
+        first = params[0]
+        self.dtype, self.device = first.dtype, first.device
+        full = buffers.zeros(self.chunk * dp.size, self.dtype, self.device)
+        with torch.no_grad():
+            torch.cat([p.detach().reshape(-1) for p in params], out=full[: self.numel])
+        self.full: torch.Tensor | None = None
+        if keep_full:  # stages 1-2: parameters are views into the flat buffer; the shard is a view of it too
+            self._bind(full)
+            self.shard = torch.nn.Parameter(full[self.lo:self.lo + self.chunk])
+        else:
+            self.shard = torch.nn.Parameter(full[self.lo:self.lo + self.chunk].clone())
+            self.release()
+        self.ready: set[int] = set()
+        self.handle: Handle[torch.Tensor] | None = None
+        self.used: torch.Tensor | None = None  # after a reduction: which parameters some rank had a gradient for
+
+    # ------------------------------------------------------------------ parameters
+    def _bind(self, full: torch.Tensor) -> None:
+        self.full = full
+        offset = 0
+        for p, shape, n in zip(self.params, self.shapes, self.numels, strict=True):
+            p.data = full[offset:offset + n].view(shape)
+            offset += n
+
+    def gather(self) -> None:
+        """Full parameters from every rank's shard (stage 3; a no-op while gathered). Every rank's chunk has
+        the same size, so the allgather writes into a buffer of known size (``out=``): no sizes exchanged."""
+        if self.full is None:
+            full = torch.empty(self.chunk * self.dp.size, dtype=self.dtype, device=self.device)
+            with trace_hooks.span("zero gather", bytes=full):
+                self.dp.allgather(self.shard.detach(), out=full)
+            self._bind(full)
+
+    def release(self) -> None:
+        """Free the full parameters (stage 3): each becomes an empty tensor until the next gather."""
+        for p in self.params:
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.full = None
+
+    def write_back(self) -> None:
+        """Copy this rank's chunk of the full parameters into its shard (after edits inside a gather)."""
+        if self.full is not None:
+            with torch.no_grad():
+                self.shard.copy_(self.full[self.lo:self.lo + self.chunk])
+
+    def refresh(self) -> None:
+        """Stages 1-2 after a step: every rank's updated shard into the full parameters."""
+        if self.full is not None:  # the shard is a view of ``full``: send a copy (MPI forbids aliased buffers)
+            with torch.no_grad(), trace_hooks.span("zero refresh", bytes=self.full):
+                self.dp.allgather(self.shard.detach().clone(), out=self.full)
+
+    # ------------------------------------------------------------------ who owns what (the shard arithmetic)
+    def offset(self, i: int) -> int:
+        """Where parameter i starts in the unit's flat buffer."""
+        return sum(self.numels[:i])
+
+    def owned(self, i: int) -> tuple[int, int, int] | None:
+        """This rank's part of parameter i: (start, end) within the parameter and the start's position in the
+        shard, or None if this rank's chunk holds none of it."""
+        off = self.offset(i)
+        s, e = max(off, self.lo), min(off + self.numels[i], self.lo + self.chunk)
+        return (s - off, e - off, s - self.lo) if s < e else None
+
+    # ------------------------------------------------------------------ gradients
+    def launch(self, scale: float, compressor: Compressor, free_grads: bool) -> None:
+        """Start the reduce-scatter of this unit's (local) gradients; missing gradients count as zeros. Each rank's
+        chunk carries, after its gradient, one flag per parameter of the unit (1 where this rank has a gradient for
+        it), so every rank learns which parameters no rank used (``used``) in the same call."""
+        k = len(self.params)
+        flat = buffers.zeros((self.chunk + k) * self.dp.size, compressor.wire_dtype(self.dtype), self.device)
+        rows = flat.view(self.dp.size, self.chunk + k)
+        compressor.write_rows(rows, self.chunk, [p.grad for p in self.params], self.numels, scale)
+        rows[:, self.chunk:] = torch.tensor([p.grad is not None for p in self.params], dtype=rows.dtype)
+        if free_grads:
+            for p in self.params:
+                p.grad = None
+        if trace_hooks.active:  # the timeline (off, this bool test is all it costs)
+            with trace_hooks.span("bucket launch", bytes=flat):
+                self.handle = self.dp.reduce_scatter_async(flat, ReduceOp.SUM)
+        else:
+            self.handle = self.dp.reduce_scatter_async(flat, ReduceOp.SUM)
+
+    def finish(self) -> None:
+        """Wait for the reduce-scatter and make its result the shard's gradient."""
+        if self.handle is None:
+            return
+        if trace_hooks.active:
+            with trace_hooks.span("bucket wait"):
+                got = self.handle.wait()
+        else:
+            got = self.handle.wait()
+        self.handle = None
+        grad = got[:self.chunk]
+        self.shard.grad = grad if grad.dtype == self.dtype else grad.to(self.dtype)
+        self.used = got[self.chunk:] > 0  # per parameter: some rank had a gradient for it
+
+    def unused_parts(self) -> list[tuple[int, int]]:
+        """(start, end) in this rank's shard of each parameter no rank had a gradient for in the last reduction:
+        one process would not have stepped it (its gradient is None there), so the step must leave it as it was."""
+        if self.used is None:
+            return []
+        parts = []
+        for i in (~self.used).nonzero().flatten().tolist():
+            own = self.owned(i)
+            if own is not None:
+                s, e, at = own
+                parts.append((at, at + e - s))
+        return parts
