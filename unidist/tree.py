@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["map_tensors", "tensors"]
+__all__ = ["map_tensors", "tensors", "to_device"]
 
 
 def map_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -118,3 +118,22 @@ def _rebuild_dataclass(data: Any, fn: Callable[[torch.Tensor], torch.Tensor]) ->
     except Exception:  # slots without a copy protocol, or a custom __setattr__ that refuses
         return data
     return out
+
+
+def to_device(data: Any, device: torch.device, non_blocking: bool | None = None) -> Any:
+    """``data`` with every tensor on ``device``, each container keeping its type (``map_tensors``); tensors already
+    there are left as they are.
+
+    Args:
+        data: a tensor or any nesting of the containers ``map_tensors`` knows (a DataLoader's batch).
+        device: where the tensors go.
+        non_blocking: copy asynchronously; by default only from pinned host memory to a GPU, where torch makes
+            that safe (the copy is ordered on the current stream before any use of the result).
+    """
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.device == device:
+            return t
+        quick = non_blocking if non_blocking is not None else (device.type == "cuda" and t.is_pinned())
+        return t.to(device, non_blocking=quick)
+    return map_tensors(data, move)
+

@@ -33,6 +33,7 @@ from unidist.launch import LaunchInfo, detect
 from unidist.net import host_address, local_only_env
 from unidist.ops import ReduceOp
 from unidist.registry import Strategy, get
+from unidist.tree import to_device
 
 __all__ = ["DONE", "EngineWork", "Group", "Handle", "Manager", "Work", "get_manager"]
 
@@ -247,6 +248,34 @@ class Manager(Communicator):
     def device(self) -> torch.device:
         self._need_started()
         return self._device
+
+    def to_device(self, batch: Any, non_blocking: bool | None = None) -> Any:
+        """``batch`` with every tensor on ``device``: tensors in dicts, lists, tuples, namedtuples, dataclasses and
+        ``ModelOutput``-like mappings, each container keeping its type (other objects come back unchanged).
+
+        Args:
+            batch: a tensor or a nested batch.
+            non_blocking: asynchronous copies; by default only from pinned memory to a GPU, where it is safe.
+        """
+        return to_device(batch, self.device, non_blocking)
+
+    def loader(self, dataset: Any, batch_size: int = 1, shuffle: bool = False, *, seed: int = 0,
+               drop_last: bool = False, **kwargs: Any) -> Any:
+        """This rank's ``DataLoader`` over ``dataset``: its disjoint share (reshuffled each epoch, the same on every
+        rank, with ``shuffle``), pinned memory on a GPU, each batch already on ``device``. Iterating again starts
+        the next epoch; ``.set_epoch(e)`` picks one (a resume). See ``unidist.train.data.Loader``.
+
+        Args:
+            dataset: a map-style dataset (``len()`` and ``[i]``).
+            batch_size: rows per batch on this rank.
+            shuffle: a new permutation every epoch.
+            seed: the permutation's seed.
+            drop_last: drop the tail that does not divide among the ranks and an incomplete last batch (False:
+                wrap around, so every rank gets as many rows).
+            kwargs: other ``torch.utils.data.DataLoader`` arguments (``num_workers``, ``collate_fn``...).
+        """
+        return self._training().loader(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                                       drop_last=drop_last, **kwargs)
 
     def __repr__(self) -> str:
         if not self._started:

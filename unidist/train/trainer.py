@@ -25,6 +25,7 @@ from unidist.comm.group import Group
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.buffer_sync import BufferSync
+from unidist.train.data import Loader
 from unidist.train.ddp import DistributedOptimizer
 from unidist.train.memory import MemoryStats, optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import SyncOptions, TrainOptions
@@ -296,6 +297,12 @@ class Trainer:
     def preemption(self, signals: Iterable[str | int], *, every: int, grace: float | None) -> Preemption:
         """``Manager.preemption``: the handlers installed (unidist/train/preempt.py)."""
         return Preemption(self.mgr, signals, every=every, grace=grace)
+
+    def loader(self, dataset: Sized, *, batch_size: int, shuffle: bool, seed: int, drop_last: bool, **kwargs: Any
+               ) -> Loader:
+        """``Manager.loader``: this rank's share of ``dataset``, batches on the Manager's device."""
+        return Loader(dataset, rank=self.mgr.rank, size=self.mgr.size, device=self.mgr.device, batch_size=batch_size,
+                      shuffle=shuffle, seed=seed, drop_last=drop_last, **kwargs)
 
     def shard(self, data: Sized | int, *, shuffle: bool, seed: int, drop_last: bool) -> ShardSampler:
         return ShardSampler(data, self.mgr.rank, self.mgr.size, shuffle=shuffle, seed=seed, drop_last=drop_last)
