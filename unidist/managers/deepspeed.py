@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 from unidist.comm import watchdog
-from unidist.errors import BackendUnavailableError
+from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.managers.torch import TorchManager
 from unidist.registry import get
 
@@ -32,6 +32,19 @@ class DeepSpeedManager(TorchManager):
             deepspeed.utils.logger.setLevel(max(logging.ERROR, logging.getLevelName(self.config.log_level)))
         self._deepspeed = deepspeed
         return ds_comm
+
+    def _refuse_shared_gpu(self) -> None:
+        """DeepSpeed's engine reduces its gradients and ZeRO partitions with NCCL on a GPU (reduce-scatter included,
+        which gloo cannot do on CUDA tensors): ranks sharing a GPU cannot run it. Said before any rendezvous, rather
+        than NCCL's "Duplicate GPU detected" at the first collective."""
+        import torch
+
+        gpus = torch.cuda.device_count()
+        raise LaunchEnvironmentError(
+            f"{self.launch.local_size} ranks share {gpus} GPU(s) on this host, and DeepSpeed's engine needs a GPU "
+            f"of its own per rank (NCCL refuses two ranks on one device); start at most {gpus} rank(s) per host "
+            f"(deepspeed --num_gpus {gpus}), or UNIDIST_DEVICE=cpu with DS_ACCELERATOR=cpu to run on the CPU, or "
+            "UNIDIST_BACKEND=torch (unidist's own training, which stages CUDA tensors through the host)")
 
     def _init_group(self) -> None:
         super()._init_group()  # torch's group on unidist's store; init_distributed adopts it

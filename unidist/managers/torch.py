@@ -9,6 +9,7 @@ interface as torch's own env:// store does; torchrun's agent hosts its own.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -27,7 +28,9 @@ from unidist.managers.base import Manager
 from unidist.net import listener, rendezvous_address
 from unidist.ops import ReduceOp
 
-__all__ = ["TorchEngine", "TorchManager"]
+__all__ = ["SHARED_GPU_WARNING", "HostStagedTorchEngine", "TorchEngine", "TorchManager", "shares_gpus"]
+
+_log = logging.getLogger("unidist")
 
 
 def _work(work: Any, *keep: object) -> Work:
@@ -73,8 +76,8 @@ class TorchEngine(SortedOrder, Engine):
         for ranks in lists:
             pg = self._dist.new_group(ranks)
             me = self._world(self.rank)
-            out.append(TorchEngine(self._dist, ranks.index(me), len(ranks), pg, [self._world(r) for r in ranks],
-                                   self._framing.verdicts) if me in ranks else None)
+            out.append(type(self)(self._dist, ranks.index(me), len(ranks), pg, [self._world(r) for r in ranks],
+                                  self._framing.verdicts) if me in ranks else None)
         return out
 
     def _world(self, rank: int) -> int:
@@ -164,6 +167,85 @@ class TorchEngine(SortedOrder, Engine):
         self._dist.recv(t, self._world(source), group=self._pg, tag=tag)
 
 
+class HostStagedTorchEngine(TorchEngine):
+    """TorchEngine over a gloo-only group on a GPU host whose ranks share GPUs: NCCL refuses two ranks on one
+    device ("Duplicate GPU detected"), so each collective's CUDA tensors are copied to pinned host memory (a
+    blocking copy: it waits for the stream that produced them), moved by gloo, and copied back. Asynchronous calls
+    complete before they return. CPU tensors go straight through."""
+
+    @staticmethod
+    def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or not t.is_cuda:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t)
+        return host
+
+    def _staged(self, call: Any, send: torch.Tensor | None, recv: torch.Tensor | None, *args: Any) -> None:
+        """``call(host_send, host_recv, *args)`` with ``recv`` written back to the device afterwards."""
+        if not ((send is not None and send.is_cuda) or (recv is not None and recv.is_cuda)):
+            call(send, recv, *args)
+            return
+        host_send = self._to_host(send)
+        host_recv = host_send if recv is send else self._to_host(recv)
+        call(host_send, host_recv, *args)
+        if recv is not None and host_recv is not None and host_recv is not recv:
+            recv.copy_(host_recv)
+
+    def broadcast(self, t: torch.Tensor, root: int) -> None:
+        self._staged(lambda s, r: super(HostStagedTorchEngine, self).broadcast(r, root), t, t)
+
+    def broadcast_async(self, t: torch.Tensor, root: int) -> Work:
+        self.broadcast(t, root)
+        return EngineWork(lambda: None, lambda: True, t)
+
+    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
+        self._staged(super().allreduce, send, recv, op)
+
+    def allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
+        self.allreduce(send, recv, op)
+        return EngineWork(lambda: None, lambda: True, send, recv)
+
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
+        self._staged(super().allgather, send, recv, counts)
+
+    def allgather_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Work:
+        self.allgather(send, recv, counts)
+        return EngineWork(lambda: None, lambda: True, send, recv)
+
+    def alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
+                 recv_counts: Sequence[int]) -> None:
+        self._staged(super().alltoall, send, recv, send_counts, recv_counts)
+
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], op: ReduceOp) -> None:
+        self._staged(super().reduce_scatter, send, recv, counts, op)
+
+    def reduce_scatter_async(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int],
+                             op: ReduceOp) -> Work:
+        self.reduce_scatter(send, recv, counts, op)
+        return EngineWork(lambda: None, lambda: True, send, recv)
+
+    def _raw_send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+        host = self._to_host(t)
+        super()._raw_send(host if host is not None else t, dest, tag)
+
+    def _raw_recv(self, t: torch.Tensor, source: int, tag: int) -> None:
+        self._staged(lambda s, r: super(HostStagedTorchEngine, self)._raw_recv(r, source, tag), None, t)
+
+
+def shares_gpus(device: torch.device, local_size: int, gpus: int) -> bool:
+    """Whether this host's ranks outnumber its GPUs while this rank uses one (more ranks than GPUs on a host: the
+    usual way to debug a distributed script on a one-GPU workstation)."""
+    return device.type == "cuda" and local_size > gpus
+
+
+SHARED_GPU_WARNING = (
+    "{ranks} ranks share {gpus} GPU(s) on this host: NCCL needs a GPU of its own per rank, so CUDA tensors travel "
+    "through pinned host memory over gloo (two copies and a synchronisation per collective: much slower than NCCL). "
+    "Start at most {gpus} rank(s) per host (torchrun --nproc_per_node {gpus}) to use NCCL, or set "
+    "UNIDIST_DEVICE=cpu to train on the CPU.")
+
+
 class TorchManager(Manager):
     """torch.distributed process group over env:// rendezvous."""
 
@@ -222,11 +304,15 @@ class TorchManager(Manager):
                 f"rank 0 cannot listen on MASTER_ADDR={addr} MASTER_PORT={port} ({err.strerror}): give an address "
                 "of this host and a port free on it (another job may hold it)") from err
 
+    _shared_gpu = False  # more ranks than GPUs on this host (shares_gpus): gloo, CUDA tensors staged on the host
+
     def _process_group_backend(self) -> str:
         """gloo on CPU. On GPU, nccl for CUDA tensors and gloo beside it for CPU ones: users may pass CPU
         tensors, and unidist's own control tensors (row counts, desync fingerprints, pickled objects) are
-        CPU tensors; an nccl-only group cannot move them."""
-        return "cpu:gloo,cuda:nccl" if self._device.type == "cuda" else "gloo"
+        CPU tensors; an nccl-only group cannot move them. Ranks sharing a GPU: gloo alone (NCCL refuses them)."""
+        if self._device.type == "cuda" and not self._shared_gpu:
+            return "cpu:gloo,cuda:nccl"
+        return "gloo"
 
     def _init_group(self) -> None:
         timeout = watchdog.engine_timeout(self.config.timeout)
@@ -256,6 +342,11 @@ class TorchManager(Manager):
         self._device = self._pick_device()
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
+            self._shared_gpu = shares_gpus(self._device, launch.local_size, torch.cuda.device_count())
+            if self._shared_gpu:
+                self._refuse_shared_gpu()
+                if launch.local_rank == 0:
+                    _log.warning(SHARED_GPU_WARNING.format(ranks=launch.local_size, gpus=torch.cuda.device_count()))
         self._owns_group = not self._dist.is_initialized()
         if self._owns_group:
             self._rendezvous()
@@ -274,7 +365,12 @@ class TorchManager(Manager):
         # a receiver tells the sender of a refused message through the store (comm/mismatch.py); a group made
         # outside unidist leaves no store in hand: only the receiver raises there
         verdicts = Verdicts(self._store, rank) if self._store is not None and size > 1 else None
-        return TorchEngine(self._dist, rank, size, verdicts=verdicts)
+        engine = HostStagedTorchEngine if self._shared_gpu else TorchEngine
+        return engine(self._dist, rank, size, verdicts=verdicts)
+
+    def _refuse_shared_gpu(self) -> None:
+        """A backend that cannot run with ranks sharing a GPU says so here, before any rendezvous (torch's own
+        collectives can: staged through the host)."""
 
     def _shutdown(self) -> None:
         # Manager.shutdown has made the ranks meet first: a rank destroying its gloo group while a peer was still
