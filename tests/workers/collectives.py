@@ -39,6 +39,7 @@ except ImportError:
     from workers import sockets, strict_cases
 
 BEFORE_INIT: list[tuple[str, int]] = []  # what this process listened on before init(): its launcher's sockets
+DEVICE = [torch.device("cpu")]  # where torch inputs live (--on-device: the Manager's device, a GPU where there is one)
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
     "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
@@ -67,7 +68,7 @@ def data(name: str, rank: int, shape: tuple[int, ...], dtype: str, kind: str = "
     else:
         arr = rng.integers(-3, 4, shape)
     t = torch.from_numpy(np.asarray(arr)).to(DTYPES[dtype])
-    return t.numpy() if kind == "numpy" else t
+    return t.numpy() if kind == "numpy" else t.to(DEVICE[0])
 
 
 def f64(x: Any) -> np.ndarray:
@@ -81,6 +82,8 @@ def expect(got: Any, want64: np.ndarray, dtype: str, kind: str, what: str) -> No
     """got must be of the input's kind and dtype and equal the reference rounded to that dtype."""
     cls = np.ndarray if kind == "numpy" else torch.Tensor
     assert isinstance(got, cls), f"{what}: expected a {cls.__name__}, got {type(got).__name__}"
+    if kind == "torch" and got.device.type != DEVICE[0].type and DEVICE[0].type != "cpu":
+        raise AssertionError(f"{what}: the result is on {got.device}; the input was on {DEVICE[0]}")
     got_dtype = str(got.dtype).replace("torch.", "")
     assert got_dtype == dtype, f"{what}: dtype {got_dtype}, expected {dtype}"
     assert tuple(got.shape) == tuple(want64.shape), f"{what}: shape {tuple(got.shape)}, expected {want64.shape}"
@@ -348,7 +351,7 @@ def plan(size: int) -> list[Case]:
             x = data(name, mgr.rank, (2 * n, 3), dtype, kind)
             xs = [f64(data(name, r, (2 * n, 3), dtype, kind)) for r in range(n)]
             like = (lambda shape: np.empty(shape, dtype=x.dtype)) if kind == "numpy" else \
-                (lambda shape: torch.empty(shape, dtype=x.dtype))
+                (lambda shape: torch.empty(shape, dtype=x.dtype, device=x.device))
             out = like((n * 2 * n, 3))
             assert mgr.allgather(x, out=out) is out
             expect(out, np.concatenate(xs), dtype, kind, name + " allgather")
@@ -631,7 +634,9 @@ def plan(size: int) -> list[Case]:
         assert mgr.local_rank == hosts[:mgr.rank].count(mine), f"local_rank {mgr.local_rank}, hosts {hosts}"
         assert mgr.local_size == hosts.count(mine), f"local_size {mgr.local_size}, hosts {hosts}"
         assert (mgr.rank, mgr.size) == (launch.rank, launch.size), f"manager {mgr.rank}/{mgr.size} vs launch {launch}"
-        assert mgr.device == torch.device("cpu")
+        # cuda:{local_rank % GPUs} where torch sees a GPU (UNIDIST_DEVICE unset), else the CPU
+        want = f"cuda:{mgr.local_rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+        assert mgr.device == torch.device(want), (mgr.device, want)
         ranks = mgr.allgather_object((mgr.rank, mgr.local_rank, mgr.backend))
         assert [r[0] for r in ranks] == list(range(mgr.size)), ranks
         assert len({r[2] for r in ranks}) == 1
@@ -741,10 +746,14 @@ def main() -> int:
                         help="about N cases per collective (default 12) instead of all")
     parser.add_argument("--skip", default="", help="comma-separated case names not to run")
     parser.add_argument("--mode", choices=("suite", "desync", "timeout", "crash"), default="suite")
+    parser.add_argument("--on-device", action="store_true",
+                        help="torch inputs on the Manager's device (a GPU where there is one): the GPU suite")
     ns = parser.parse_args(unidist.script_args())
     ns.out.mkdir(parents=True, exist_ok=True)
     BEFORE_INIT[:] = sockets.listening()
     with unidist.init() as mgr:
+        if ns.on_device:
+            DEVICE[0] = mgr.device
         if ns.mode != "suite":
             run_mode(mgr, ns.mode, ns.out)
             return 0

@@ -3,7 +3,8 @@
 Every rank builds the same dense model from one seed and trains it on the whole batch itself: the reference.
 The parallel versions (tensor-parallel over a group, pipelines of 2 and 4 stages under both schedules) must
 give the same outputs, gradients, per-step losses and weights (float32, 1e-5), with gradients of realistic
-size (norms well above 1). Each case records "ok" or the failure, and its measured differences.
+size (norms well above 1). Each case records "ok" or the failure, and its measured differences. Everything runs
+on the group's device (a GPU where there is one: the GPU suite, tests/multiproc/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
 def tensor_parallel(group: Any, gather: bool) -> dict[str, Any]:
     """Column(16 -> 64) then Row(64 -> 8) vs the dense pair: forward, gradients, 3 SGD steps."""
     torch.manual_seed(1)
-    fc1, fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 8)
+    dev = group.device
+    fc1, fc2 = torch.nn.Linear(16, 64).to(dev), torch.nn.Linear(64, 8).to(dev)
     col = ColumnParallelLinear.from_dense(fc1, group, gather_output=gather)
     row = RowParallelLinear.from_dense(fc2, group, input_is_parallel=not gather)
-    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(2)) * 3
+    x = (torch.randn(32, 16, generator=torch.Generator().manual_seed(2)) * 3).to(dev)
     # targets far from the outputs: gradient norms well above 1 (clipping or scaling anywhere would show)
-    target = torch.randn(32, 8, generator=torch.Generator().manual_seed(3)) * 40
+    target = (torch.randn(32, 8, generator=torch.Generator().manual_seed(3)) * 40).to(dev)
     dense_opt = torch.optim.SGD([*fc1.parameters(), *fc2.parameters()], lr=LR)
     tp_opt = torch.optim.SGD([*col.parameters(), *row.parameters()], lr=LR)
     p, r = group.size, group.rank
@@ -94,9 +96,9 @@ def _blocks(stages: int, width: int) -> list[torch.nn.Module]:
 def pipeline(group: Any, schedule: str, microbatches: int, width: int = 24, steps: int = STEPS
              ) -> dict[str, Any]:
     """S stages of the dense model; losses and each stage's weights vs the dense model on the whole batch."""
-    stages = group.size
-    dense = torch.nn.Sequential(*_blocks(stages, width))
-    mine = _blocks(stages, width)[group.rank]
+    stages, dev = group.size, group.device
+    dense = torch.nn.Sequential(*_blocks(stages, width)).to(dev)
+    mine = _blocks(stages, width)[group.rank].to(dev)
     pipe = Pipeline(mine, group, microbatches=microbatches, schedule=schedule,
                     loss_fn=torch.nn.functional.mse_loss)
     dense_opt = torch.optim.SGD(dense.parameters(), lr=LR)
@@ -104,8 +106,8 @@ def pipeline(group: Any, schedule: str, microbatches: int, width: int = 24, step
     gen = torch.Generator().manual_seed(9)
     worst, seconds = 0.0, []
     for step in range(steps):
-        x = torch.randn(8 * microbatches, width, generator=gen) * 2
-        y = torch.randn(8 * microbatches, 4, generator=gen) * 30
+        x = (torch.randn(8 * microbatches, width, generator=gen) * 2).to(dev)
+        y = (torch.randn(8 * microbatches, 4, generator=gen) * 30).to(dev)
         ref = torch.nn.functional.mse_loss(dense(x), y)
         ref.backward()
         dense_opt.step()
@@ -115,7 +117,7 @@ def pipeline(group: Any, schedule: str, microbatches: int, width: int = 24, step
         seconds.append(time.perf_counter() - start)
         opt.step()
         opt.zero_grad()
-        worst = max(worst, _close(torch.tensor(loss), ref.detach(), f"step {step} loss"))
+        worst = max(worst, _close(torch.tensor(loss), ref.detach().cpu(), f"step {step} loss"))
     for got, want in zip(mine.parameters(), dense[group.rank].parameters(), strict=True):
         worst = max(worst, _close(got.detach(), want.detach(), f"stage {group.rank} weights"))
     stats = pipe.memory_stats()

@@ -53,20 +53,22 @@ def loss_of(out: torch.Tensor, y: torch.Tensor, step: int, poison: bool) -> torc
     return loss * float("inf") if poison and step in INF_STEPS else loss
 
 
-def reference(mode: str, steplr: bool, k: int, clip: float | None) -> tuple[dict[str, torch.Tensor], list[Any]]:
-    """One process, whole batch, plain torch (autocast + GradScaler)."""
-    model = make_model()
+def reference(mode: str, steplr: bool, k: int, clip: float | None, device: torch.device
+              ) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """One process, whole batch, plain torch (autocast + GradScaler) on ``device`` (the ranks' device: on a GPU
+    ``torch.autocast("cuda")`` and ``GradScaler("cuda")``)."""
+    model = make_model().to(device)
     if mode == "bf16-true":
         model = model.to(torch.bfloat16)
     opt = make_opt(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if steplr else None
-    scaler = torch.amp.GradScaler("cpu", **SCALING, enabled=mode == "fp16-mixed")  # type: ignore[arg-type]
+    scaler = torch.amp.GradScaler(device.type, **SCALING, enabled=mode == "fp16-mixed")  # type: ignore[arg-type]
     seq: list[Any] = []
     for step in range(STEPS):
-        x, y = batch(step)
+        x, y = (t.to(device) for t in batch(step))
         for part in range(k):
             rows = slice(part * BATCH // k, (part + 1) * BATCH // k)
-            with torch.autocast("cpu", dtype=AUTOCAST.get(mode, torch.bfloat16), enabled=mode in AUTOCAST):
+            with torch.autocast(device.type, dtype=AUTOCAST.get(mode, torch.bfloat16), enabled=mode in AUTOCAST):
                 out = model(x[rows].to(torch.bfloat16) if mode == "bf16-true" else x[rows])
             scaler.scale(loss_of(out, y[rows], step, mode == "fp16-mixed") / k).backward()
         if clip is not None:
@@ -80,7 +82,7 @@ def reference(mode: str, steplr: bool, k: int, clip: float | None) -> tuple[dict
         opt.zero_grad()
         if sched is not None:
             sched.step()
-    return model.state_dict(), seq
+    return {k: v.cpu() for k, v in model.state_dict().items()}, seq
 
 
 def train(mgr: Any, mode: str, stage: int, steplr: bool, k: int, clip: float | None, tmp: Path | None
@@ -108,7 +110,7 @@ def train(mgr: Any, mode: str, stage: int, steplr: bool, k: int, clip: float | N
             if sched is not None:
                 sched.last_epoch = step - 1
                 sched.step()
-        x, y = batch(step)
+        x, y = mgr.to_device(batch(step))
         for part in range(k):  # this rank's share of micro-batch `part`
             lo, hi = part * BATCH // k, (part + 1) * BATCH // k
             per = (hi - lo) // mgr.size
@@ -122,7 +124,7 @@ def train(mgr: Any, mode: str, stage: int, steplr: bool, k: int, clip: float | N
         seq.append([opt.loss_scale, opt.last_step_skipped])
         if sched is not None:
             sched.step()
-    full = mgr.full_state_dict(model)
+    full = {k: v.cpu() for k, v in mgr.full_state_dict(model).items()}
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
     return full, seq
@@ -145,7 +147,7 @@ def main() -> int:
                 if tag == "+resume":
                     tmp = ns.out / f"ckpt-{stage}"
                 got, seq = train(mgr, mode, stage, steplr, k, clip, tmp)
-                want, want_seq = reference(mode, steplr, k, clip)
+                want, want_seq = reference(mode, steplr, k, clip, mgr.device)
                 results[key] = {"diff": max_diff(got, want), "spread": spread(mgr, got), "seq": seq,
                                 "want_seq": want_seq}
             except Exception as err:  # recorded; the other cases still run on every rank
