@@ -47,6 +47,8 @@ def check(environ: Mapping[str, str], limit: float = 20.0) -> dict[str, Any]:
         "packages": answers,
         "programs": programs,
         "machine": {**ask.cpus(), "gpus": torch.get("gpus") if torch.get("ok") else None},
+        "nccl_variables": {k: v for k, v in sorted(environ.items()) if k.startswith("NCCL_")},
+        "devices": verdict.device_plan(environ, torch.get("gpus") if torch.get("ok") else None),
         "network": {"interfaces": [asdict(i) for i in ifaces], "variables": verdict.iface_variables(environ, ifaces)},
         "backends": verdicts,
         "would_run": chosen,

@@ -53,9 +53,23 @@ def _mpi4py() -> dict[str, Any]:
 
     libs = [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
             if "/libmpi" in line] if Path("/proc/self/maps").exists() else []
-    return {"version": mpi4py.__version__, "library_version": MPI.Get_library_version().strip(),
+    lib = MPI.Get_library_version().strip()
+    return {"version": mpi4py.__version__, "library_version": lib,
             "mpi_standard": "{}.{}".format(*MPI.Get_version()), "config": dict(mpi4py.get_config()),
-            "library": libs[0] if libs else None, "module": MPI.__file__}
+            "library": libs[0] if libs else None, "module": MPI.__file__, "cuda_aware": _cuda_aware(MPI, lib)}
+
+
+def _cuda_aware(MPI: Any, lib: str) -> bool | None:
+    """Whether the MPI library moves CUDA memory itself (None: cannot tell without starting MPI). MPICH aborts on
+    MPIX_Query_cuda_support before MPI_Init, but names its configure options (``--with-cuda``) in its version
+    string; Open MPI answers the query before MPI_Init."""
+    from unidist.managers.mpi import query_cuda_support
+
+    if MPI.Is_initialized() or lib.startswith("Open MPI"):
+        return query_cuda_support(MPI)
+    if lib.startswith("MPICH"):
+        return "--with-cuda" in lib
+    return None
 
 
 def _torch() -> dict[str, Any]:
@@ -65,8 +79,18 @@ def _torch() -> dict[str, Any]:
     available = dist.is_available()
     backends = [name for name in ("gloo", "nccl", "mpi", "ucc", "xccl")
                 if available and getattr(dist, f"is_{name}_available", lambda: False)()]
-    return {"version": torch.__version__, "distributed": available, "backends": backends,
-            "cuda": torch.version.cuda, "gpus": torch.cuda.device_count()}
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    out: dict[str, Any] = {"version": torch.__version__, "distributed": available, "backends": backends,
+                           "cuda": torch.version.cuda, "gpus": gpus}
+    if gpus:
+        out["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(gpus)]
+        driver = getattr(torch._C, "_cuda_getDriverVersion", None)  # e.g. 13000: CUDA 13.0's driver API
+        if driver is not None:
+            version = int(driver())
+            out["driver_cuda"] = f"{version // 1000}.{version % 1000 // 10}"
+        if "nccl" in backends:
+            out["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
+    return out
 
 
 def _horovod() -> dict[str, Any]:

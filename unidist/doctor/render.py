@@ -18,9 +18,18 @@ def _engine(pkg: str, a: Mapping[str, Any]) -> str:
     if pkg == "mpi4py":
         lib = a.get("library_version", "")
         text += (f"   {mpi_family(lib) or lib.splitlines()[0] if lib else '?'} {mpi_version(lib) or ''} "
-                 f"(MPI {a.get('mpi_standard')}), library {a.get('library') or a.get('module')}")
+                 f"(MPI {a.get('mpi_standard')}), library {a.get('library') or a.get('module')}; CUDA-aware: "
+                 + {True: "yes", False: "no (the mpi backend stages CUDA tensors through host memory)",
+                    None: "unknown before MPI starts"}[a.get("cuda_aware")])
     elif pkg == "torch":
         text += f"   distributed backends: {', '.join(a.get('backends', [])) or 'none'}; GPUs: {a.get('gpus')}"
+        if a.get("gpu_names"):
+            text += f" ({', '.join(a['gpu_names'])})"
+        if a.get("cuda"):
+            driver = f", driver supports CUDA {a['driver_cuda']}" if a.get("driver_cuda") else ""
+            text += f"; built for CUDA {a['cuda']}{driver}"
+        if a.get("nccl"):
+            text += f"; NCCL {a['nccl']}"
     elif pkg == "horovod":
         text += (f"   frameworks: {', '.join(a.get('frameworks', [])) or 'none'}; controllers: "
                  f"{', '.join(a.get('controllers', [])) or 'none'}; ops: {', '.join(a.get('ops', [])) or 'cpu'}")
@@ -42,6 +51,26 @@ def _program(p: Mapping[str, Any]) -> str:
     return f"{p['path']}   {said}{runs}"
 
 
+def _devices(plan: Mapping[str, Any], nccl: Mapping[str, str], gpus: int | None) -> list[str]:
+    """The device each rank of this host gets, and the NCCL variables in effect (on a GPU host)."""
+    if "error" in plan:
+        return [f"devices: init() would fail: {plan['error']}"]
+    if not plan:
+        return []
+    devices = plan["devices"]
+    text = "devices init() gives this host's ranks: " + ", ".join(
+        f"local rank {r} -> {d}" for r, d in enumerate(devices[:8])) + (", ..." if len(devices) > 8 else "")
+    out = [text]
+    if plan.get("shared"):
+        out.append(f"  {len(devices)} ranks share {plan['gpus']} GPU(s): the torch backend moves CUDA tensors through "
+                   "host memory (slower than NCCL), the deepspeed backend refuses; start at most "
+                   f"{plan['gpus']} rank(s) per host to use NCCL")
+    if gpus:
+        said = " ".join(f"{k}={v}" for k, v in nccl.items()) if nccl else "none set (NCCL's defaults)"
+        out.append(f"NCCL variables: {said}")
+    return out
+
+
 def lines(report: Mapping[str, Any]) -> list[str]:
     """The report of ``unidist.doctor.check`` as text lines."""
     out = [f"unidist info --check ({report['seconds']:.1f} s)   python {report['python']}", "engines (imported):"]
@@ -51,6 +80,7 @@ def lines(report: Mapping[str, Any]) -> list[str]:
     m = report["machine"]
     gpus = "unknown (torch not usable)" if m["gpus"] is None else m["gpus"]
     out.append(f"machine: {m['cpus']} CPUs ({m['usable']} usable by this process), GPUs: {gpus}")
+    out += _devices(report.get("devices", {}), report.get("nccl_variables", {}), m["gpus"])
     out.append("network (a several-host job's rank 0 offers the routed interface's address):")
     for i in report["network"]["interfaces"]:
         flags = [w for w, on in (("up", i["up"]), ("loopback", i["loopback"]), ("routed", i["route"])) if on]

@@ -160,3 +160,29 @@ def iface_variables(environ: Mapping[str, str], ifaces: list[Interface]) -> dict
             entry["note"] = ("loopback only: fine on one host; a several-host job cannot connect (unset it"
                              + (f", or set {var}={routed})" if routed else ")"))
     return out
+
+
+def device_plan(environ: Mapping[str, str], gpus: int | None) -> dict[str, Any]:
+    """The device ``init()`` gives each rank of this host (what ``Manager._pick_device`` decides: ``UNIDIST_DEVICE``
+    or ``cuda:{local_rank % GPUs}``), and whether the host's ranks outnumber its GPUs (then the torch backend stages
+    CUDA tensors through the host and the deepspeed backend refuses: managers/torch.py).
+
+    Args:
+        environ: the launch's environment (its local size, UNIDIST_DEVICE).
+        gpus: the GPUs torch sees (None: torch is not usable).
+    """
+    try:
+        config, launch = Config.from_env(environ), detect(environ)
+    except UnidistError as err:
+        return {"error": str(err)}
+    n, want, count = max(launch.local_size, 1), config.device, gpus or 0
+    if want == "cpu" or (count == 0 and want != "cuda" and not want.startswith("cuda:")):
+        devices = ["cpu"] * n
+    elif want.startswith("cuda:"):
+        devices = [want] * n
+    elif count == 0:
+        return {"error": "UNIDIST_DEVICE='cuda' but torch sees no CUDA device; unset it or use 'cpu'"}
+    else:
+        devices = [f"cuda:{r % count}" for r in range(n)]
+    return {"devices": devices, "gpus": count, "shared": devices[0] != "cpu" and n > count}
+

@@ -110,7 +110,7 @@ class _Shared:
             torch.int8: MPI.INT8_T, torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T,
             torch.int64: MPI.INT64_T, torch.uint8: MPI.UINT8_T, torch.bool: MPI.UINT8_T,
         }
-        self.cuda_aware = _query_cuda_support(MPI)
+        self.cuda_aware = query_cuda_support(MPI)
         self.persistent: list[Any] = []
         self.comms: list[Any] = []
 
@@ -448,8 +448,9 @@ class MPIManager(Manager):
         self._mpi.close()
 
 
-def _query_cuda_support(MPI: Any) -> bool:
-    """MPIX_Query_cuda_support (Open MPI, MPICH) from the MPI library mpi4py loaded; False if absent."""
+def query_cuda_support(MPI: Any) -> bool:
+    """MPIX_Query_cuda_support (Open MPI, MPICH) from the MPI library mpi4py loaded; False if absent (also what
+    ``unidist info --check`` reports)."""
     try:
         fn = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
     except (OSError, AttributeError):
