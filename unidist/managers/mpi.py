@@ -212,14 +212,17 @@ class MPIEngine(Engine):
 
     def _staged(self, fn: Callable[..., Any], send: torch.Tensor | None, recv: torch.Tensor | None,
                 *args: Any) -> None:
-        """Without CUDA-aware MPI, device tensors go through host copies."""
-        host_send = send.cpu() if send is not None else None
+        """Without CUDA-aware MPI, device tensors go through host copies: pinned (the caching host allocator keeps
+        them; a copy from pageable memory would be staged twice by the driver), and blocking, so the copy to the
+        host waits for the stream that produced ``send`` before MPI reads it, and ``recv`` is whole on the device
+        before this returns."""
+        host_send = _pinned_copy(send) if send is not None else None
         if recv is None:
             host_recv = None
         elif recv is send:
             host_recv = host_send
         else:
-            host_recv = torch.empty(recv.shape, dtype=recv.dtype)
+            host_recv = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=recv.is_cuda)
         fn(host_send, host_recv, *args)
         if recv is not None and host_recv is not None:
             recv.copy_(host_recv)
@@ -446,6 +449,16 @@ class MPIManager(Manager):
     def _shutdown(self) -> None:
         self._node.Free()
         self._mpi.close()
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory: a CUDA tensor copied into pinned memory (the copy waits for ``t``'s stream), a host
+    tensor as it is."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)
+    return host
 
 
 def query_cuda_support(MPI: Any) -> bool:
