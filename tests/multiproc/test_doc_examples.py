@@ -1,9 +1,10 @@
 """Every python block of the README and the docs marked ``<!-- run: LAUNCHER [-n N] -->`` runs as written under
-that launcher (tests/docsource.py says how blocks are marked): written to a file, started in a fresh directory,
-it must exit 0 and print the lines of the ``title="output"`` block after it, if it has one. A bash block marked
-``<!-- run: shell -->`` runs as one ``bash -e`` script in a fresh directory where ``examples/``,
-``launch_scripts/`` and ``benchmarks/`` are the clone's, with the same checks. The figure the Getting started
-page states for the main job is checked here too."""
+that launcher (tests/docsource.py says how blocks are marked): written to a file, started in its page's
+directory, it must exit 0 and print the lines of the ``title="output"`` block after it, if it has one. A bash
+block marked ``<!-- run: shell -->`` runs as one ``bash -e`` script there, where ``examples/``,
+``launch_scripts/`` and ``benchmarks/`` are the clone's, with the same checks. A page's blocks run one after the
+other in one directory, as a reader trying them in page order would (a block that left ``ckpt/`` behind once made
+the next one's resume fail). The figure the Getting started page states for the main job is checked here too."""
 
 from __future__ import annotations
 
@@ -49,38 +50,53 @@ def _param(block: Block) -> object:
     return pytest.param(block, id=f"{block.where}-{block.run}".replace(" ", ""), marks=[mark] if mark else [])
 
 
+_PAGE_DIRS: dict[Path, Path] = {}
+
+
+def _page_dir(block: Block, factory: pytest.TempPathFactory) -> Path:
+    """The directory every runnable block of ``block``'s page runs in, in page order (the parametrized tests run
+    in the order the blocks appear), with the clone's examples, launch scripts and benchmarks beside them."""
+    if block.path not in _PAGE_DIRS:
+        where = factory.mktemp(block.path.stem)
+        for name in ("examples", "launch_scripts", "benchmarks"):
+            (where / name).symlink_to(ROOT / name)
+        _PAGE_DIRS[block.path] = where
+    return _PAGE_DIRS[block.path]
+
+
 def test_examples_found() -> None:
     assert len(BLOCKS) >= 8, [b.where for b in BLOCKS]
-
-
-@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
-def test_doc_example(block: Block, tmp_path: Path) -> None:
-    launcher, n, env = _spec(block)
-    argv_of, _, engine = LAUNCHERS[launcher]
-    if engine:
-        require(engine)
-    script = tmp_path / "example.py"
-    script.write_text(block.body)
-    proc = run(argv_of(n, str(script)), env=env, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, f"{block.where}\n{proc.describe()}"
-    if block.output is not None:
-        missing = output_matches(block.output, proc.stdout)
-        assert missing is None, f"{block.where}: {missing}\n{proc.describe()}"
 
 
 def _shell_engine(block: Block) -> tuple[pytest.MarkDecorator, str] | None:
     return next(((mark, engine) for word, mark, engine in SHELL_ENGINES if word in block.body), None)
 
 
-@pytest.mark.parametrize("block", [pytest.param(b, id=b.where, marks=[e[0]] if (e := _shell_engine(b)) else [])
-                                   for b in SHELL])
-def test_doc_shell_block(block: Block, tmp_path: Path) -> None:
+def _shell_param(block: Block) -> object:
     engine = _shell_engine(block)
-    if engine:
-        require(engine[1])
-    for name in ("examples", "launch_scripts", "benchmarks"):
-        (tmp_path / name).symlink_to(ROOT / name)
-    proc = run(["bash", "-ec", block.body], cwd=tmp_path, timeout=300)
+    return pytest.param(block, id=block.where, marks=[engine[0]] if engine else [])
+
+
+# every runnable block, python and shell, in page order (the order pytest runs the parameters in)
+IN_PAGE_ORDER = sorted([*BLOCKS, *SHELL], key=lambda b: (str(b.path), b.line))
+
+
+@pytest.mark.parametrize("block", [_param(b) if b.lang == "python" else _shell_param(b) for b in IN_PAGE_ORDER])
+def test_doc_block(block: Block, tmp_path_factory: pytest.TempPathFactory) -> None:
+    where = _page_dir(block, tmp_path_factory)
+    if block.lang == "python":
+        launcher, n, env = _spec(block)
+        argv_of, _, engine = LAUNCHERS[launcher]
+        if engine:
+            require(engine)
+        script = where / f"example-{block.line}.py"
+        script.write_text(block.body)
+        proc = run(argv_of(n, str(script)), env=env, cwd=where, timeout=300)
+    else:
+        shell = _shell_engine(block)
+        if shell:
+            require(shell[1])
+        proc = run(["bash", "-ec", block.body], cwd=where, timeout=300)
     assert proc.returncode == 0, f"{block.where}\n{proc.describe()}"
     if block.output is not None:
         missing = output_matches(block.output, proc.stdout)
