@@ -8,6 +8,9 @@ import torch
 import unidist
 from unidist import Config, InvalidArgumentError, LaunchInfo
 
+# the models and batches here are CPU tensors: the Manager is told the CPU, so that a GPU machine runs the same tests
+CPU = Config(device="cpu")
+
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
@@ -24,7 +27,7 @@ def test_block_equals_plain_accumulation(stage: int) -> None:
             (torch.nn.functional.mse_loss(ref(x[2 * part:2 * part + 2]), y[2 * part:2 * part + 2]) / 3).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    with unidist.LocalManager(Config(), LaunchInfo()) as mgr:
+    with unidist.LocalManager(CPU, LaunchInfo()) as mgr:
         model = _model()
         model, opt = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), zero_stage=stage)
         for _ in range(2):
@@ -39,7 +42,7 @@ def test_block_equals_plain_accumulation(stage: int) -> None:
 
 
 def test_refusals() -> None:
-    with unidist.LocalManager(Config(), LaunchInfo()) as mgr:
+    with unidist.LocalManager(CPU, LaunchInfo()) as mgr:
         model = _model()
         with pytest.raises(InvalidArgumentError, match="takes a model prepare\\(\\) returned"):
             mgr.accumulate(model)

@@ -19,6 +19,9 @@ import unidist.checkpoint as ckpt
 from unidist import CheckpointError, InvalidArgumentError
 from unidist.checkpoint.background import SaveHandle
 
+# the models and batches here are CPU tensors: the Manager is told the CPU, so that a GPU machine runs the same tests
+ON_CPU = {"UNIDIST_DEVICE": "cpu"}
+
 
 def make() -> torch.nn.Module:
     torch.manual_seed(0)
@@ -27,7 +30,7 @@ def make() -> torch.nn.Module:
 
 @pytest.fixture
 def mgr() -> Any:
-    with unidist.init(environ={}) as m:
+    with unidist.init(environ=ON_CPU) as m:
         yield m
 
 
@@ -152,7 +155,7 @@ def test_refusals_come_before_returning(mgr: unidist.Manager, tmp_path: Path) ->
 
 
 def test_exit_publishes_a_save_never_waited_for(tmp_path: Path) -> None:
-    with unidist.init(environ={}) as mgr:
+    with unidist.init(environ=ON_CPU) as mgr:
         model, opt = prepared(mgr)
         step(mgr, model, opt)
         handle = mgr.save_checkpoint(tmp_path / "s1", model, opt, keep=1, step=1, blocking=False)
@@ -165,7 +168,7 @@ def test_failing_exit_abandons_it(tmp_path: Path) -> None:
     saved: list[Any] = []
 
     def failing_job() -> None:
-        with unidist.init(environ={}) as mgr:
+        with unidist.init(environ=ON_CPU) as mgr:
             model, opt = prepared(mgr)
             step(mgr, model, opt)
             saved.append(mgr.save_checkpoint(tmp_path / "s1", model, opt, step=1))
@@ -187,6 +190,8 @@ def test_bench_background_table(tmp_path: Path, capsys: pytest.CaptureFixture[st
     import unidist.bench.checkpoint as bench
 
     monkeypatch.setattr(bench, "machine_line", lambda: "machine: (not measured)")
+    for name, value in ON_CPU.items():  # the benchmark starts its own Manager from the environment
+        monkeypatch.setenv(name, value)
 
     args = argparse.Namespace(dir=tmp_path / "b", width=64, layers=2, rounds=1, stage=0, batch=4, steps=1,
                               writer_nice=None, writer_duty=None)

@@ -15,6 +15,9 @@ import torch
 import unidist
 from unidist import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, InvalidArgumentError
 
+# the models and batches here are CPU tensors: the Manager is told the CPU, so that a GPU machine runs the same tests
+ON_CPU = {"UNIDIST_DEVICE": "cpu"}
+
 
 def make(width: int = 7, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
@@ -23,7 +26,7 @@ def make(width: int = 7, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
 @pytest.fixture
 def mgr() -> unidist.Manager:
-    with unidist.init(environ={}) as m:
+    with unidist.init(environ=ON_CPU) as m:
         yield m
 
 

@@ -30,8 +30,12 @@ NOT_SET = "DeepSpeed backend not set, please initialize it using init_process_gr
 
 @pytest.fixture
 def clean(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """The local backend and none of DeepSpeed's variables (restored after the test: init_distributed sets them)."""
+    """The local backend on the CPU and none of DeepSpeed's variables (restored after the test: init_distributed
+    sets them). The tensors here are CPU tensors and the accelerator follows the Manager's device where
+    DS_ACCELERATOR is unset (a GPU machine's set-up may export DS_ACCELERATOR=cuda): the same world on every
+    machine, gloo; test_a_gpu_world_is_nccl_beside_gloo is the GPU's."""
     monkeypatch.setenv("UNIDIST_BACKEND", "local")
+    monkeypatch.setenv("UNIDIST_DEVICE", "cpu")
     for name in (*ENV_NAMES, "LOCAL_SIZE", "DS_ACCELERATOR"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
@@ -91,12 +95,30 @@ def test_sets_the_five_variables_and_a_gloo_world_of_one(mgr: Any) -> None:
     assert _port_is_held(port)  # the store really listens on MASTER_PORT
     dist = torch.distributed
     assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_rank() == mgr.rank == 0
-    assert dist.get_backend() == "gloo"
+    assert dist.get_backend() == "gloo"  # on a GPU machine too: the Manager is on the CPU (clean)
     world = dist.group.WORLD
     init_distributed(distributed_port=port)  # a second call is a no-op
     assert dist.group.WORLD is world and os.environ["MASTER_PORT"] == str(port)
     comm.destroy_process_group()
     assert not dist.is_initialized() and not comm.is_initialized()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.distributed.is_nccl_available()),
+                    reason="needs a CUDA device and a torch built with NCCL; this one lacks either")
+def test_a_gpu_world_is_nccl_beside_gloo(clean: pytest.MonkeyPatch) -> None:
+    """On a GPU the accelerator is CUDA's, so the world is nccl for CUDA tensors and gloo beside it for the CPU
+    tensors a script (and unidist's own control messages) still pass: torch reports both."""
+    clean.setenv("UNIDIST_DEVICE", "cuda")
+    with unidist.init() as m:
+        try:
+            assert m.device.type == "cuda"
+            init_distributed(distributed_port=free_port())
+            assert torch.distributed.get_backend() == "cpu:gloo,cuda:nccl"
+        finally:
+            if comm.is_initialized():
+                comm.destroy_process_group()
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_taken_distributed_port_gives_a_free_one_with_a_warning(mgr: Any, logged: list[str]) -> None:

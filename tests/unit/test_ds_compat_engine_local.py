@@ -23,9 +23,11 @@ pytestmark = pytest.mark.local
 def manager(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Each test inside its own ``with unidist.init()`` block on the local backend (the compat layer uses it), with
     the variables init_distributed sets restored and its process group gone afterwards: nothing leaks into the
-    next test module."""
+    next test module. The models and batches here are CPU tensors: the Manager is told the CPU, and DS_ACCELERATOR
+    (a GPU machine's set-up may export cuda) is unset so that the accelerator follows it, on every machine."""
     monkeypatch.setenv("UNIDIST_BACKEND", "local")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"):
+    monkeypatch.setenv("UNIDIST_DEVICE", "cpu")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE", "DS_ACCELERATOR"):
         monkeypatch.delenv(name, raising=False)
     with unidist.init() as mgr:
         try:
@@ -106,3 +108,11 @@ def test_checkpoint_protocol_edges(tmp_path: Path) -> None:
         engine.save_checkpoint(str(blocked / "sub"))
     with pytest.raises(InvalidArgumentError, match="client_state"):
         engine.save_checkpoint(str(tmp_path), client_state=[1, 2])  # type: ignore[arg-type]
+
+
+def test_the_loader_pins_memory_for_the_managers_gpu_only(manager: Any) -> None:
+    """Pinned host memory is for copies to a GPU: on the CPU device (UNIDIST_DEVICE=cpu, here, even where torch sees
+    a GPU) nothing is pinned, so no rank opens a CUDA context for it (as ``mgr.loader``)."""
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+    _, _, loader, _ = deepspeed.initialize(model=_model(), config=_config(), training_data=data)
+    assert manager.device == torch.device("cpu") and loader._loader.pin_memory is False

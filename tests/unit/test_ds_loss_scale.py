@@ -4,7 +4,9 @@ overflow patterns; and a one-process ``prepare(precision="fp16-mixed")`` run fol
 
 The reference is DeepSpeed's code itself: the section parsed by ``DeepSpeedFP16Config``, ZeRO's scaler built by
 ``CreateLossScaler`` as zero/stage_1_and_2.py:722 builds it, stage 0's by a real ``FP16_UnfusedOptimizer``. Both
-log through ``deepspeed.comm``, so the module runs them inside a one-process gloo group."""
+log through ``deepspeed.comm``, so the module runs them inside a one-process gloo group, on DeepSpeed's CPU
+accelerator: the tensors here are CPU tensors, and DeepSpeed would otherwise pick CUDA on a GPU machine (stage 0's
+FP16_UnfusedOptimizer then gives a CPU parameter a CUDA gradient)."""
 
 from __future__ import annotations
 
@@ -51,20 +53,27 @@ PATTERNS = _patterns()
 
 @pytest.fixture(scope="module")
 def ds() -> Iterator[Any]:
-    """deepspeed, with the one-process gloo group its scalers log through (torch.distributed left as found)."""
-    deepspeed = pytest.importorskip("deepspeed")
-    import deepspeed.comm as dist
+    """deepspeed on its CPU accelerator, with the one-process gloo group its scalers log through (torch.distributed,
+    DS_ACCELERATOR and DeepSpeed's accelerator left as found). DS_ACCELERATOR=cpu is how the project runs DeepSpeed
+    on the CPU; DeepSpeed reads it only until it has chosen once in this process, so its choice is set too."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DS_ACCELERATOR", "cpu")
+        deepspeed = pytest.importorskip("deepspeed")
+        import deepspeed.comm as dist
+        from deepspeed.accelerator import real_accelerator
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # as unidist's deepspeed manager does: init_distributed would JIT-compile DeepSpeed's CPU shared-memory op
-    # (44-74 s on a clean machine) that only its inference_all_reduce uses
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{port}",
-                          rank=0, world_size=1, verbose=False)
-    yield deepspeed
-    dist.destroy_process_group()
+        mp.setattr(real_accelerator, "ds_accelerator", CPU_Accelerator())
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        # as unidist's deepspeed manager does: init_distributed would JIT-compile DeepSpeed's CPU shared-memory op
+        # (44-74 s on a clean machine) that only its inference_all_reduce uses
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{port}",
+                              rank=0, world_size=1, verbose=False)
+        yield deepspeed
+        dist.destroy_process_group()
 
 
 def _deepspeed_run(section: Mapping[str, Any], flags: list[bool], stage: int) -> list[float | str]:
@@ -217,7 +226,7 @@ def test_prepare_fp16_follows_deepspeed(ds: Any, name: str, overflow_at: set[int
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     x, y = torch.randn(32, 8), torch.randn(32, 1)
-    with LocalManager(Config(), LaunchInfo()) as mgr:
+    with LocalManager(Config(device=CPU.type), LaunchInfo()) as mgr:
         model, opt = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), precision="fp16-mixed",
                                  loss_scaling=loss_scaling(SECTIONS[name]))
         skipped, scales = [], []

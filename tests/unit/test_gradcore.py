@@ -14,10 +14,13 @@ from unidist import InvalidArgumentError
 from unidist.train.gradcore import Compression, FP16Compressor, pack
 from unidist.train.options import SyncOptions
 
+# the models and batches here are CPU tensors: the Manager is told the CPU, so that a GPU machine runs the same tests
+ON_CPU = {"UNIDIST_DEVICE": "cpu"}
+
 
 @pytest.fixture
 def mgr() -> Iterator[unidist.Manager]:
-    with unidist.init(environ={}) as m:
+    with unidist.init(environ=ON_CPU) as m:
         yield m
 
 

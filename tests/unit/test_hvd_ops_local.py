@@ -19,11 +19,19 @@ from unidist.errors import NotInitializedError, UnidistError
 
 NOT_INIT = "Horovod has not been initialized; use hvd.init()."
 TOPOLOGY = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous")
+# the tensors here are CPU tensors: hvd.init's Manager (the local backend) is told the CPU, so that a GPU machine
+# runs the same tests
+LOCAL_ON_CPU = {"UNIDIST_BACKEND": "local", "UNIDIST_DEVICE": "cpu"}
+
+
+def _local_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in LOCAL_ON_CPU.items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.fixture
 def started(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("UNIDIST_BACKEND", "local")
+    _local_on_cpu(monkeypatch)
     hvd.init()
     try:
         yield
@@ -64,7 +72,7 @@ def test_init_is_idempotent_and_restartable(started: None) -> None:
 
 
 def test_init_refuses_what_unidist_cannot_give(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("UNIDIST_BACKEND", "local")
+    _local_on_cpu(monkeypatch)
     with pytest.raises(UnsupportedFeatureError, match="mpi4py communicator"):
         hvd.init(comm=object())
     with pytest.raises(UnsupportedFeatureError, match=r"the ranks \[1\]"):
@@ -78,7 +86,9 @@ def test_build_queries_answer_for_the_local_engine(started: None) -> None:
     assert (hvd.mpi_built(), hvd.mpi_enabled(), hvd.gloo_built(), hvd.gloo_enabled()) == (False,) * 4
     assert (hvd.ddl_built(), hvd.ccl_built()) == (False, False)
     assert hvd.nccl_built() == 0 and type(hvd.nccl_built()) is int
-    assert hvd.cuda_built() == torch.cuda.is_available() and type(hvd.rocm_built()) is bool
+    # CUDA is built where torch was built with it (ROCm's torch answers is_available() too, with cuda_built False)
+    assert hvd.cuda_built() == (torch.version.cuda is not None and torch.cuda.is_available())
+    assert type(hvd.rocm_built()) is bool
     with pytest.raises(ValueError, match="MPI is not enabled"):
         hvd.mpi_threads_supported()
     hvd.start_timeline("/tmp/unused-timeline.json")  # documented no-ops once initialized
@@ -152,7 +162,7 @@ def test_process_sets_keep_horovods_rules(started: None, monkeypatch: pytest.Mon
 def test_inside_a_unidist_block_hvd_uses_its_manager(monkeypatch: pytest.MonkeyPatch) -> None:
     import unidist
 
-    monkeypatch.setenv("UNIDIST_BACKEND", "local")
+    _local_on_cpu(monkeypatch)
     with unidist.init() as mgr:
         hvd.init()
         assert hvd.basics.manager() is mgr and hvd.size() == mgr.size

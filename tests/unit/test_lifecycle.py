@@ -10,9 +10,14 @@ import unidist
 from unidist import Config, LaunchInfo, NotInitializedError, UnidistError
 from unidist.managers.base import get_manager
 
+# The rules here hold on any device; stated as the CPU so that a GPU machine runs the same test (the auto rule,
+# cuda:N where torch sees a GPU, is the collective suite's topology case: test_local.py)
+CPU = Config(device="cpu")
+ON_CPU = {"UNIDIST_DEVICE": "cpu"}
+
 
 def test_lifecycle() -> None:
-    m = unidist.LocalManager(Config(), LaunchInfo())
+    m = unidist.LocalManager(CPU, LaunchInfo())
     with pytest.raises(NotInitializedError):
         get_manager()
     with m as entered:
@@ -24,7 +29,7 @@ def test_lifecycle() -> None:
         with pytest.raises(UnidistError, match="already started"), m:
             pass
         with pytest.raises(UnidistError, match="another Manager"):
-            unidist.LocalManager(Config(), LaunchInfo()).start()
+            unidist.LocalManager(CPU, LaunchInfo()).start()
     assert not m.started
     with pytest.raises(NotInitializedError):
         get_manager()
@@ -32,14 +37,14 @@ def test_lifecycle() -> None:
 
 
 def test_exit_never_swallows() -> None:
-    with pytest.raises(KeyError), unidist.LocalManager(Config(), LaunchInfo()):
+    with pytest.raises(KeyError), unidist.LocalManager(CPU, LaunchInfo()):
         raise KeyError("boom")
     with pytest.raises(NotInitializedError):
         get_manager()
 
 
 def test_start_and_shutdown_without_with() -> None:
-    m = unidist.init(environ={})
+    m = unidist.init(environ=ON_CPU)
     m.start()
     try:
         assert m.allreduce(np.ones(3)).tolist() == [1.0, 1.0, 1.0]
@@ -48,7 +53,8 @@ def test_start_and_shutdown_without_with() -> None:
 
 
 def test_refuses_a_multi_process_launch() -> None:
-    m = unidist.LocalManager(Config(backend="local"), LaunchInfo(rank=0, size=2, local_size=2, launcher="mpich"))
+    m = unidist.LocalManager(Config(backend="local", device="cpu"),
+                             LaunchInfo(rank=0, size=2, local_size=2, launcher="mpich"))
     with pytest.raises(unidist.LaunchEnvironmentError, match="started 2"):
         m.start()
     assert not m.started

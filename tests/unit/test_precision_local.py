@@ -11,6 +11,10 @@ import unidist
 from unidist import Config, ConfigError, LaunchInfo
 from unidist.train.precision import LossScaler, Precision, ScalerOptions
 
+# the models and batches here are CPU tensors and the forward's autocast is the CPU's: the Manager is told the CPU,
+# so that a GPU machine runs the same tests
+ON_CPU = {"UNIDIST_DEVICE": "cpu"}
+
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
@@ -51,7 +55,7 @@ def test_loss_scaler_follows_gradscaler(options: ScalerOptions) -> None:
 
 @pytest.mark.parametrize("mode", ["32", "bf16-mixed", "fp16-mixed", "bf16-true"])
 def test_forward_dtypes(mode: str) -> None:
-    with unidist.LocalManager(Config(), LaunchInfo()) as mgr:
+    with unidist.LocalManager(Config.from_env(ON_CPU), LaunchInfo()) as mgr:
         model = _model()
         model, _ = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=mode)
         seen: list[torch.dtype] = []
@@ -85,7 +89,7 @@ def test_autocast_left_when_the_forward_raises() -> None:
 ])
 def test_an_argument_and_the_environment_that_disagree(env: dict[str, str], kwargs: dict[str, object],
                                                       message: str) -> None:
-    with unidist.LocalManager(Config.from_env(env), LaunchInfo()) as mgr:
+    with unidist.LocalManager(Config.from_env(ON_CPU | env), LaunchInfo()) as mgr:
         with pytest.raises(ConfigError) as err:
             mgr.prepare(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), **kwargs)
         assert message in str(err.value)
@@ -93,12 +97,12 @@ def test_an_argument_and_the_environment_that_disagree(env: dict[str, str], kwar
 
 def test_an_argument_and_the_environment_that_agree() -> None:
     env = {"UNIDIST_ZERO_STAGE": "1", "UNIDIST_PRECISION": "bf16-mixed"}
-    with unidist.LocalManager(Config.from_env(env), LaunchInfo()) as mgr:
+    with unidist.LocalManager(Config.from_env(ON_CPU | env), LaunchInfo()) as mgr:
         model = _model()
         _, opt = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), zero_stage=1,
                              precision="bf16-mixed")
         assert type(opt).__name__ == "ZeroOptimizer"
-    with unidist.LocalManager(Config.from_env({"UNIDIST_PRECISION": "fp16-mixed"}), LaunchInfo()) as mgr:
+    with unidist.LocalManager(Config.from_env(ON_CPU | {"UNIDIST_PRECISION": "fp16-mixed"}), LaunchInfo()) as mgr:
         model = _model()
         _, opt = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))  # the environment's, unasked
         assert opt.loss_scale == 65536.0  # type: ignore[attr-defined]

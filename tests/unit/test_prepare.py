@@ -11,10 +11,13 @@ import unidist
 from unidist import Config, InvalidArgumentError, LaunchInfo
 from unidist.train.options import PREPARE_ARGS
 
+# the models and batches here are CPU tensors: the Manager is told the CPU, so that a GPU machine runs the same tests
+ON_CPU = {"UNIDIST_DEVICE": "cpu"}
+
 
 @pytest.fixture
 def mgr() -> unidist.Manager:
-    with unidist.LocalManager(Config(), LaunchInfo()) as m:
+    with unidist.LocalManager(Config.from_env(ON_CPU), LaunchInfo()) as m:
         yield m
 
 
@@ -112,7 +115,7 @@ def test_clip_grad_norm_matches_torch(mgr: unidist.Manager) -> None:
 
 
 def test_prepare_twice_on_one_model_is_refused() -> None:
-    with unidist.init(environ={}) as mgr:
+    with unidist.init(environ=ON_CPU) as mgr:
         model = torch.nn.Linear(3, 2)
         prepared, opt = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         for again in (model, prepared):

@@ -17,6 +17,10 @@ import torch
 import unidist
 from unidist.errors import ConfigError, InvalidArgumentError, UnidistError
 
+# the calls' tensors and prepare's models are CPU tensors: the Manager is told the CPU, so that a GPU machine runs
+# the same table (each case starts with no UNIDIST_* variable of the caller's, so this is set by the case itself)
+LOCAL_ON_CPU = {"UNIDIST_BACKEND": "local", "UNIDIST_DEVICE": "cpu"}
+
 
 def _start(env: dict[str, str]) -> Callable[[Any], None]:
     def go(monkeypatch: Any) -> None:
@@ -29,7 +33,8 @@ def _start(env: dict[str, str]) -> Callable[[Any], None]:
 
 def _call(fn: Callable[[Any], Any]) -> Callable[[Any], None]:
     def go(monkeypatch: Any) -> None:
-        monkeypatch.setenv("UNIDIST_BACKEND", "local")
+        for k, v in LOCAL_ON_CPU.items():
+            monkeypatch.setenv(k, v)
         with unidist.init() as mgr:
             fn(mgr)
     return go
@@ -122,8 +127,7 @@ def test_bad_input_is_a_typed_error_naming_the_culprit(monkeypatch: Any, trigger
     assert names in str(info.value), str(info.value)
 
 
-def test_integer_like_roots_are_accepted(monkeypatch: Any) -> None:
-    monkeypatch.setenv("UNIDIST_BACKEND", "local")
-    with unidist.init() as mgr:
+def test_integer_like_roots_are_accepted() -> None:
+    with unidist.init(environ=LOCAL_ON_CPU) as mgr:
         for root in (np.int64(0), np.int32(0), torch.tensor(0)):
             assert torch.equal(mgr.broadcast(T, root=root), T)

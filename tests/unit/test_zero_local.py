@@ -10,6 +10,9 @@ import unidist
 from unidist import InvalidArgumentError
 from unidist.train.zero import ZeroOptimizer
 
+# the models and batches here are CPU tensors: the Manager is told the CPU, so that a GPU machine runs the same tests
+ON_CPU = {"UNIDIST_DEVICE": "cpu"}
+
 
 def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
@@ -27,7 +30,7 @@ def train(mgr: unidist.Manager, model: torch.nn.Module, opt: torch.optim.Optimiz
 
 @pytest.fixture
 def mgr() -> unidist.Manager:
-    with unidist.init(environ={}) as m:
+    with unidist.init(environ=ON_CPU) as m:
         yield m
 
 

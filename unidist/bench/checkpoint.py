@@ -56,7 +56,7 @@ def main() -> int:
         for stage in range(4):
             model = make_model(args.width, args.layers)
             model, opt = mgr.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4), zero_stage=stage)
-            mgr.backward(model(torch.randn(4, args.width)).pow(2).mean())
+            mgr.backward(model(torch.randn(4, args.width, device=mgr.device)).pow(2).mean())  # prepare moved it there
             opt.step()
             opt.zero_grad()
             saves, loads = [], []
@@ -113,7 +113,7 @@ def background(args: argparse.Namespace) -> int:
     with unidist.init() as mgr:
         model = make_model(args.width, args.layers)
         model, opt = mgr.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4), zero_stage=args.stage)
-        x = torch.randn(args.batch, args.width)
+        x = torch.randn(args.batch, args.width, device=mgr.device)  # where prepare put the model (a GPU if any)
 
         def step() -> float:
             start = time.perf_counter()

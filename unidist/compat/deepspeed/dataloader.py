@@ -5,7 +5,7 @@ DeepSpeed 0.19.8 (``runtime/dataloader.py``) batches each rank's share with the 
 wrapping around) and never calls ``set_epoch``: every epoch repeats the first one's order. unidist's
 ``ShardSampler`` yields the same indices without a process group; the loader keeps DeepSpeed's quirk (no
 reshuffle) so the same script sees the same batches. ``num_workers`` is 0 here (DeepSpeed's 2 worker processes
-change no sample, only speed), and ``pin_memory`` only with CUDA.
+change no sample, only speed), and ``pin_memory`` only where the Manager's device is a GPU (as ``mgr.loader``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from unidist.errors import InvalidArgumentError
@@ -32,7 +31,7 @@ class DeepSpeedDataLoader:
         self.data_sampler = mgr.shard(dataset, shuffle=True, seed=0, drop_last=False)  # DistributedSampler's defaults
         self.batch_size = batch_size
         self._loader = DataLoader(dataset, batch_size=batch_size, sampler=self.data_sampler, collate_fn=collate_fn,
-                                  drop_last=drop_last, num_workers=0, pin_memory=torch.cuda.is_available())
+                                  drop_last=drop_last, num_workers=0, pin_memory=mgr.device.type == "cuda")
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._loader)
