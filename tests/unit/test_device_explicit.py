@@ -33,11 +33,15 @@ TAIL = 6000  # characters of the nested run's output shown on failure: its failu
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a real GPU: the unit suite itself is the check here")
 @pytest.mark.skipif(os.environ.get(PRETEND) == "1", reason=f"this run already pretends ({PRETEND}=1): it is the check")
-def test_the_unit_suite_passes_where_torch_pretends_to_see_a_gpu(request: pytest.FixtureRequest) -> None:
+# the outer run's selection (a tox env's engines); the deepspeed-marked unit tests run only in the env that has
+# DeepSpeed, which selects -m deepspeed: there this test runs them
+@pytest.mark.parametrize("only", [None, pytest.param("deepspeed", marks=pytest.mark.deepspeed)])
+def test_the_unit_suite_passes_where_torch_pretends_to_see_a_gpu(request: pytest.FixtureRequest, only: str | None
+                                                                 ) -> None:
     args = [sys.executable, "-m", "pytest", "tests/unit", "-q", "-p", "no:cacheprovider", "-x", "--ignore", HERE]
     args += [arg for test in UNRELATED for arg in ("--deselect", test)]
-    marks = request.config.getoption("markexpr")
-    if marks:  # the selection the outer run made (a tox env's engines)
+    marks = only or request.config.getoption("markexpr")
+    if marks:
         args += ["-m", marks]
     env = {name: value for name, value in os.environ.items() if name != "DS_ACCELERATOR"} | {PRETEND: "1"}
     proc = subprocess.run(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
