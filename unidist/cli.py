@@ -13,10 +13,10 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +32,7 @@ from unidist.bench.timeline import main as timeline_main
 from unidist.config import ENV_VARS, Config
 from unidist.errors import HostsError, UnidistError
 from unidist.hosts import Host, format_hosts, hostfile_text, parse_hosts, read_hostfile, slurm_hosts
-from unidist.launch import LAUNCHERS, detect, family, find_program, programs, script_args
+from unidist.launch import LAUNCHERS, Command, detect, family, find_program, programs, script_args
 from unidist.net import free_port
 
 __all__ = ["Plan", "hosts_plan", "launch_command", "main"]
@@ -150,20 +150,22 @@ def _default_backend() -> str:
                        "script with python")
 
 
-# what a launcher started over ssh is given (real ssh carries no environment; mpiexec, horovodrun and deepspeed
-# carry their own): unidist's settings and the engines' interface, thread and import-path variables
+# what a launcher started over ssh is given (real ssh carries no environment; mpiexec and horovodrun carry
+# their own): unidist's settings and the engines' interface, thread and import-path variables
 _FORWARD = ("UNIDIST_", "GLOO_", "NCCL_", "TORCH_", "OMP_", "MKL_", "DS_", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")
+# the {hostfile} of a launcher started per host: the file _remote writes on that host (no argument given on a
+# command line can equal this word: it holds a NUL)
+_REMOTE_HOSTFILE = "\0hostfile"
 
 
 @dataclass
 class Plan:
     """The processes ``unidist launch`` starts here for a job on several hosts: one launcher command, or one
     ssh per host (``Command.per_host``); ``env``: the variables the launch needs (a backend its launcher does
-    not imply); ``hostfile``: a file written for the launcher (removed after the run)."""
+    not imply)."""
 
     commands: list[list[str]]
     env: dict[str, str] = field(default_factory=dict)
-    hostfile: str | None = None
     stdin: bool = False  # ssh sessions, ended by closing their input (see _remote)
 
     def lines(self) -> list[str]:
@@ -204,35 +206,80 @@ def hosts_plan(backend: str, hosts: list[Host], script: str, args: Sequence[str]
         if cmd.per_host or "{ssh}" in template else ""
     values = {"n": str(n), "python": sys.executable, "hosts": format_hosts(hosts), "first": hosts[0].name,
               "nnodes": str(len(hosts)), "ssh": ssh, "port": str(free_port()) if "{port}" in template else "",
-              "run_id": f"unidist-{os.getpid()}-{time.time_ns() % 10**9}", "hostfile": "",
+              "run_id": f"unidist-{os.getpid()}-{time.time_ns() % 10**9}",
               "mpi": "--mpi=" + (environ.get("SLURM_MPI_TYPE") or ("pmi2" if record.needs_pmi else "none"))}
     plan = Plan([], env)
-    if cmd.hostfile:
-        fd, plan.hostfile = tempfile.mkstemp(prefix="unidist-hostfile-", suffix=".txt")
-        with os.fdopen(fd, "w") as out:
-            out.write(hostfile_text(hosts, cmd.hostfile))
-        values["hostfile"] = plan.hostfile
     rest = [script, *args]
     if not cmd.per_host:
         plan.commands.append(cmd.hosts_argv(program, values, rest))
         return plan
-    carry = {k: v for k, v in environ.items() if k.startswith(_FORWARD)} | env
-    setvars = ["env", *(f"{k}={v}" for k, v in sorted(carry.items()))] if carry else []
     where = cwd or os.getcwd()
-    for host in hosts:
-        inner = cmd.hosts_argv(program, {**values, "slots": str(host.slots)}, rest)
-        plan.commands.append([ssh, host.name, _remote(where, [*setvars, *inner])])
+    carry = {k: v for k, v in environ.items() if k.startswith((*_FORWARD, *cmd.exports))}
+    carry |= _env_file(cmd, environ, where) | env
+    setvars = ["env", *(f"{k}={v}" for k, v in sorted(carry.items()))] if carry else []
+    hostfile = hostfile_text(hosts, cmd.hostfile) if cmd.hostfile else None
+    for rank, host in enumerate(hosts):
+        here = {**values, "slots": str(host.slots), "node_rank": str(rank), "hostfile": _REMOTE_HOSTFILE}
+        plan.commands.append([ssh, host.name, _remote(where, [*setvars, *cmd.hosts_argv(program, here, rest)],
+                                                      hostfile)])
     plan.stdin = True
     return plan
 
 
-def _remote(cwd: str, argv: list[str]) -> str:
-    """The shell line run over ssh: ``argv`` in ``cwd``, sent SIGTERM when ssh's input closes (the launcher
-    ended the job, or died), so the remote launcher stops its workers itself; a killed ssh session would leave
-    workers in their own sessions (torchrun starts them so) running."""
+def _env_file(cmd: Command, environ: Mapping[str, str], cwd: str) -> dict[str, str]:
+    """The variables of the launcher's own environment file (``Command.env_file``: DeepSpeed's ``.deepspeed_env``,
+    or the name DS_ENV_FILE gives), read where its runner reads it: the home directory, then ``cwd`` (which wins).
+    Its runner exports them to every node; started per host, the launcher would not read it on the far hosts (and
+    ``--no_ssh`` reads it nowhere), so unidist carries them. A line it cannot pass on is a HostsError before
+    anything starts."""
+    if cmd.env_file is None:
+        return {}
+    variable, default = cmd.env_file
+    name = environ.get(variable, default)
+    found: dict[str, str] = {}
+    for folder in (environ.get("HOME") or str(Path.home()), cwd):
+        path = Path(folder) / name
+        if name and path.is_file():
+            found |= _read_env_file(path)
+    return found
+
+
+def _read_env_file(path: Path) -> dict[str, str]:
+    """``NAME=value`` lines (blank lines and ``#`` comments skipped), values as written: DeepSpeed's pdsh runner
+    hands them to a remote shell, which expands ``$VAR``; over ssh they are passed as they are, so a value that
+    needs a shell is refused rather than passed on unexpanded."""
+    out: dict[str, str] = {}
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = (part.strip() for part in line.partition("="))
+        where = f"{path} line {number} ({line!r})"
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise HostsError(f"{where}: not a NAME=value line; write one variable per line, e.g. NCCL_DEBUG=INFO")
+        if re.search(r"[$`\\]", value):
+            raise HostsError(f"{where}: unidist launch passes the value as written, and only DeepSpeed's pdsh runner "
+                             "has a shell expand it; write the value out in full (no $, ` or \\)")
+        out[key] = value
+    return out
+
+
+def _remote(cwd: str, argv: list[str], hostfile: str | None = None) -> str:
+    """The shell line run over ssh: ``argv`` in ``cwd``, in a process group of its own (``setsid``) that gets
+    SIGTERM when ssh's input closes (the launcher ended the job, or died): the launcher stops its workers itself
+    (torchrun starts them in sessions of their own, which a killed ssh session would leave running), and a
+    launcher that does not forward SIGTERM (DeepSpeed's runner leaves its per-node launcher and ranks running)
+    has them stopped with it. With ``hostfile`` (its text) the line first writes it to a new file in the host's
+    temporary directory, which ``argv``'s _REMOTE_HOSTFILE words name, and removes it on exit."""
+    words = " ".join('"$hostfile"' if word == _REMOTE_HOSTFILE else shlex.quote(word) for word in argv)
+    setup = ""
+    if hostfile is not None:
+        lines = shlex.join(hostfile.splitlines())
+        setup = (f"hostfile=$(mktemp) || exit 1; trap 'rm -f \"$hostfile\"' EXIT; "
+                 f"printf '%s\\n' {lines} > \"$hostfile\" || exit 1; ")
     # (sh gives a background list /dev/null as input: the watcher reads ssh's input through fd 3)
-    return (f"cd {shlex.quote(cwd)} || exit 1; exec 3<&0; {shlex.join(argv)} 3<&- & pid=$!; "
-            "{ cat <&3 >/dev/null; kill -TERM $pid; } >/dev/null 2>&1 & wait $pid")
+    return (f"cd {shlex.quote(cwd)} || exit 1; {setup}exec 3<&0; setsid -w {words} 3<&- & pid=$!; "
+            "{ cat <&3 >/dev/null; kill -TERM -$pid || kill -TERM $pid; } >/dev/null 2>&1 & wait $pid")
 
 
 def _run_all(commands: list[list[str]], env: Mapping[str, str], stdin: bool = False) -> int:
@@ -371,20 +418,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unidist {ns.command}: {err}", file=sys.stderr)
         return 2
     if ns.dry_run:
-        if plan.hostfile:
-            print(f"# {plan.hostfile} (kept for the command below):\n# "
-                  + Path(plan.hostfile).read_text().strip().replace("\n", "\n# "), file=sys.stderr)
         print("\n".join(plan.lines()))
         return 0
     env = dict(os.environ)
     if ns.backend:
         env["UNIDIST_BACKEND"] = backend
     env.update(plan.env)
-    try:
-        return _run_all(plan.commands, env, plan.stdin)
-    finally:
-        if plan.hostfile:
-            os.unlink(plan.hostfile)
+    return _run_all(plan.commands, env, plan.stdin)
 
 
 if __name__ == "__main__":

@@ -53,10 +53,16 @@ class Command:
     ``args`` follow the program and precede the script and its arguments; ``{n}`` is the process count,
     ``{python}`` this interpreter, ``{port}`` a free TCP port, ``{mpi}`` srun's ``--mpi=`` option.
     ``hosts_args`` are the same for the launcher's multi-host form (None: it has none), which may also use
-    ``{hosts}`` (``h1:2,h2:2``), ``{hostfile}`` (a file in the ``hostfile`` style, ``"slots"`` or ``"mpich"``,
-    see ``unidist.hosts.hostfile_text``), ``{first}`` (the first host: rank 0's), ``{nnodes}``, ``{ssh}`` (the
-    ssh program) and, when ``per_host`` (the launcher is started once on every host, over ssh), ``{slots}``
-    (that host's processes) and ``{run_id}`` (one id shared by the job's launchers).
+    ``{hosts}`` (``h1:2,h2:2``), ``{first}`` (the first host: rank 0's), ``{nnodes}``, ``{ssh}`` (the ssh
+    program) and, when ``per_host`` (the launcher is started once on every host, over ssh), ``{slots}`` (that
+    host's processes), ``{node_rank}`` (its place in the host list, 0 first), ``{run_id}`` (one id shared by the
+    job's launchers) and ``{hostfile}``: every host in the ``hostfile`` style (``"slots"`` or ``"mpich"``, see
+    ``unidist.hosts.hostfile_text``), a file written on that host by the ssh command line before its launcher
+    starts, since hosts have a /tmp of their own (removed when the launcher ends).
+
+    Started per host, a launcher gets unidist's own list of variables over ssh, plus those whose names start with
+    one of ``exports`` and those of the ``env_file`` (the variable that names it, its default name): what the
+    launcher's own multi-host runner would have carried to the nodes, so a job set up for that runner keeps them.
     """
 
     programs: tuple[str, ...]  # the first one found beside the interpreter or on PATH is used
@@ -64,6 +70,8 @@ class Command:
     hosts_args: tuple[str, ...] | None = None
     per_host: bool = False
     hostfile: str | None = None
+    exports: tuple[str, ...] = ()
+    env_file: tuple[str, str] | None = None
     answers: str = "--version"  # the option the program answers without starting anything (info --check runs it)
 
     def argv(self, program: str, n: int, python: str, port: int | None, rest: list[str], mpi: str = "--mpi=none"
@@ -116,11 +124,18 @@ LAUNCHERS: tuple[Family, ...] = (
                            ("-np", "{n}", "--gloo", "-H", "{hosts}", "{python}"))),
     # --num_gpus also sets the process count with DeepSpeed's CPU accelerator; a free port avoids a clash
     # with another job on the default 29500; --no_local_rank keeps the script's argv as given.
+    # On several hosts: `deepspeed --no_ssh` on every host over ssh, as torchrun, not DeepSpeed's pdsh runner (pdsh
+    # is rarely installed, and its runner re-quotes the script's arguments for a remote shell). Each host's runner
+    # reads the whole world from the hostfile and runs its --node_rank's share: ranks in host order, rank 0 on the
+    # first host, as the pdsh runner numbers them. What that runner exports to the nodes (PYTHON*, UCX*, MV2*,
+    # MLFLOW*, .deepspeed_env) goes over ssh instead.
     Family("deepspeed", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK",
            marker=("CROSS_RANK",), master_addr="MASTER_ADDR", master_port="MASTER_PORT",
            command=Command(("deepspeed",), ("--num_gpus", "{n}", "--master_port", "{port}", "--no_local_rank"),
-                           ("--hostfile", "{hostfile}", "--master_addr", "{first}", "--master_port", "{port}",
-                            "--no_local_rank"), hostfile="slots", answers="--help")),
+                           ("--hostfile", "{hostfile}", "--no_ssh", "--node_rank", "{node_rank}", "--master_addr",
+                            "{first}", "--master_port", "{port}", "--no_local_rank"), per_host=True, hostfile="slots",
+                           exports=("PYTHON", "UCX", "MV2", "MLFLOW"), env_file=("DS_ENV_FILE", ".deepspeed_env"),
+                           answers="--help")),
     Family("openmpi", "OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",), "OMPI_COMM_WORLD_LOCAL_RANK",
            "OMPI_COMM_WORLD_LOCAL_SIZE", mpi_like=True),
     # `mpiexec -n N` is the MPI standard's spelling, so this row also stands for Open MPI's and MVAPICH's;

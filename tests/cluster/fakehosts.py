@@ -18,7 +18,9 @@ mpiexec, horovodrun, DeepSpeed's runner) go through ``ssh_standin.py``: a siblin
 entered from inside another, so the stand-in asks the cluster's agent (``agent.py``, in the root namespaces)
 over a unix socket to start the command on the named host with the caller's stdin/stdout/stderr, as sshd would.
 ``pdsh`` (DeepSpeed's multinode runner) and ``srun`` (a Slurm job step) stand-ins start their commands through
-that ssh stand-in.
+that ssh stand-in. A cluster can also have no pdsh at all (``pdsh="none"``: the machine's own is hidden on every
+host) or the machine's real one (``pdsh="system"``, Debian's ``pdsh``, which reaches the hosts through the ssh
+stand-in as it would through ssh).
 No address outside the namespaces made here is ever a target.
 """
 
@@ -43,6 +45,7 @@ SHARED_ROOT = "/var/tmp"  # not /tmp, which is each host's own
 SUBNET = "10.77.0"
 # what a login shell on every host has (a user's ~/.profile): the interpreter's bin first, then the system's
 PROFILE_KEYS = ("PATH", "PYTHONPATH", "HOME", "USER", "LOGNAME", "LANG", "OMP_NUM_THREADS", "DS_ACCELERATOR")
+PDSH_MODES = ("standin", "system", "none")  # Cluster(pdsh=...): the stand-in, the machine's own, or none at all
 
 
 class ClusterUnavailableError(RuntimeError):
@@ -92,12 +95,19 @@ class Cluster:
         names: their host names (default h1 ... hn).
         profile: environment variables every host's login shell has (default: this process's PATH, PYTHONPATH,
             HOME, USER, LANG, OMP_NUM_THREADS and DS_ACCELERATOR).
+        pdsh: ``"standin"`` (pdsh_standin.py first on every host's PATH), ``"system"`` (the machine's own pdsh,
+            if any: no stand-in) or ``"none"`` (no pdsh on any host: no stand-in, and every ``pdsh`` on the hosts'
+            PATH covered, inside the hosts' mount namespaces only, by /dev/null, which is not executable).
     """
 
-    def __init__(self, n: int, profile: Mapping[str, str] | None = None, names: Sequence[str] | None = None) -> None:
+    def __init__(self, n: int, profile: Mapping[str, str] | None = None, names: Sequence[str] | None = None,
+                 pdsh: str = "standin") -> None:
         reason = why_unavailable()
         if reason:
             raise ClusterUnavailableError(reason)
+        if pdsh not in PDSH_MODES:
+            raise ValueError(f"pdsh={pdsh!r}: use one of {', '.join(PDSH_MODES)}")
+        self.pdsh = pdsh
         self.n = n
         self.names = list(names) if names else [f"h{i + 1}" for i in range(n)]
         if len(self.names) != n:
@@ -134,6 +144,8 @@ class Cluster:
         self.shared.mkdir()
         # the stand-ins, each handed what it reaches the hosts through: ssh the agent, the others ssh
         for tool, first in (("ssh", self.dir / "agent.sock"), ("pdsh", self.bin / "ssh"), ("srun", self.bin / "ssh")):
+            if tool == "pdsh" and self.pdsh != "standin":
+                continue
             stub = self.bin / tool
             stub.write_text(f"#!/bin/sh\nexec {sys.executable} {HERE / f'{tool}_standin.py'} {first} " '"$@"\n')
             stub.chmod(0o755)
@@ -146,6 +158,8 @@ class Cluster:
                                                                   for i, h in enumerate(names)))
         for i, name in enumerate(names):
             self.hosts[name] = self._host(i, name, hosts_file)
+            if self.pdsh == "none":
+                self._hide(name, "pdsh")
         (self.dir / "hosts.json").write_text(json.dumps({"profile": self.profile, "hosts": {
             h.name: {"address": h.address, "pid": h.pid, "tmp": str(h.tmp)} for h in self.hosts.values()}}))
         sock = self.dir / "agent.sock"
@@ -179,6 +193,20 @@ class Cluster:
         with open(f"/proc/{init.pid}/task/{init.pid}/children") as f:
             pid = int(f.read().split()[0])
         return Host(name, address, ns, pid, tmp, init)
+
+    def _hide(self, host: str, program: str) -> None:
+        """Cover every ``program`` on the hosts' PATH with /dev/null inside ``host`` (its mount namespace only):
+        neither ``shutil.which`` nor a shell finds it there, and this machine keeps it."""
+        for folder in self.profile["PATH"].split(os.pathsep):
+            path = Path(folder) / program
+            if path.exists():
+                subprocess.run(["nsenter", "-t", str(self.hosts[host].pid), "-m", "--", "mount", "--bind",
+                                "/dev/null", str(path)], check=True, capture_output=True)
+
+    def which(self, host: str, program: str) -> str | None:
+        """Where ``host``'s login shell finds ``program`` (None: not on its PATH)."""
+        found = self.run(host, ["sh", "-c", f"command -v {program}"], timeout=30).stdout.strip()
+        return found or None
 
     def down(self) -> None:
         """Kill every process of every host (each host's init takes its PID namespace with it), the agent, the

@@ -1,9 +1,9 @@
 """How a job is started on the simulated cluster, one row per launcher form (issue 23), and running one.
 
 A row turns ``{host: ranks}`` and a script's argv into the processes to start: one (host, argv) for launchers
-that reach the other hosts themselves (mpiexec over the ssh stand-in, horovodrun -H, deepspeed's runner), one
-per host for those started on every node (torchrun, ``deepspeed --no_ssh``, an srun stand-in). Every process
-runs inside its host; the job's exit code is the worst of theirs.
+that reach the other hosts themselves (mpiexec over the ssh stand-in, horovodrun -H, deepspeed's runner over
+pdsh, ``unidist launch``), one per host for those started on every node (torchrun, ``deepspeed --no_ssh``, an
+srun stand-in). Every process runs inside its host; the job's exit code is the worst of theirs.
 """
 
 from __future__ import annotations
@@ -84,6 +84,14 @@ def _deepspeed_no_ssh(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> St
         "--master_port", str(port), *argv])
 
 
+def _unidist_launch_deepspeed(cluster: Cluster, hosts: Hosts, argv: Sequence[str]) -> Starts:
+    """``unidist launch --hostfile F --backend deepspeed`` on the first host, as a user types it: one ``deepspeed
+    --no_ssh --node_rank i`` per host over ssh (unidist's LAUNCHERS row), no pdsh; the job's variables carried."""
+    hostfile = _hostfile(cluster, hosts, next(_PORTS))
+    return [(next(iter(hosts)), [sys.executable, "-m", "unidist.cli", "launch", "--hostfile", hostfile, "--backend",
+                                 "deepspeed", *argv])]
+
+
 def allocation(hosts: Hosts, port: int) -> list[str]:
     """``env`` words for the variables sbatch gives a batch script on the first host of an allocation of
     ``hosts``, and the MASTER_PORT launch_scripts/slurm.sbatch exports."""
@@ -137,6 +145,7 @@ LAUNCHES = {launch.name: launch for launch in [
     ClusterLaunch("horovodrun-gloo", "horovod", _horovodrun, ("torch", "horovod")),
     ClusterLaunch("deepspeed-pdsh", "deepspeed", _deepspeed_pdsh, ("torch", "deepspeed")),
     ClusterLaunch("deepspeed-no-ssh", "deepspeed", _deepspeed_no_ssh, ("torch", "deepspeed")),
+    ClusterLaunch("unidist-launch-deepspeed", "deepspeed", _unidist_launch_deepspeed, ("torch", "deepspeed")),
     # srun without PMI (none is simulated): the MPI backend a Slurm step implies cannot start here
     ClusterLaunch("srun-torch", "torch", _srun, ("torch",), {"UNIDIST_BACKEND": "torch"}),
     ClusterLaunch("mpiexec-in-allocation", "mpi", _mpiexec_in_allocation, ("torch", "mpi4py")),
