@@ -89,16 +89,22 @@ def info(environ: Mapping[str, str]) -> dict[str, Any]:
     return report
 
 
-def _print_info(report: dict[str, Any]) -> None:
-    print(f"unidist {report['unidist']}   python {report['python']}")
-    print(f"platform {report['platform']}")
-    print("packages:")
-    for pkg, ver in report["packages"].items():
-        print(f"  {pkg:<10} {ver}")
-    print("launchers on PATH:")
-    for prog, where in report["programs"].items():
-        print(f"  {prog:<10} {where}")
-    print("backends (UNIDIST_BACKEND): " + ", ".join(f"{k} ({v})" for k, v in report["backends"].items()))
+def _print_info(report: dict[str, Any], checked: list[str] | None = None) -> None:
+    """``unidist info``'s text; with ``checked`` (``--check``'s lines) those replace what they tell better (the
+    packages, launchers and backends, each said once), and the launch and settings follow."""
+    if checked is not None:
+        print(f"unidist {report['unidist']}   platform {report['platform']}")
+        print("\n".join(checked))
+    else:
+        print(f"unidist {report['unidist']}   python {report['python']}")
+        print(f"platform {report['platform']}")
+        print("packages:")
+        for pkg, ver in report["packages"].items():
+            print(f"  {pkg:<10} {ver}")
+        print("launchers on PATH:")
+        for prog, where in report["programs"].items():
+            print(f"  {prog:<10} {where}")
+        print("backends (UNIDIST_BACKEND): " + ", ".join(f"{k} ({v})" for k, v in report["backends"].items()))
     launch = report.get("launch")
     if launch:
         print(f"launcher seen: {launch['launcher']}  rank {launch['rank']} of {launch['size']}, local "
@@ -394,12 +400,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = report["check"]["exit_code"]
         if ns.json:
             print(json.dumps(report, indent=2))
+        elif ns.check:
+            from unidist.doctor import render
+
+            _print_info(report, render.lines(report["check"]))
         else:
             _print_info(report)
-            if ns.check:
-                from unidist.doctor import render
-
-                print("\n".join(render.lines(report["check"])))
         return code
 
     try:

@@ -41,6 +41,19 @@ def test_info_plain_python_picks_local() -> None:
         assert pkg in proc.stdout
 
 
+def test_info_check_says_each_fact_once() -> None:
+    """`info --check` replaces plain info's package, launcher and backend lists with its own (it said the python,
+    every launcher and every backend twice), and keeps the launch, the pick and the settings."""
+    proc = run([UNIDIST, "info", "--check"], timeout=120)
+    assert proc.returncode in (0, 1, 3), proc.describe()
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    repeated = sorted({line for line in lines if lines.count(line) > 1})
+    assert not repeated, repeated
+    assert proc.stdout.count("python ") == 1 and "launchers on PATH" not in proc.stdout, proc.stdout
+    for fact in ("engines (imported):", "launchers:", "backends:", "verdict: ", "init() would pick: ", "settings: "):
+        assert sum(line.startswith(fact) for line in lines) == 1, fact
+
+
 @pytest.mark.mpi
 def test_info_under_mpiexec_names_launcher_and_picks_mpi() -> None:
     proc = run([str(BIN / "mpiexec"), "-n", "2", UNIDIST, "info", "--json"], timeout=60)
