@@ -46,7 +46,7 @@ def main() -> int:
         model = torch.nn.Linear(4, 1)
         model, opt = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), group=halves)
         for step in range(3):
-            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * r + step))
+            x = mgr.to_device(torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * r + step)))
             mgr.backward(torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)))
             opt.step()
             opt.zero_grad()

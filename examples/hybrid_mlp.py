@@ -45,12 +45,14 @@ def main() -> int:
                                     torch.nn.GELU(),
                                     RowParallelLinear.from_dense(dense[2], tp, input_is_parallel=True))
         model, opt = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), group=dp)
+        dense = dense.to(mgr.device)  # the reference beside the shards, on this rank's device (a GPU if there is one)
         dense_opt = torch.optim.SGD(dense.parameters(), lr=0.05, momentum=0.9)
 
         gen = torch.Generator().manual_seed(1)
         rows = slice(dp.rank * BATCH // 2, (dp.rank + 1) * BATCH // 2)  # this replica's half of each batch
         for step in range(args.steps):
             x, y = torch.randn(BATCH, IN, generator=gen) * 2, torch.randn(BATCH, OUT, generator=gen) * 10
+            x, y = mgr.to_device((x, y))
             loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
             mgr.backward(loss)
             opt.step()

@@ -86,7 +86,7 @@ def main() -> int:
         def evaluate() -> float:
             model.eval()
             with torch.no_grad():
-                logits = model(x_test[test_part].to(mgr.device))
+                logits = model(mgr.to_device(x_test[test_part]))
                 correct = (logits.argmax(1).cpu() == y_test[test_part]).float().mean().item()
             model.train()
             return mgr.mean(correct)
@@ -109,7 +109,7 @@ def main() -> int:
             for s in range(step - epoch * steps_per_epoch, steps_per_epoch):
                 global_batch = order[s * args.batch_size:(s + 1) * args.batch_size]
                 rows = global_batch[mgr.rank * per_rank:(mgr.rank + 1) * per_rank]  # this rank's share
-                xb, yb = x_train[rows].to(mgr.device), y_train[rows].to(mgr.device)
+                xb, yb = mgr.to_device((x_train[rows], y_train[rows]))  # this rank's device (a GPU if there is one)
                 loss = torch.nn.functional.cross_entropy(model(xb), yb)
                 mgr.backward(loss)
                 opt.step()
