@@ -8,8 +8,9 @@ options (the deepspeed launcher's ``--local_rank=N``) goes on to every case, as 
 
     python harness.py --out DIR --cases 0-SGD-1.0,3-Adam-0.3 [--script cifar10_deepspeed.py] [--no-shm-comm]
 
-A case is ``<stage>-<optimizer>-<gradient clipping>``; the lr is the test's for that optimizer (SGD 1e-5, Adam
-1e-4). Every case trains one epoch in fp32 with an 8-step warmup.
+A case is ``<stage>-<optimizer>-<gradient clipping>[-<dtype>]``; the lr is the test's for that optimizer (SGD 1e-5,
+Adam 1e-4). Every case trains one epoch with an 8-step warmup, in fp32 unless the case names the script's
+``--dtype`` (``bf16``: the test that states how far the compat layer's bf16 is from DeepSpeed's).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ WARMUP_STEPS = 8  # of the 24 steps: the lr rises over a third of the run, then 
 
 def case_argv(script: str, case: str, passthrough: list[str]) -> list[str]:
     """The script's command line for one case."""
-    stage, optimizer, clipping = case.split("-")
+    stage, optimizer, clipping, *rest = case.split("-")
     if optimizer not in LR:
         raise ValueError(f"optimizer {optimizer!r} in case {case!r}: one of {sorted(LR)}")
-    return [script, "--epochs", "1", "--dtype", "fp32", "--stage", stage, "--optimizer", optimizer,
+    dtype = rest[0] if rest else "fp32"  # <stage>-<optimizer>-<clipping>[-bf16]
+    return [script, "--epochs", "1", "--dtype", dtype, "--stage", stage, "--optimizer", optimizer,
             "--lr", repr(LR[optimizer]), "--warmup-steps", str(WARMUP_STEPS), "--gradient-clipping", clipping,
             *(["--torch-adam"] if optimizer == "Adam" and TORCH_ADAM else []), *passthrough]
 
