@@ -163,7 +163,11 @@ class GradientReducer:
         return self._order.slot_of(p)
 
     def track(self, params: list[torch.nn.Parameter]) -> None:
-        """Bucket ``params`` (new buckets after the existing ones) and hook their gradients."""
+        """Bucket ``params`` (new buckets after the existing ones) and hook their gradients. On one rank there is
+        nothing to reduce: no bucket is made (no gradient-sized buffer held) and no hook costs a call per
+        gradient (one process's step, measured against plain torch by ``unidist bench step``)."""
+        if self.dp.size == 1:
+            return
         for members in pack(params, self._bucket_bytes, lambda p: (p.dtype, p.device), self._alone_from):
             # a slot of one parameter from alone_from bytes up is reduced in place (see _Bucket.inplace)
             self._order.add(_Bucket(members, self._compressor, inplace=len(members) == 1 and
