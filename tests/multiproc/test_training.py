@@ -85,6 +85,14 @@ def test_prepare_has_one_signature(reports: tuple[Launch, Run, list[dict[str, An
             assert r[name] == "ok", (name, r[name])
 
 
+def test_backward_serves_the_model_whose_loss_it_is(reports: tuple[Launch, Run, list[dict[str, Any]]]) -> None:
+    """Two prepared models interleaved, one accumulating 2 passes: each trains as one process on the whole batch
+    (before: backward used the last prepared model's accumulation and, on DeepSpeed, its engine)."""
+    _, res = _ok(reports)
+    for report in res:
+        assert report["two_models"]["a"] <= 1e-5 and report["two_models"]["b"] <= 1e-5, report["two_models"]
+
+
 # unidist's own DistributedOptimizer (the backends whose record names no engine trainer of its own)
 FEATURES = [k for k, v in LAUNCHES.items() if v.own_training and v.size > 1 and not v.env]
 

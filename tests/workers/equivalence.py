@@ -189,6 +189,43 @@ def synchronize_once(mgr: Any) -> dict[str, Any]:
     return {"op": op, "applied_minus_synchronized": applied, "synchronized_minus_expected": synced}
 
 
+def two_models(mgr: Any) -> dict[str, Any]:
+    """Two prepared models, interleaved (a GAN's shape): A accumulates 2 passes per step, B steps every pass between
+    A's passes. ``mgr.backward`` must serve the model whose loss it is (its k, its DeepSpeed engine), as one process
+    training each on the whole batch."""
+    def pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+        a = make_model(False)
+        torch.manual_seed(99)
+        return a, torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+    ref_a, ref_b = pair()
+    ref_oa, ref_ob = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref_a, ref_b))
+    a, b = pair()
+    a, oa = mgr.prepare(a, torch.optim.SGD(a.parameters(), lr=0.05, momentum=0.9), backward_passes_per_step=2)
+    b, ob = mgr.prepare(b, torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9))
+    per = BATCH // mgr.size
+    rows = slice(mgr.rank * per, (mgr.rank + 1) * per)
+    mse = torch.nn.functional.mse_loss
+    for step in range(3):
+        for micro in range(2):
+            x, y = data(step, micro, 10.0)
+            mgr.backward(mse(a(x[rows]), y[rows]))
+            (mse(ref_a(x), y) / 2).backward()
+            oa.step()
+            oa.zero_grad()
+            xb, yb = data(step + 10, micro, 10.0)
+            mgr.backward(mse(b(xb[rows]), yb[rows]))
+            mse(ref_b(xb), yb).backward()
+            for o in (ob, ref_ob):
+                o.step()
+                o.zero_grad()
+        ref_oa.step()
+        ref_oa.zero_grad()
+    diff = {name: float((_flat(mgr, m) - torch.cat([p.detach().reshape(-1) for p in r.parameters()])).abs().max())
+            for name, m, r in (("a", a, ref_a), ("b", b, ref_b))}
+    return diff
+
+
 def api(mgr: Any) -> dict[str, Any]:
     """Argument errors come first (nothing broadcast or wrapped), and the prepared model unwraps."""
     out: dict[str, Any] = {}
@@ -249,6 +286,7 @@ def main() -> None:
                 report[name] = {"refused": str(err)}
         report["synchronize_once"] = synchronize_once(mgr)
         report["api"] = api(mgr)
+        report["two_models"] = two_models(mgr)
         trace_hooks.mark("counted", calls=watchdog.calls())
         (ns.out / f"rank{mgr.rank}.json").write_text(json.dumps(report))
 

@@ -286,6 +286,11 @@ class DeepSpeedTrainer(Trainer):
         engine_cls = self.mgr._deepspeed.DeepSpeedEngine
         return model.module if isinstance(model, engine_cls) else model  # type: ignore[no-any-return]
 
+    def _serve(self, opt: Any) -> None:
+        super()._serve(opt)
+        if isinstance(opt, EngineOptimizer):  # its engine's backward, then
+            self.engine = opt.engine
+
     def backward(self, loss: torch.Tensor) -> None:
         """``engine.backward`` after an engine was prepared: scales for accumulation and reduces or partitions
         gradients. After ``prepare(group=...)`` (unidist's optimizer) the plain path."""

@@ -53,6 +53,7 @@ class Trainer:
         self.model: torch.nn.Module | None = None  # the user's module prepare saw last
         # every prepared module's optimizer (ZeRO stage 3 must find its optimizer from the module alone)
         self.prepared_for: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+        self._following: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # _follow_forwards' hooked modules
         self.pending: SaveHandle | None = None  # the background save in flight (save_checkpoint(blocking=False))
 
     # ----------------------------------------------------------------- prepare
@@ -84,7 +85,23 @@ class Trainer:
             model = convert_sync_batchnorm(model, comm)
         prepared, opt = self._prepare_unidist(model, optimizer, opts) if own else self._prepare(model, optimizer, opts)
         opt.buffer_sync = BufferSync(comm, self.unwrap(prepared))  # type: ignore[attr-defined]  # an OptimizerView
+        self._follow_forwards()
         return prepared, opt
+
+    def _follow_forwards(self) -> None:
+        """With two prepared models (a GAN, a teacher and a student) ``backward`` must serve the one whose loss it
+        is: a forward pre-hook on each makes its optimizer (its accumulation, loss scale, DeepSpeed engine) the current
+        one, so the model whose forward ran last is served. One prepared model needs no hook."""
+        if len(self.prepared_for) < 2:
+            return
+        for module, opt in list(self.prepared_for.items()):
+            if module not in self._following:
+                self._following.add(module)
+                module.register_forward_pre_hook(lambda _m, _args, opt=opt: self._serve(opt))
+
+    def _serve(self, opt: Any) -> None:
+        """Make ``opt`` (and its model) the one ``backward`` and the optimizer-less calls act on."""
+        self.prepared = opt
 
     def takes_sparse(self, opts: TrainOptions) -> bool:
         """Whether the engine's own training takes sparse gradients with these options (unidist's buckets and ZeRO
