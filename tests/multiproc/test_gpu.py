@@ -118,6 +118,29 @@ def test_tensor_and_pipeline_parallel_on_cuda(launch_id: str, tmp_path: Path) ->
         assert not failed, (rank, failed)
 
 
+@needs_gpu
+@pytest.mark.parametrize("launch_id", _params(["torchrun-1-nccl", "mpiexec-2-one-gpu", "deepspeed-1"]))
+def test_offload_trains_the_same_with_less_device_memory(launch_id: str, tmp_path: Path) -> None:
+    """prepare(offload="cpu") at ZeRO 1-3 (tests/workers/offload.py): the weights of no offload (Adam stepped by the
+    CPU's kernels instead of the GPU's: within 1e-5), the optimizer state in pinned host memory, and the device peak
+    lower by at least half the Adam state it moved (DeepSpeed: its own offload_optimizer/offload_param)."""
+    got = _launch(launch_id, "offload.py", tmp_path)
+    for rank, report in got.items():
+        on_gpu = report["_meta"]["device"].startswith("cuda")
+        for stage in (1, 2, 3):
+            r = report[f"stage{stage}"]
+            plain, moved = r["plain"], r["offload"]
+            assert r["diff"] <= (1e-5 if on_gpu else 0.0), (rank, stage, r)
+            assert not plain["offloaded"], (rank, stage, r)
+            if not on_gpu:  # the rehearsal: unidist's host path ran on the CPU (DeepSpeed's CPU run is the no-op)
+                assert moved["offloaded"] == (report["_meta"]["backend"] != "deepspeed"), (rank, stage, r)
+                continue
+            assert moved["offloaded"], (rank, stage, r)
+            if report["_meta"]["backend"] != "deepspeed":  # DeepSpeed keeps its CPU state in its own optimizer
+                assert moved["state_devices"] == ["cpu"] and moved["state_pinned"], (rank, stage, r)
+            assert moved["peak"] <= plain["peak"] - plain["state_bytes"] / 2, (rank, stage, r)
+
+
 CKPT_CELLS = "gpt2:3:32,resnet_syncbn:1:32,lora:2:32,shared:0:32"
 
 

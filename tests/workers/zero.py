@@ -2,7 +2,9 @@
 
 A 42k-parameter MLP, targets scaled so gradient norms are far above 1, 5 steps. Variants: sgd (momentum
 0.9), adam, adam_clip_k2_steplr (clip_grad_norm=0.5, backward_passes_per_step=2, StepLR), fp16 (compressed
-wire), group (data parallel inside ``split(rank % 2)``: each group against one process on its own batch).
+wire), group (data parallel inside ``split(rank % 2)``: each group against one process on its own batch),
+adam_offload (adam with ``offload="cpu"`` at stages 1-3: the host path rehearsed on these CPU ranks, except on
+DeepSpeed, where a CPU device makes it the no-op; ``vs_base``: against adam at the same stage, expected bitwise).
 For every variant and stage: max |w - w_one_process| over the consolidated ``full_state_dict``, the same
 against stage 0 of this run, whether ranks agree bitwise, ``full_state_dict`` against the parameters seen
 inside ``gathered_parameters``, and ``full_optimizer_state_dict`` against the one-process optimizer's state.
@@ -35,12 +37,15 @@ class Variant:
     steplr: bool = False
     compression: str = "none"
     group: bool = False
+    offload: bool = False
+    base: str = ""  # the variant this one must equal bitwise at every stage
 
 
 VARIANTS = {
     "sgd": Variant(), "adam": Variant(optimizer="adam"),
     "adam_clip_k2_steplr": Variant(optimizer="adam", clip=0.5, k=2, steplr=True),
     "fp16": Variant(compression="fp16"), "group": Variant(group=True),
+    "adam_offload": Variant(optimizer="adam", offload=True, base="adam"),
 }
 
 
@@ -90,7 +95,7 @@ def train(mgr: Any, v: Variant, stage: int) -> dict[str, Any]:
     model = make_model()
     opt = make_opt(v, model)
     model, opt = mgr.prepare(model, opt, zero_stage=stage, clip_grad_norm=v.clip, backward_passes_per_step=v.k,
-                             compression=v.compression, group=dp)
+                             compression=v.compression, group=dp, offload="cpu" if v.offload and stage else None)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if v.steplr else None
     stats: dict[str, int] = {}
     for step in range(STEPS):
@@ -113,7 +118,8 @@ def train(mgr: Any, v: Variant, stage: int) -> dict[str, Any]:
     full_opt = mgr.full_optimizer_state_dict(opt)
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
-    return {"full": full, "seen": seen, "opt": full_opt, "mem": stats, "comm": comm, "color": color}
+    return {"full": full, "seen": seen, "opt": full_opt, "mem": stats, "comm": comm, "color": color,
+            "offloaded": bool(getattr(opt, "offload", False))}
 
 
 def max_diff(a: dict[Any, Any], b: dict[Any, Any]) -> float:
@@ -137,7 +143,11 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     ns = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
+        if mgr.backend != "deepspeed":
+            from unidist.train import offload
+            offload.rehearse_on_cpu(mgr.device.type == "cpu")
         results: dict[str, Any] = {}
+        fulls: dict[str, dict[str, torch.Tensor]] = {}
         for name in ns.variants.split(","):
             v = VARIANTS[name]
             want: dict[int, tuple[Any, Any, float]] = {}
@@ -154,10 +164,13 @@ def main() -> int:
                     spread = got["comm"].allreduce(flat, "max") - got["comm"].allreduce(flat, "min")
                     if stage == 0:
                         stage0 = got["full"]
+                    fulls[key] = got["full"]
+                    base = fulls.get(f"{v.base}/stage{stage}") if v.base else None
                     results[key] = {
                         "diff": max_diff(got["full"], ref_w), "vs_stage0": max_diff(got["full"], stage0),
                         "spread": float(spread.abs().max()), "seen_vs_full": max_diff(got["seen"], got["full"]),
                         "opt_diff": opt_diff(got["opt"], ref_opt), "first_norm": norm, "mem": got["mem"],
+                        "vs_base": None if base is None else max_diff(got["full"], base), "offloaded": got["offloaded"],
                     }
                 except Exception as err:  # recorded; the other stages still run on every rank
                     traceback.print_exc()

@@ -344,7 +344,7 @@ class Manager(Communicator):
                 bucket_mb: float | None = None, group: Group | None = None,
                 deepspeed_config: Mapping[str, Any] | str | None = None, precision: str | None = None,
                 loss_scaling: Mapping[str, Any] | None = None, reducer: str = "auto", sync_batchnorm: bool = False,
-                **unknown: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+                offload: str | None = None, **unknown: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Make ``model`` and ``optimizer`` data parallel; then ``mgr.backward(loss); opt.step();
         opt.zero_grad()`` is the whole loop, the same on every backend.
 
@@ -391,12 +391,17 @@ class Manager(Communicator):
                 backend), so N ranks train like one process on B rows with BatchNorm too. Default False: each rank's
                 own rows, as DDP without ``convert_sync_batchnorm``. Either way every rank holds rank 0's buffers
                 (running statistics) after every optimizer step.
+            offload: ``"cpu"`` keeps the optimizer state (ZeRO's shards, their gradients, and at stage 3 the parameter
+                shards between uses) in pinned host memory and steps it there (``unidist.train.offload``; DeepSpeed's
+                ``offload_optimizer``/``offload_param`` on the deepspeed backend): device memory for host memory and
+                copies, the same training. Needs ``zero_stage`` 1-3; a no-op, said once, where the device is the CPU.
+                Default None.
         """
         return self._training().prepare(  # type: ignore[no-any-return]
             model, optimizer, zero_stage=zero_stage, clip_grad_norm=clip_grad_norm, op=op, compression=compression,
             backward_passes_per_step=backward_passes_per_step, bucket_mb=bucket_mb, group=group,
             deepspeed_config=deepspeed_config, precision=precision, loss_scaling=loss_scaling, reducer=reducer,
-            sync_batchnorm=sync_batchnorm, unknown=unknown)
+            sync_batchnorm=sync_batchnorm, offload=offload, unknown=unknown)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` for the prepared model (divided by ``backward_passes_per_step``; on DeepSpeed

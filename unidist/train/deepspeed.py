@@ -18,7 +18,7 @@ from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.comm import timeline
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
-from unidist.train import ds_config, ds_reducer
+from unidist.train import ds_config, ds_reducer, offload
 from unidist.train.ds_layout import DeepSpeedLayout
 from unidist.train.ds_scaler import AgreedGradScaler
 from unidist.train.memory import optimizer_tensors, peak_bytes, storage_bytes
@@ -218,6 +218,7 @@ class DeepSpeedTrainer(Trainer):
                                        f"{type(optimizer).__name__}")
         opts, config = self._resolve(opts)
         stage = int(config["zero_optimization"].get("stage", 0))
+        offload.check(opts.offload, stage)  # the stage a DeepSpeed config set is known now
         precision = Precision.of(opts.precision)
         self._check_precision(precision, stage)
         if stage == 3 and any(

@@ -164,6 +164,12 @@ def build(opts: TrainOptions, world_size: int, user: Mapping[str, Any] | None) -
         cfg["gradient_clipping"] = opts.clip_grad_norm
     if opts.compression != "none":
         cfg["communication_data_type"] = opts.compression
+    if opts.offload is not None:  # ZeRO-Offload: the user's torch optimizer steps on the host (not DeepSpeedCPUAdam)
+        moved = {"device": opts.offload, "pin_memory": True}
+        cfg["zero_optimization"]["offload_optimizer"] = dict(moved)
+        if opts.zero_stage == 3:
+            cfg["zero_optimization"]["offload_param"] = dict(moved)
+        cfg["zero_force_ds_cpu_optimizer"] = False
     if user is not None:
         _merge(cfg, user)
         if "train_batch_size" in user:  # the user's batch arithmetic wins; DeepSpeed derives the rest

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from unidist.config import COMPRESSIONS
 from unidist.errors import ConfigError, InvalidArgumentError
 from unidist.ops import ReduceOp, resolve_op
+from unidist.train import offload as offload_
 from unidist.train.precision import Precision, ScalerOptions
 
 if TYPE_CHECKING:
@@ -127,6 +128,7 @@ class TrainOptions:
     loss_scaling: ScalerOptions = field(default_factory=ScalerOptions)
     reducer: str = "auto"
     sync_batchnorm: bool = False  # BatchNorm over the whole batch across the data-parallel ranks (sync_batchnorm.py)
+    offload: str | None = None  # "cpu": ZeRO's shards and optimizer state in host memory (offload.py)
     # where each explicitly set option came from ("prepare(zero_stage=3)", "UNIDIST_ZERO_STAGE=3"); an engine
     # config that disagrees names it (train/ds_config.py)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -136,7 +138,8 @@ class TrainOptions:
               op: ReduceOp | str, compression: str | None, backward_passes_per_step: int | None,
               bucket_mb: float | None, group: Any, deepspeed_config: Mapping[str, Any] | str | Path | None,
               precision: str | None = None, loss_scaling: Mapping[str, Any] | None = None,
-              reducer: str = "auto", sync_batchnorm: bool = False, unknown: Mapping[str, Any]) -> TrainOptions:
+              reducer: str = "auto", sync_batchnorm: bool = False, offload: str | None = None,
+              unknown: Mapping[str, Any]) -> TrainOptions:
         """``None`` takes the UNIDIST_* default; ``unknown`` are the keywords prepare did not recognise."""
         if unknown:
             hints = {"config": "deepspeed_config", "gradient_clipping": "clip_grad_norm",
@@ -163,6 +166,8 @@ class TrainOptions:
                                        f"runs precision={mode!r}; pass it with precision='fp16-mixed'")
         if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
             raise InvalidArgumentError(f"prepare(zero_stage={stage!r}); use 0, 1, 2 or 3")
+        # a DeepSpeed config may still set the stage: the deepspeed backend checks again once it is known
+        moved = offload_.check(offload, stage if deepspeed_config is None else None)
         if not isinstance(sync_batchnorm, bool):
             raise InvalidArgumentError(f"prepare(sync_batchnorm={sync_batchnorm!r}) takes True or False")
         if reducer not in REDUCERS:
@@ -177,7 +182,7 @@ class TrainOptions:
         return cls(zero_stage=stage, clip_grad_norm=sync.clip_grad_norm, op=sync.op, compression=sync.compression,
                    backward_passes_per_step=sync.backward_passes_per_step, bucket_mb=sync.bucket_mb, group=group,
                    deepspeed_config=deepspeed_config, precision=mode, loss_scaling=scaling, reducer=reducer,
-                   sync_batchnorm=sync_batchnorm, sources=sources)
+                   sync_batchnorm=sync_batchnorm, offload=moved, sources=sources)
 
     @property
     def sync(self) -> SyncOptions:

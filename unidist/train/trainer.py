@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import weakref
 from collections.abc import Iterable, Mapping, Sized
@@ -24,6 +25,7 @@ from unidist.comm import trace_hooks
 from unidist.comm.group import Group
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
+from unidist.train import offload
 from unidist.train.buffer_sync import BufferSync
 from unidist.train.data import Loader
 from unidist.train.ddp import DistributedOptimizer
@@ -61,6 +63,8 @@ class Trainer:
                 **given: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Validate everything (see ``Manager.prepare``), then build."""
         opts = TrainOptions.parse(self.mgr.config, unknown=unknown, **given)
+        if opts.offload is not None:
+            opts = dataclasses.replace(opts, offload=offload.effective(opts.offload, self.mgr.device, self.mgr.rank))
         if not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError(f"prepare(model=...) takes a torch.nn.Module, got {type(model).__name__}")
         for name, backend in ENGINE_OPTIONS.items():
@@ -127,7 +131,8 @@ class Trainer:
         broadcast_optimizer_state(comm, optimizer)
         wrapped: DistributedOptimizer | ZeroOptimizer
         if opts.zero_stage:
-            wrapped = ZeroOptimizer(comm, model, optimizer, opts.zero_stage, opts.sync)
+            wrapped = ZeroOptimizer(comm, model, optimizer, opts.zero_stage, opts.sync,
+                                    offload=opts.offload is not None)
         else:
             wrapped = DistributedOptimizer(comm, optimizer, model.named_parameters(), opts.sync)
         wrapped.scaler = self._scaler(opts)

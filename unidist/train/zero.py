@@ -17,6 +17,9 @@ shards) steps. So every rank keeps optimizer state for 1/N of the parameters.
   (a hook on their outputs), and freed when no forward holds it and its gradients are reduced (zero_fetch.py).
   Outside forward/backward, use ``gathered_parameters``.
 
+With ``offload=True`` (``prepare(offload="cpu")``) the shards, their gradients and the optimizer state live in
+host memory and the step runs there (offload.py, zero_unit.py).
+
 With ``backward_passes_per_step=k`` the first k-1 passes accumulate full gradients locally and the k-th
 reduces them, so the update equals one k-times larger batch (stage 2/3 save gradient memory on that pass).
 """
@@ -32,6 +35,7 @@ import torch
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.gradcore import Compression, InOrder, pack
+from unidist.train.offload import wait_for_copies
 from unidist.train.options import SyncOptions
 from unidist.train.window import WindowedOptimizer
 from unidist.train.zero_fetch import Fetcher
@@ -48,7 +52,7 @@ class ZeroOptimizer(WindowedOptimizer):
     """The user's optimizer stepping this rank's shards; see the module docstring."""
 
     def __init__(self, dp: Comm, model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int,
-                 options: SyncOptions | None = None) -> None:
+                 options: SyncOptions | None = None, offload: bool = False) -> None:
         options = options if options is not None else SyncOptions()
         if stage not in (1, 2, 3):
             raise InvalidArgumentError(f"ZeroOptimizer(stage={stage!r}); use 1, 2 or 3 (0 is the "
@@ -61,7 +65,7 @@ class ZeroOptimizer(WindowedOptimizer):
         # nothing travels on one rank: keep full precision there
         self._compressor = Compression.of(options.compression) if dp.size > 1 else Compression.none
         super().__init__(optimizer)
-        self.dp, self.stage, self.model = dp, stage, model
+        self.dp, self.stage, self.model, self.offload = dp, stage, model, offload
         # the optimizer as one process would hold it: kept to consolidate (full_optimizer_state_dict)
         self.full_groups = [list(g["params"]) for g in optimizer.param_groups]
         full_state = _full_state(optimizer)
@@ -105,7 +109,7 @@ class ZeroOptimizer(WindowedOptimizer):
             order = [p for g in self.full_groups for p in g if id(p) in trainable]
             chunks = [(group_of[id(ps[0])], ps) for ps in pack(order, limit, lambda p: (group_of[id(p)], p.dtype,
                                                                                         p.device))]
-        return [Unit(self.dp, ps, gi, keep_full=self.stage < 3) for gi, ps in chunks]
+        return [Unit(self.dp, ps, gi, keep_full=self.stage < 3, host=self.offload) for gi, ps in chunks]
 
     def add_reader(self, module: torch.nn.Module, param: torch.Tensor) -> None:
         """Stage 3: declare that ``module``'s forward reads ``param`` although the first training step did not show
@@ -142,6 +146,8 @@ class ZeroOptimizer(WindowedOptimizer):
         """Reduce-scatter whatever has not started yet and wait for all: shard gradients are then final."""
         self._synced = True
         self._order.drain()
+        if self.offload and self.units:  # the gradients came down without blocking: the host reads them next
+            wait_for_copies(self.units[0].device)
 
     # ------------------------------------------------------------------ optimizer protocol (window.py)
     def _before_step(self) -> None:
@@ -180,7 +186,8 @@ class ZeroOptimizer(WindowedOptimizer):
         """torch.nn.utils.clip_grad_norm_ over the whole model: the shards' squared norms summed over ranks."""
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
         local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-        total = float(self.dp.allreduce(local.reshape(1).double(), "sum").sqrt())
+        at = self.units[0].device if self.units else local.device  # the communication's (offload: grads on host)
+        total = float(self.dp.allreduce(local.reshape(1).double().to(at), "sum").sqrt())
         coef = min(max_norm / (total + 1e-6), 1.0)
         if coef < 1.0:
             for g in grads:
@@ -245,8 +252,8 @@ class ZeroOptimizer(WindowedOptimizer):
             for key in sorted(shard_state):
                 value = shard_state[key]
                 if isinstance(value, torch.Tensor) and value.shape == unit.shard.shape:
-                    flat = torch.empty(unit.chunk * self.dp.size, dtype=value.dtype, device=value.device)
-                    self.dp.allgather(value.detach().contiguous(), out=flat)
+                    flat = torch.empty(unit.chunk * self.dp.size, dtype=value.dtype, device=unit.device)
+                    self.dp.allgather(value.detach().to(unit.device).contiguous(), out=flat)
                     offset = 0
                     for p, shape, n in zip(unit.params, unit.shapes, unit.numels, strict=True):
                         state.setdefault(index[id(p)], {})[key] = flat[offset:offset + n].view(shape).clone()
@@ -277,7 +284,7 @@ class ZeroOptimizer(WindowedOptimizer):
                         tensors, unit.shapes, strict=True)) and any(len(shape) for shape in unit.shapes):
                     flat = torch.zeros(unit.chunk * self.dp.size, dtype=tensors[0].dtype, device=unit.device)
                     torch.cat([t.reshape(-1).to(unit.device) for t in tensors], out=flat[: unit.numel])
-                    target[key] = flat[unit.lo:unit.lo + unit.chunk].clone()
+                    target[key] = flat[unit.lo:unit.lo + unit.chunk].to(unit.shard.device, copy=True)
                 else:
                     v = next(v for v in values if v is not None)
                     target[key] = v.clone() if isinstance(v, torch.Tensor) else v
@@ -286,7 +293,8 @@ class ZeroOptimizer(WindowedOptimizer):
 
     def __repr__(self) -> str:
         return (f"ZeroOptimizer({type(self.optimizer).__name__}, stage={self.stage}, units={len(self.units)}, "
-                f"op={self.op.value}, compression={self.compression}, k={self.backward_passes_per_step})")
+                f"op={self.op.value}, compression={self.compression}, k={self.backward_passes_per_step}"
+                f"{', offload=cpu' if self.offload else ''})")
 
 
 def _full_state(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:

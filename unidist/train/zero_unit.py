@@ -15,6 +15,7 @@ import torch
 from unidist.comm import buffers, trace_hooks
 from unidist.ops import ReduceOp
 from unidist.train.gradcore import Compressor
+from unidist.train.offload import host_copy, host_empty
 
 if TYPE_CHECKING:
     from unidist.comm.work import Handle
@@ -24,9 +25,12 @@ __all__ = ["Unit"]
 
 
 class Unit:
-    """Parameters flattened together and split into ``dp.size`` equal chunks; this rank owns one."""
+    """Parameters flattened together and split into ``dp.size`` equal chunks; this rank owns one. With ``host``
+    the shard (and so its gradient and optimizer state) lives in host memory (offload.py); ``device`` stays where
+    the parameters and the communication are."""
 
-    def __init__(self, dp: Comm, params: list[torch.nn.Parameter], group: int, keep_full: bool) -> None:
+    def __init__(self, dp: Comm, params: list[torch.nn.Parameter], group: int, keep_full: bool,
+                 host: bool = False) -> None:
         self.dp, self.params, self.group = dp, params, group
         self.shapes = [p.shape for p in params]  # stage 3 empties the parameters themselves
         self.numels = [p.numel() for p in params]
@@ -39,11 +43,14 @@ class Unit:
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1) for p in params], out=full[: self.numel])
         self.full: torch.Tensor | None = None
+        self.host = host
+        self._host_grad: torch.Tensor | None = None  # offload: the pinned buffer the reduced gradient comes down to
+        own = full[self.lo:self.lo + self.chunk]
         if keep_full:  # stages 1-2: parameters are views into the flat buffer; the shard is a view of it too
             self._bind(full)
-            self.shard = torch.nn.Parameter(full[self.lo:self.lo + self.chunk])
+            self.shard = torch.nn.Parameter(host_copy(own) if host else own)
         else:
-            self.shard = torch.nn.Parameter(full[self.lo:self.lo + self.chunk].clone())
+            self.shard = torch.nn.Parameter(host_copy(own) if host else own.clone())
             self.release()
         self.ready: set[int] = set()
         self.handle: Handle[torch.Tensor] | None = None
@@ -63,7 +70,7 @@ class Unit:
         if self.full is None:
             full = torch.empty(self.chunk * self.dp.size, dtype=self.dtype, device=self.device)
             with trace_hooks.span("zero gather", bytes=full):
-                self.dp.allgather(self.shard.detach(), out=full)
+                self.dp.allgather(self._sendable(), out=full)
             self._bind(full)
 
     def release(self) -> None:
@@ -82,7 +89,15 @@ class Unit:
         """Stages 1-2 after a step: every rank's updated shard into the full parameters."""
         if self.full is not None:  # the shard is a view of ``full``: send a copy (MPI forbids aliased buffers)
             with torch.no_grad(), trace_hooks.span("zero refresh", bytes=self.full):
-                self.dp.allgather(self.shard.detach().clone(), out=self.full)
+                self.dp.allgather(self._sendable(copy=not self.host), out=self.full)
+
+    def _sendable(self, copy: bool = False) -> torch.Tensor:
+        """The shard on the communication's device: a host shard goes up (non-blocking from pinned memory; the host
+        changes it again only after the device synchronisation before the next step), else the shard itself."""
+        shard = self.shard.detach()
+        if self.host:
+            return shard.to(self.device, non_blocking=True, copy=True)
+        return shard.clone() if copy else shard
 
     # ------------------------------------------------------------------ who owns what (the shard arithmetic)
     def offset(self, i: int) -> int:
@@ -126,7 +141,12 @@ class Unit:
             got = self.handle.wait()
         self.handle = None
         grad = got[:self.chunk]
-        self.shard.grad = grad if grad.dtype == self.dtype else grad.to(self.dtype)
+        if self.host:  # down as it arrives; ZeroOptimizer.synchronize waits once for all the copies
+            if self._host_grad is None:
+                self._host_grad = host_empty(self.chunk, self.dtype, self.device)
+            self.shard.grad = self._host_grad.copy_(grad, non_blocking=True)
+        else:
+            self.shard.grad = grad if grad.dtype == self.dtype else grad.to(self.dtype)
         self.used = got[self.chunk:] > 0  # per parameter: some rank had a gradient for it
 
     def unused_parts(self) -> list[tuple[int, int]]:
