@@ -184,3 +184,60 @@ def test_all_horovod_under_mpiexec(tmp_path: Path) -> None:
     check_collectives(rows, "horovod", compare=True)
     check_gradsync(rows, {"backward", "per_tensor", "raw_per_tensor", "fused", "fused_engine", "fused_unidist"})
     check_train(rows, {"unidist", "horovod"})
+
+
+# ------------------------------------------------------------------------ bench step (GPT-2, every column)
+STEP_SMOKE = ["--layers", "1", "--width", "32", "--heads", "2", "--vocab", "128", "--seq", "16", "--batch", "2",
+              "--steps", "1", "--rounds", "2", "--warmup", "1"]
+STAGES = [f"unidist-z{s}" for s in range(4)]
+
+
+def check_step(path: Path, backend: str, ranks: int, columns: list[str]) -> None:
+    doc = json.loads(path.read_text())
+    assert doc["machine"].startswith("machine:"), doc["machine"]
+    rows = {r["column"]: r for r in doc["rows"]}
+    assert list(rows) == columns, list(rows)
+    for name, r in rows.items():
+        assert r["step_ms"] > 0 and r["peak_mb"] >= 0, r
+        if name.startswith("unidist-z"):  # each stage beside plain, and beside the engines' own paths run here
+            stage = name[-1]
+            bases = ["plain", *(["ddp"] if stage == "0" and "ddp" in rows else []),
+                     *(["fsdp2"] if stage == "3" and "fsdp2" in rows else []),
+                     *(["ds"] if f"ds-z{stage}" in rows else [])]
+            for base in bases:
+                want = rows[name]["step_ms"] / rows[f"ds-z{stage}" if base == "ds" else base]["step_ms"]
+                assert r[f"vs_{base}"] == pytest.approx(want), (name, base, r)
+                assert f"mem_vs_{base}" in r, r
+
+
+def test_step_one_process_through_the_cli(tmp_path: Path) -> None:
+    """`unidist bench step` (its own launch: the mpi backend at 2 ranks) and by `python -m` at one process."""
+    out = tmp_path / "cli.json"
+    proc = run([str(BIN / "unidist"), "bench", "step", "--", *STEP_SMOKE, "--json", str(out)], timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    assert "| unidist-z3 |" in proc.stdout and "machine:" in proc.stdout, proc.stdout
+    check_step(out, "mpi", 2, ["plain", *STAGES])
+    solo = tmp_path / "solo.json"
+    proc = run([sys.executable, "-m", "unidist.bench.step", *STEP_SMOKE, "--json", str(solo)], timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    check_step(solo, "local", 1, ["plain", *STAGES])
+
+
+@pytest.mark.torch
+def test_step_under_torchrun(tmp_path: Path) -> None:
+    """Beside DDP and FSDP2's fully_shard."""
+    out = tmp_path / "torch.json"
+    proc = run(torchrun(2, SCRIPT, "step", *STEP_SMOKE, "--json", str(out)), timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    check_step(out, "torch", 2, ["plain", "ddp", "fsdp2", *STAGES])
+
+
+@pytest.mark.deepspeed
+def test_step_under_deepspeed(tmp_path: Path) -> None:
+    """Beside raw deepspeed.initialize with the config unidist generates, at every stage."""
+    require("deepspeed")
+    out = tmp_path / "ds.json"
+    proc = run(deepspeed(2, SCRIPT, "step", *STEP_SMOKE, "--json", str(out)), env={"DS_ACCELERATOR": "cpu"},
+               timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    check_step(out, "deepspeed", 2, ["plain", "ddp", "fsdp2", *(f"ds-z{s}" for s in range(4)), *STAGES])

@@ -14,7 +14,8 @@ Columns, each the same model, optimizer and batch, where this launch can run the
 - ``ddp``: ``DistributedDataParallel`` (torch.distributed: the torch or deepspeed backend);
 - ``fsdp2``: ``fully_shard`` on every block and the root (torch.distributed);
 - ``ds-zS``: ``deepspeed.initialize`` with the config unidist generates for stage S (the deepspeed backend);
-- ``unidist-zS``: ``mgr.prepare(model, opt, zero_stage=S)``, ``mgr.backward``, ``opt.step``, ``opt.zero_grad``.
+- ``unidist-zS``: ``mgr.prepare(model, opt, zero_stage=S)``, ``mgr.backward``, ``opt.step``, ``opt.zero_grad``;
+- ``unidist-zS-offload`` (``--offload``, on a GPU): the same with ``offload="cpu"`` (the optimizer on the host).
 
 Step time: the slowest rank's median over ``--rounds`` interleaved rounds of ``--steps`` steps (noise hits every
 column alike). Peak memory: what the column's own construction and warm-up steps add at their peak (CUDA's peak
@@ -67,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="timed steps per column and round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--offload", action="store_true", help="also unidist at stages 1-3 with offload='cpu' (a GPU)")
     p.add_argument("--json", type=Path, help="write the rows and the machine here (rank 0)")
     return p
 
@@ -131,6 +133,11 @@ def _columns(mgr: Any, args: argparse.Namespace) -> list[str]:
     cols = ["plain", *(["ddp", "fsdp2"] if dist else []),
             *([f"ds-z{s}" for s in stages] if mgr.backend == "deepspeed" else []),
             *(f"unidist-z{s}" for s in stages)]
+    if args.offload:
+        if mgr.device.type != "cuda":
+            raise SystemExit("bench step --offload: the parameters are on the CPU here, so offload moves nothing; "
+                             "run it where the ranks have GPUs")
+        cols += [f"unidist-z{s}-offload" for s in stages if s]
     if args.columns:
         wanted = [c.strip() for c in args.columns.split(",") if c.strip()]
         unknown = [c for c in wanted if c not in cols]
@@ -147,7 +154,8 @@ def _build(mgr: Any, name: str, args: argparse.Namespace, ids: torch.Tensor) -> 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     autocast = torch.autocast(mgr.device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")
     if name.startswith("unidist-z"):
-        prepared, popt = mgr.prepare(model, opt, zero_stage=int(name[-1]), precision=args.precision)
+        prepared, popt = mgr.prepare(model, opt, zero_stage=_stage(name), precision=args.precision,
+                                     offload="cpu" if name.endswith("-offload") else None)
 
         def unidist_step() -> None:
             mgr.backward(prepared(ids, ids))
@@ -155,7 +163,7 @@ def _build(mgr: Any, name: str, args: argparse.Namespace, ids: torch.Tensor) -> 
             popt.zero_grad()
         return unidist_step
     if name.startswith("ds-z"):
-        return _deepspeed(mgr, model, opt, int(name[-1]), args, ids)
+        return _deepspeed(mgr, model, opt, _stage(name), args, ids)
     if name == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif name == "fsdp2":
@@ -175,9 +183,15 @@ def _build(mgr: Any, name: str, args: argparse.Namespace, ids: torch.Tensor) -> 
     return step
 
 
+def _stage(column: str) -> int:
+    """The ZeRO stage of a ``ds-zS`` or ``unidist-zS[-offload]`` column."""
+    return int(column.split("-z")[1][0])
+
+
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     inner = getattr(model, "m", None)
-    return list(inner.transformer.h if inner is not None else model.h)  # type: ignore[union-attr]
+    blocks: torch.nn.ModuleList = inner.transformer.h if inner is not None else model.h  # type: ignore[assignment]
+    return list(blocks)
 
 
 def _deepspeed(mgr: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, stage: int, args: argparse.Namespace,
@@ -206,6 +220,10 @@ def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     peak = Peak(mgr.device)
     steps: dict[str, Step] = {}
     memory: dict[str, int] = {}
+    first = _build(mgr, "plain", args, ids)  # untimed, unmeasured: the allocator's and the kernels' first use is
+    for _ in range(max(args.warmup, 1)):     # no column's cost (the first column measured would pay for it)
+        first()
+    del first
     for name in _columns(mgr, args):
         peak.start()
         steps[name] = _build(mgr, name, args, ids)
@@ -228,7 +246,7 @@ def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"column": name, "step_ms": seconds * 1e3,
                                "peak_mb": max(p[name] for p in peaks) / 2**20}
         if name.startswith("unidist-z"):
-            stage = name[-1]
+            stage = str(_stage(name))
             for base in ("plain", *(["ddp"] if stage == "0" else []), *(["fsdp2"] if stage == "3" else []),
                          f"ds-z{stage}"):
                 if base in med:
