@@ -99,6 +99,9 @@ class Peak:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        if device.type == "cpu":
+            _mmap_threshold(64 * 1024)
+
 
     @staticmethod
     def _status(field: str) -> int:
@@ -125,6 +128,23 @@ class Peak:
             torch.cuda.synchronize(self.device)
             return int(torch.cuda.max_memory_allocated(self.device)) - self.base
         return self._status("VmHWM") - self.base
+
+
+def _mmap_threshold(nbytes: int) -> None:
+    """glibc serves large blocks from its heap once frees have raised its dynamic mmap threshold (up to 32 MiB), and
+    a heap keeps freed memory: a later column then reuses an earlier one's and its resident set does not grow. While
+    the peaks are measured the threshold is 64 KiB (every tensor of that size or more its own mapping, returned to the
+    system when freed, so each column's peak resident set counts its own tensors); while the steps are timed, 32 MiB
+    (a long-running process's steady state: no fresh mapping, so no page faults, per step)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+        except (OSError, AttributeError):  # not glibc: the peaks are then lower bounds (memory reused)
+            pass
 
 
 def _columns(mgr: Any, args: argparse.Namespace) -> list[str]:
@@ -230,6 +250,8 @@ def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         for _ in range(max(args.warmup, 1)):
             steps[name]()
         memory[name] = peak.added()
+    if mgr.device.type == "cpu":
+        _mmap_threshold(32 * 2**20)
     nothing: Step = lambda: None  # noqa: E731
     sync: Step = (lambda: torch.cuda.synchronize(mgr.device)) if mgr.device.type == "cuda" else nothing
 

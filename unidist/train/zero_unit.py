@@ -52,6 +52,8 @@ class Unit:
         else:
             self.shard = torch.nn.Parameter(host_copy(own) if host else own.clone())
             self.release()
+        # one rank, the shard on the device: nothing to exchange, and the shard is the whole flat unit
+        self.alone = dp.size == 1 and not host
         self.ready: set[int] = set()
         self.handle: Handle[torch.Tensor] | None = None
         self.used: torch.Tensor | None = None  # after a reduction: which parameters some rank had a gradient for
@@ -68,6 +70,9 @@ class Unit:
         """Full parameters from every rank's shard (stage 3; a no-op while gathered). Every rank's chunk has
         the same size, so the allgather writes into a buffer of known size (``out=``): no sizes exchanged."""
         if self.full is None:
+            if self.alone:  # one rank's shard is the whole unit: the parameters are views of it, nothing to copy
+                self._bind(self.shard.detach())
+                return
             full = torch.empty(self.chunk * self.dp.size, dtype=self.dtype, device=self.device)
             with trace_hooks.span("zero gather", bytes=full):
                 self.dp.allgather(self._sendable(), out=full)
@@ -81,13 +86,14 @@ class Unit:
 
     def write_back(self) -> None:
         """Copy this rank's chunk of the full parameters into its shard (after edits inside a gather)."""
-        if self.full is not None:
+        if self.full is not None and not self.alone:  # alone: the parameters are the shard's own storage
             with torch.no_grad():
                 self.shard.copy_(self.full[self.lo:self.lo + self.chunk])
 
     def refresh(self) -> None:
         """Stages 1-2 after a step: every rank's updated shard into the full parameters."""
-        if self.full is not None:  # the shard is a view of ``full``: send a copy (MPI forbids aliased buffers)
+        if self.full is not None and not self.alone:  # the shard is a view of ``full``: send a copy (MPI forbids
+            # aliased buffers); alone, the shard is ``full``
             with torch.no_grad(), trace_hooks.span("zero refresh", bytes=self.full):
                 self.dp.allgather(self._sendable(copy=not self.host), out=self.full)
 
@@ -116,6 +122,9 @@ class Unit:
         """Start the reduce-scatter of this unit's (local) gradients; missing gradients count as zeros. Each rank's
         chunk carries, after its gradient, one flag per parameter of the unit (1 where this rank has a gradient for
         it), so every rank learns which parameters no rank used (``used``) in the same call."""
+        if self.alone:
+            self._launch_alone(free_grads)
+            return
         k = len(self.params)
         flat = buffers.zeros((self.chunk + k) * self.dp.size, compressor.wire_dtype(self.dtype), self.device)
         rows = flat.view(self.dp.size, self.chunk + k)
@@ -129,6 +138,26 @@ class Unit:
                 self.handle = self.dp.reduce_scatter_async(flat, ReduceOp.SUM)
         else:
             self.handle = self.dp.reduce_scatter_async(flat, ReduceOp.SUM)
+
+    def _launch_alone(self, free_grads: bool) -> None:
+        """One rank: the unit's gradient is its parameters' gradients side by side (zeros for a missing one), and
+        which were used is known on the host, so the step's check of the flags waits for no device."""
+        grads = [p.grad for p in self.params]
+        if all(g is not None for g in grads):
+            flat = torch.empty(self.chunk, dtype=self.dtype, device=self.device)
+        else:
+            flat = buffers.zeros(self.chunk, self.dtype, self.device)
+        with torch.no_grad():
+            offset = 0
+            for g, n in zip(grads, self.numels, strict=True):
+                if g is not None:  # copy_ reads any strides: no reshape copy of a non-contiguous gradient
+                    flat[offset:offset + n].view_as(g).copy_(g)
+                offset += n
+        if free_grads:
+            for p in self.params:
+                p.grad = None
+        self.shard.grad = flat
+        self.used = torch.tensor([g is not None for g in grads])
 
     def finish(self) -> None:
         """Wait for the reduce-scatter and make its result the shard's gradient."""
