@@ -156,7 +156,10 @@ def test_outputs_keep_their_type_in_every_precision(zoo: Zoo) -> None:
 def test_zero3_keeps_a_fraction_of_the_parameters_whole(zoo: Zoo) -> None:
     """unidist's ZeRO-3 (not DeepSpeed's, which the engine measures itself): the most parameter bytes whole at once
     during a step, after the first, against the model's (what stage 0 holds whole all the time). Gathering wherever a
-    parameter is read must not cost the sharding: measured 0.09-0.24 on the transformers at 2 ranks."""
+    parameter is read must not cost the sharding. A block (each layer of a ModuleList) is one unit, held whole for its
+    forward, as FSDP2 wraps blocks: these configs have 2 layers, so one block and the tied embedding are about half
+    the model (measured 0.41-0.71 on the transformers at 2 ranks; 0.09-0.24 with a unit per module, which paid a
+    collective per LayerNorm); a model of L blocks holds about 1/L of them."""
     launch, _, res = zoo
     if launch.backend == "deepspeed":
         pytest.skip("DeepSpeed's ZeRO-3 gathers with its own machinery")
@@ -170,7 +173,7 @@ def test_zero3_keeps_a_fraction_of_the_parameters_whole(zoo: Zoo) -> None:
         _table("ZeRO-3: the most parameter bytes whole at once in a step (after the first), of the model's (stage 0 "
                "holds them all)", model, f"{launch.backend}-{launch.size}", f"{peak / total:.2f}")
         if model in ("gpt2", "bert", "t5", "llama", "torch_encoder", "torch_transformer") and launch.size > 1:
-            assert peak <= 0.3 * total, (model, peak, total)
+            assert peak <= 0.75 * total, (model, peak, total)
         assert peak <= total + 64 * launch.size, (model, peak, total)  # never more than the whole model (+ padding)
 
 

@@ -1,8 +1,9 @@
 """ZeRO stages 1-3 (Rajbhandari et al. 2020) on any communicator, written once on its collectives.
 
 Parameters are flattened into units, as FSDP's FlatParameter: one unit per gradient bucket (stages 1 and 2,
-reverse registration order, as DDP) or per module that owns parameters (stage 3), each within one param
-group, dtype and device. A unit is padded to N equal chunks and rank r owns chunk r: its *shard*, the one
+reverse registration order, as DDP) or, at stage 3, per block (``blocks``: each layer of a ModuleList or
+Sequential, as FSDP2 wraps them) and per other module that owns parameters, each within one param group, dtype
+and device. A unit is padded to N equal chunks and rank r owns chunk r: its *shard*, the one
 tensor per unit the user's optimizer (same class, same param_group settings, rewritten in place to hold the
 shards) steps. So every rank keeps optimizer state for 1/N of the parameters.
 
@@ -27,6 +28,7 @@ reduces them, so the update equals one k-times larger batch (stage 2/3 save grad
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
     from unidist.train.protocol import Comm
 
 __all__ = ["ZeroOptimizer"]
+
+IN_FLIGHT = 2  # reduce-scatters a rank keeps running at once (each holds a unit's whole gradient until finished)
 
 
 class ZeroOptimizer(WindowedOptimizer):
@@ -71,6 +75,8 @@ class ZeroOptimizer(WindowedOptimizer):
         full_state = _full_state(optimizer)
         trainable = {id(p) for g in self.full_groups for p in g if p.requires_grad}
         self._order: InOrder[Unit] = InOrder(self._launch, lambda seen: list(dp.broadcast_object(seen, 0)))
+        # stage 3: each block's units, gathered around the block's whole forward (zero_fetch.py)
+        self._block_units: dict[torch.nn.Module, list[Unit]] = {}
         for unit in self._make_units(model, options.bucket_bytes, trainable):
             self._order.add(unit)
         self.units = self._order.slots
@@ -82,34 +88,45 @@ class ZeroOptimizer(WindowedOptimizer):
             self.load_full_state(full_state)
         self._calls = 0
         self._synced = False
+        self._in_flight: deque[Unit] = deque()  # launched, not finished (_launch)
         self._hooks: list[Any] = [p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
                                   for u in self.units for p in u.params]
         self.fetcher: Fetcher | None = None  # stage 3: who gathers which unit (zero_fetch.py)
         if stage == 3:
-            self.fetcher = Fetcher(model, self._order.slot_of)
+            self.fetcher = Fetcher(model, self._order.slot_of, self._block_units)
             self._hooks += self.fetcher.hooks
 
     def _make_units(self, model: torch.nn.Module, limit: float, trainable: set[int]) -> list[Unit]:
         group_of = {id(p): gi for gi, g in enumerate(self.full_groups) for p in g}
-        chunks: list[tuple[int, list[torch.nn.Parameter]]] = []
-        if self.stage == 3:  # one unit per module's own parameters (and param group), in reverse order
+        chunks: list[tuple[int, list[torch.nn.Parameter], torch.nn.Module | None]] = []
+        if self.stage == 3:  # one unit per block's parameters (blocks()), else per module's own; in reverse order
             seen: set[int] = set()
+            whole = blocks(model)
+            inside = {id(m) for b in whole for m in b.modules() if m not in whole}
             for module in reversed(list(model.modules())):
-                own = [p for p in module.parameters(recurse=False) if id(p) in trainable and id(p) not in seen]
+                if id(module) in inside:
+                    continue
+                block = module in whole
+                own = [p for p in module.parameters(recurse=block) if id(p) in trainable and id(p) not in seen]
                 seen.update(id(p) for p in own)
                 by_group: dict[tuple[int, torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
                 for p in own:
                     by_group.setdefault((group_of[id(p)], p.dtype, p.device), []).append(p)
-                chunks += [(key[0], ps) for key, ps in by_group.items()]
+                chunks += [(key[0], ps, module if block else None) for key, ps in by_group.items()]
             missing = trainable - seen
             if missing:
                 raise InvalidArgumentError(f"zero_stage=3: {len(missing)} optimizer parameters are not in the "
                                            "model; pass the model the optimizer was built for")
         else:  # gradient buckets: reverse registration order, as backward produces them
             order = [p for g in self.full_groups for p in g if id(p) in trainable]
-            chunks = [(group_of[id(ps[0])], ps) for ps in pack(order, limit, lambda p: (group_of[id(p)], p.dtype,
-                                                                                        p.device))]
-        return [Unit(self.dp, ps, gi, keep_full=self.stage < 3, host=self.offload) for gi, ps in chunks]
+            chunks = [(group_of[id(ps[0])], ps, None) for ps in pack(
+                order, limit, lambda p: (group_of[id(p)], p.dtype, p.device))]
+        units = []
+        for gi, ps, block_module in chunks:
+            units.append(Unit(self.dp, ps, gi, keep_full=self.stage < 3, host=self.offload))
+            if block_module is not None:
+                self._block_units.setdefault(block_module, []).append(units[-1])
+        return units
 
     def add_reader(self, module: torch.nn.Module, param: torch.Tensor) -> None:
         """Stage 3: declare that ``module``'s forward reads ``param`` although the first training step did not show
@@ -141,11 +158,19 @@ class ZeroOptimizer(WindowedOptimizer):
         unit.ready.clear()
         if self.fetcher is not None:
             self.fetcher.done(unit)
+        # a launched unit holds its whole gradient in the reduce-scatter's input until finished: finish the ones
+        # done, and wait for the oldest beyond IN_FLIGHT, so a step never holds every unit's full gradient at once
+        # (finished at the drain, all of them were alive until the end of backward: a full gradient copy at stage 3)
+        flight = self._in_flight
+        flight.append(unit)
+        while flight and (len(flight) > IN_FLIGHT or (flight[0].handle is None or flight[0].handle.done())):
+            flight.popleft().finish()
 
     def synchronize(self) -> None:
         """Reduce-scatter whatever has not started yet and wait for all: shard gradients are then final."""
         self._synced = True
         self._order.drain()
+        self._in_flight.clear()
         if self.offload and self.units:  # the gradients came down without blocking: the host reads them next
             wait_for_copies(self.units[0].device)
 
@@ -295,6 +320,26 @@ class ZeroOptimizer(WindowedOptimizer):
         return (f"ZeroOptimizer({type(self.optimizer).__name__}, stage={self.stage}, units={len(self.units)}, "
                 f"op={self.op.value}, compression={self.compression}, k={self.backward_passes_per_step}"
                 f"{', offload=cpu' if self.offload else ''})")
+
+
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Stage 3's blocks: each child of a ``ModuleList`` or ``Sequential`` that has parameters (a transformer layer, a
+    ResNet bottleneck, a layer of an MLP), outside another block. A block's parameters are one unit, gathered once
+    around its whole forward, as FSDP2's ``fully_shard`` on each block: a module per unit (a LayerNorm's 2x768
+    values) would pay a collective's latency for each small module, four times per step (forward and backward
+    gathers, reduce-scatter, refresh)."""
+    found: list[torch.nn.Module] = []
+
+    def walk(module: torch.nn.Module) -> None:
+        container = isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential))
+        for child in module.children():
+            if container and next(child.parameters(), None) is not None:
+                if all(child is not b for b in found):
+                    found.append(child)
+            else:
+                walk(child)
+    walk(model)
+    return found
 
 
 def _full_state(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:

@@ -1,6 +1,7 @@
 """ZeRO-3's parameter fetching: every unit gathered wherever its parameters are read, and freed when nobody is.
 
-A unit (zero_unit.py's ``Unit``: the flattened parameters of one module) is all-gathered before the forward of every
+A unit (zero_unit.py's ``Unit``: the flattened parameters of one module, or of a whole block, which its forward
+then holds gathered for all of its children) is all-gathered before the forward of every
 module that *reads* one of its parameters, and freed when the last of those forwards has returned. Reading a
 parameter is not the same as owning it: ``nn.MultiheadAttention`` reads ``out_proj.weight`` inside its own forward
 and never calls ``out_proj``; a tied language-model head reads the embedding's weight; user code reads a child's
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -53,9 +54,11 @@ class Fetcher:
     Args:
         model: the prepared module (its every submodule is hooked).
         unit_of: the unit a parameter belongs to (None: not sharded, e.g. frozen).
+        held_by: units a module's forward reads besides its own parameters' (a block's: its subtree's parameters).
     """
 
-    def __init__(self, model: torch.nn.Module, unit_of: Callable[[torch.Tensor], Fetched | None]) -> None:
+    def __init__(self, model: torch.nn.Module, unit_of: Callable[[torch.Tensor], Fetched | None],
+                 held_by: Mapping[torch.nn.Module, Sequence[Fetched]] | None = None) -> None:
         self._unit_of = unit_of
         self._users: dict[int, int] = {}  # id(unit) -> forwards, gathered() and accumulate() blocks holding it
         # module -> the units its forward reads: its own parameters' from the start, the rest as they are seen
@@ -71,6 +74,7 @@ class Fetcher:
         self.hooks: list[Any] = []
         for module in model.modules():
             own = [u for p in module.parameters(recurse=False) if (u := unit_of(p)) is not None]
+            own += (held_by or {}).get(module, ())
             self.readers[module] = list({id(u): u for u in own}.values())
             self.hooks += [module.register_forward_pre_hook(self._pre),
                            module.register_forward_hook(self._post, always_call=True)]
