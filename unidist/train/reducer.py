@@ -47,7 +47,7 @@ class _Bucket:
     in once and replaced by its view; ``zero_grad(set_to_none=False)`` zeroes the views in place and then no copy
     is made at all. With a narrower wire dtype the buffer is a separate, compressed copy."""
 
-    __slots__ = ("buffer", "extra", "handle", "inplace", "numels", "offsets", "params", "ready", "views")
+    __slots__ = ("buffer", "extra", "handle", "index", "inplace", "numels", "offsets", "params", "ready", "views")
 
     def __init__(self, params: list[torch.nn.Parameter], compressor: Compressor, inplace: bool = False) -> None:
         self.params = params
@@ -64,6 +64,7 @@ class _Bucket:
             self.offsets.append(self.offsets[-1] + n)
         self.ready: set[int] = set()
         self.handle: Handle[torch.Tensor] | None = None
+        self.index = {id(p): i for i, p in enumerate(params)}
 
     def resize(self, extra: int) -> None:
         """Room for ``extra`` flags after the gradients (a new buffer: gradients that were views into the old one
@@ -89,17 +90,26 @@ class _Bucket:
 
     def adopt(self) -> None:
         """Make every gradient a view of the buffer: copy in those autograd made anew, zeros for missing ones."""
-        base, size = self.buffer.data_ptr(), self.buffer.element_size()
         for i, p in enumerate(self.params):
-            g = p.grad
-            if g is not None and g.data_ptr() == base + self.offsets[i] * size and g.is_contiguous():
-                continue  # already the view
-            view = self.piece(i)
-            if g is None:
+            if p.grad is None:
+                view = self.piece(i)
                 view.zero_()
+                p.grad = view
             else:
-                view.copy_(g)
-            p.grad = view
+                self.adopt_one(p)
+
+    def adopt_one(self, p: torch.Tensor) -> None:
+        """``p``'s gradient into its place in the buffer, if autograd made it anew (the gradient hook calls this as
+        each one is ready, so autograd's tensor is freed at once: adopting a whole bucket only at its launch, or at
+        the drain where collectives wait for backward to end, held a second copy of those gradients meanwhile)."""
+        i = self.index[id(p)]
+        g = p.grad
+        if g is None or (g.data_ptr() == self.buffer.data_ptr() + self.offsets[i] * self.buffer.element_size()
+                         and g.is_contiguous()):
+            return  # nothing yet, or already the view
+        view = self.piece(i)
+        view.copy_(g)
+        p.grad = view
 
     def finish(self) -> None:
         """Wait for the allreduce; a compressed copy is written back into the gradients."""
@@ -196,10 +206,14 @@ class GradientReducer:
         return [b.buffer for b in self.buckets if not b.inplace]
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._overlap or not self._sync_pass() or self.dp.size == 1:
+        if not self._sync_pass():
             return
-        self._order.ready(p)
-        self._order.launch_ready()
+        bucket = self._order.slot_of(p)
+        if bucket is not None and bucket.views:  # each gradient takes its place in its bucket as it is ready
+            bucket.adopt_one(p)
+        if self._overlap:  # else the buckets wait for backward's end (see the module docstring)
+            self._order.ready(p)
+            self._order.launch_ready()
 
     def _launch(self, bucket: _Bucket) -> None:
         if trace_hooks.active:  # the timeline: launches against backward (off, this bool test is all it costs)
