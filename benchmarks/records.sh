@@ -4,7 +4,7 @@
 # The pages include these files as they are, so a page's figure is what the command last printed.
 #
 #   bash benchmarks/records.sh                 # all (about 20 minutes; run it on a quiet machine)
-#   bash benchmarks/records.sh check faults    # some: check, timeline, checkpoint, faults, zoo
+#   bash benchmarks/records.sh check faults    # some: check, timeline, checkpoint, faults, zoo, step
 #
 # Python comes from BENCH_BIN (a directory with python, mpiexec and every engine; default: .tox/py/bin, whose
 # environment has mpi4py and torch; the fault table and the model zoo's need every engine (and transformers), so
@@ -16,7 +16,7 @@ export PATH="$bin:$PATH" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DS_ACCELER
 out=benchmarks/records
 record() { "$bin/python" -m unidist.bench.record "$@"; }
 want() { [ $# -eq 0 ] || [[ " $* " == *" $name "* ]]; }
-for name in check timeline checkpoint faults zoo; do
+for name in check timeline checkpoint faults zoo step; do
     want "${@}" || continue
     case $name in
     check) record $out/check.md -- mpiexec -n 2 python -m unidist.bench.check --rounds 21 ;;
@@ -38,5 +38,10 @@ for name in check timeline checkpoint faults zoo; do
         record $out/model_zoo.md --table "$rows" --seconds $(( $(date +%s) - start )) \
             --command "ZOO_MATRIX=all ZOO_TABLE=FILE python -m pytest tests/multiproc/test_model_zoo.py"
         rm -f "$rows" ;;
+    step)  # the wrapper's cost: one process, then 2 ranks beside DDP and FSDP2, then beside raw DeepSpeed
+        record $out/step_local.md -- python -m unidist.bench.step --rounds 7
+        record $out/step_torchrun.md -- torchrun --standalone --nproc_per_node 2 -m unidist.bench.step --rounds 7
+        record $out/step_deepspeed.md -- deepspeed --num_gpus 2 unidist/bench/step.py --rounds 7 \
+            --columns plain,ds-z0,ds-z1,ds-z2,ds-z3,unidist-z0,unidist-z1,unidist-z2,unidist-z3 ;;
     esac
 done

@@ -32,6 +32,8 @@ SMOKE = {
 }
 SMOKE["all"] = ["--compare", *SMOKE["collectives"], "--scale", "0.05", "--iters", "1", "--steps", "1", "--batch", "4",
                 "--image-size", "32"]
+SMOKE["step"] = ["--layers", "1", "--width", "32", "--heads", "2", "--vocab", "128", "--seq", "16", "--batch", "2",
+                 "--steps", "1", "--rounds", "2", "--warmup", "1"]
 OPS = ("allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall")
 
 
@@ -113,6 +115,8 @@ def test_readme_bench_command(cmd: str, tmp_path: Path) -> None:
     else:
         bench = tokens[2]
         tokens += ([] if "--" in tokens else ["--"]) + SMOKE[bench]
+        if bench == "step":
+            tokens += ["--json", str(tmp_path / "step.json")]
     proc = run(tokens, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.describe()
     if tokens[0] == "bash":
@@ -140,6 +144,9 @@ def test_readme_bench_command(cmd: str, tmp_path: Path) -> None:
     elif tokens[2] == "train":
         cells = _table_cells(proc.stdout, "unidist") + _table_cells(proc.stdout, "horovod")
         assert len(cells) == 2 and all(float(c[4]) > 0 for c in cells), proc.stdout
+    elif tokens[2] == "step":  # beside DDP and FSDP2 (the torch backend; deepspeed's columns: test_step_under_...)
+        assert "| unidist-z3 |" in proc.stdout and "machine:" in proc.stdout, proc.stdout
+        check_step(tmp_path / "step.json", "torch", 2, ["plain", "ddp", "fsdp2", *STAGES])
 
 
 # ------------------------------------------------------------------------ `all` under the other launchers
@@ -187,8 +194,7 @@ def test_all_horovod_under_mpiexec(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------ bench step (GPT-2, every column)
-STEP_SMOKE = ["--layers", "1", "--width", "32", "--heads", "2", "--vocab", "128", "--seq", "16", "--batch", "2",
-              "--steps", "1", "--rounds", "2", "--warmup", "1"]
+STEP_SMOKE = SMOKE["step"]
 STAGES = [f"unidist-z{s}" for s in range(4)]
 
 
@@ -211,7 +217,8 @@ def check_step(path: Path, backend: str, ranks: int, columns: list[str]) -> None
 
 
 def test_step_one_process_through_the_cli(tmp_path: Path) -> None:
-    """`unidist bench step` (its own launch: the mpi backend at 2 ranks) and by `python -m` at one process."""
+    """`unidist bench step` (its own launch: the mpi backend at 2 ranks) and by `python -m` at one process (the
+    docs' command runs it under torchrun beside DDP and FSDP2: test_readme_bench_command)."""
     out = tmp_path / "cli.json"
     proc = run([str(BIN / "unidist"), "bench", "step", "--", *STEP_SMOKE, "--json", str(out)], timeout=600)
     assert proc.returncode == 0, proc.describe()
@@ -221,15 +228,6 @@ def test_step_one_process_through_the_cli(tmp_path: Path) -> None:
     proc = run([sys.executable, "-m", "unidist.bench.step", *STEP_SMOKE, "--json", str(solo)], timeout=600)
     assert proc.returncode == 0, proc.describe()
     check_step(solo, "local", 1, ["plain", *STAGES])
-
-
-@pytest.mark.torch
-def test_step_under_torchrun(tmp_path: Path) -> None:
-    """Beside DDP and FSDP2's fully_shard."""
-    out = tmp_path / "torch.json"
-    proc = run(torchrun(2, SCRIPT, "step", *STEP_SMOKE, "--json", str(out)), timeout=600)
-    assert proc.returncode == 0, proc.describe()
-    check_step(out, "torch", 2, ["plain", "ddp", "fsdp2", *STAGES])
 
 
 @pytest.mark.deepspeed
