@@ -62,6 +62,21 @@ def test_equals_one_process_and_stage0(zero: Zero, variant: str, stage: int) -> 
         assert got["offloaded"] == (VARIANTS[variant].offload and stage > 0 and launch.backend != "deepspeed"), got
 
 
+def test_stage3_prefetches_where_collectives_overlap(zero: Zero) -> None:
+    """ZeRO-3 starts the next unit's gather while a unit computes (the previous one's in backward) where collectives
+    move while the process computes (gloo, Horovod, the plug-in backend: ``mgr.overlaps``), and every prefetch is
+    used; MPI (moved only inside a wait) and one rank start none."""
+    launch, _, res = zero
+    if launch.backend == "deepspeed":
+        pytest.skip("DeepSpeed's ZeRO-3 prefetches with its own machinery")
+    for rank in range(launch.size):
+        started, used = res[rank]["adam/stage3"]["prefetch"]
+        if launch.size > 1 and res[rank]["_meta"]["overlaps"]:
+            assert started > 0 and used == started, (rank, started, used)
+        else:
+            assert started == 0, (rank, started)
+
+
 def test_memory_per_stage(zero: Zero) -> None:
     """Adam over Psi fp32 parameters on N ranks: stage 1 keeps 1/N of the optimizer state, stage 2 also of
     the gradients, stage 3 also of the parameters (Rajbhandari et al. 2020). DeepSpeed also keeps an fp32

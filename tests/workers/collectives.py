@@ -341,6 +341,16 @@ def plan(size: int) -> list[Case]:
         want = np.concatenate([np.full((r + 1, 2), r) for r in range(mgr.size)])
         expect(h.wait(), want.astype(np.float64), "int32", "numpy", "allgather_async")
 
+    @add("allgather_async[out]")
+    def _(mgr: Any) -> None:  # ZeRO-3's prefetch: into a buffer, nothing exchanged before the call starts
+        out = torch.full((2 * mgr.size, 3), -1.0)
+        h = mgr.allgather_async(torch.full((2, 3), float(mgr.rank)), out=out)
+        got = h.wait()
+        if got is not out:
+            raise AssertionError("allgather_async(out=) must return its out buffer")
+        want = np.concatenate([np.full((2, 3), r) for r in range(mgr.size)])
+        expect(out, want.astype(np.float64), "float32", "torch", "allgather_async[out]")
+
     # --- out= buffers (equal shapes on every rank; no row counts exchanged), even counts on MPI's block calls
     for dtype, kind in (("float32", "torch"), ("int64", "numpy"), ("bfloat16", "torch"), ("float64", "torch")):
         name = f"out_buffers[{dtype}-{kind}]"

@@ -118,8 +118,10 @@ def train(mgr: Any, v: Variant, stage: int) -> dict[str, Any]:
     full_opt = mgr.full_optimizer_state_dict(opt)
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
+    units = getattr(opt, "units", [])
     return {"full": full, "seen": seen, "opt": full_opt, "mem": stats, "comm": comm, "color": color,
-            "offloaded": bool(getattr(opt, "offload", False))}
+            "offloaded": bool(getattr(opt, "offload", False)),
+            "prefetch": [sum(u.prefetches for u in units), sum(u.prefetch_hits for u in units)]}
 
 
 def max_diff(a: dict[Any, Any], b: dict[Any, Any]) -> float:
@@ -171,12 +173,13 @@ def main() -> int:
                         "spread": float(spread.abs().max()), "seen_vs_full": max_diff(got["seen"], got["full"]),
                         "opt_diff": opt_diff(got["opt"], ref_opt), "first_norm": norm, "mem": got["mem"],
                         "vs_base": None if base is None else max_diff(got["full"], base), "offloaded": got["offloaded"],
+                        "prefetch": got["prefetch"],
                     }
                 except Exception as err:  # recorded; the other stages still run on every rank
                     traceback.print_exc()
                     results[key] = {"error": f"{type(err).__name__}: {err}"}
         numel = sum(p.numel() for p in make_model().parameters())
-        results["_meta"] = {"backend": mgr.backend, "size": mgr.size, "numel": numel}
+        results["_meta"] = {"backend": mgr.backend, "size": mgr.size, "numel": numel, "overlaps": mgr.overlaps}
         (ns.out / f"rank{mgr.rank}.json").write_text(json.dumps(results, indent=1))
         mgr.barrier()
     return 0

@@ -357,17 +357,28 @@ class Collectives(abc.ABC):
         gathered, _ = self._allgather_rows("allgather", t)
         return self._output(gathered, as_np)  # type: ignore[no-any-return]
 
-    def allgather_async(self, x: Array) -> Handle[Array]:
-        """Start an allgather (sizes are exchanged first, synchronously); ``wait()`` returns the result."""
+    def allgather_async(self, x: Array, out: Array | None = None) -> Handle[Array]:
+        """Start an allgather; ``wait()`` returns the result.
+
+        Args:
+            x: this rank's rows.
+            out: a buffer of size() times x's rows to gather into (every rank's x the same shape): nothing is
+                exchanged before the call starts. Without it the row counts are exchanged first, synchronously.
+        """
         t, as_np = self._input(x)
         if t.dim() == 0:
             t = t.reshape(1)
+        if out is not None:
+            o = out_tensor(out, t, self._size * t.shape[0], "allgather")
+            self._signature("allgather", t)  # sizes compared too: they must be equal
+            work = self._allgather_async(self._wired(t), self._wired(o), [t.numel()] * self._size)
+            return Handle(work, lambda: out)
         self._signature("allgather", t, numel=-1)
         rows = self._row_meta("allgather", t)
         row = row_numel(t)
-        out = rows_like(t, sum(rows))
-        work = self._allgather_async(self._wired(t), self._wired(out), [r * row for r in rows])
-        return Handle(work, lambda: self._output(out, as_np))
+        gathered = rows_like(t, sum(rows))
+        work = self._allgather_async(self._wired(t), self._wired(gathered), [r * row for r in rows])
+        return Handle(work, lambda: self._output(gathered, as_np))
 
     def gather(self, x: Array, root: int = 0) -> Array | None:
         """Every rank's x concatenated along dim 0 at root; None on the other ranks."""

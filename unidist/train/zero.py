@@ -93,7 +93,9 @@ class ZeroOptimizer(WindowedOptimizer):
                                   for u in self.units for p in u.params]
         self.fetcher: Fetcher | None = None  # stage 3: who gathers which unit (zero_fetch.py)
         if stage == 3:
-            self.fetcher = Fetcher(model, self._order.slot_of, self._block_units)
+            # prefetch where collectives move while the process computes (not MPI: they move only inside a wait)
+            self.fetcher = Fetcher(model, self._order.slot_of, self._block_units,
+                                   prefetch=dp.size > 1 and dp.overlaps)
             self._hooks += self.fetcher.hooks
 
     def _make_units(self, model: torch.nn.Module, limit: float, trainable: set[int]) -> list[Unit]:

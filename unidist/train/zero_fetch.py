@@ -45,6 +45,8 @@ class Fetched(Protocol):
 
     def gather(self) -> None: ...
 
+    def prefetch(self) -> None: ...
+
     def release(self) -> None: ...
 
 
@@ -55,11 +57,18 @@ class Fetcher:
         model: the prepared module (its every submodule is hooked).
         unit_of: the unit a parameter belongs to (None: not sharded, e.g. frozen).
         held_by: units a module's forward reads besides its own parameters' (a block's: its subtree's parameters).
+        prefetch: start gathering the next unit (in the first training forward's order) when a module gathers
+            its own, and in backward the one before: where collectives move while the process computes.
     """
 
     def __init__(self, model: torch.nn.Module, unit_of: Callable[[torch.Tensor], Fetched | None],
-                 held_by: Mapping[torch.nn.Module, Sequence[Fetched]] | None = None) -> None:
+                 held_by: Mapping[torch.nn.Module, Sequence[Fetched]] | None = None, prefetch: bool = False) -> None:
         self._unit_of = unit_of
+        self._prefetch = prefetch
+        # the units in the order the first training forward gathered them (learned until its step), and each one's
+        # place in it once learned
+        self._order: list[Fetched] = []
+        self._place: dict[int, int] | None = None
         self._users: dict[int, int] = {}  # id(unit) -> forwards, gathered() and accumulate() blocks holding it
         # module -> the units its forward reads: its own parameters' from the start, the rest as they are seen
         self.readers: weakref.WeakKeyDictionary[torch.nn.Module, list[Fetched]] = weakref.WeakKeyDictionary()
@@ -123,6 +132,31 @@ class Fetcher:
     def stop_tracing(self) -> None:
         """The first step is over: from now on training forwards' hooks gather what they were seen to read."""
         self._watched.add((True, True))
+        if self._place is None:
+            self._place = {id(u): i for i, u in enumerate(self._order)}
+
+    def _learn(self, units: Iterable[Fetched]) -> None:
+        """The first training forward: note the order units are first gathered in."""
+        if self._place is None and self._kind == (True, True):
+            known = {id(u) for u in self._order}
+            self._order += [u for u in units if id(u) not in known]
+
+    def _prefetch_from(self, units: list[Fetched], step: int) -> None:
+        """Start gathering the unit after (``step`` 1, forward) or before (-1, backward) ``units`` in the learned
+        order. Every rank runs the same hooks in the same order, so every rank starts the same gathers."""
+        place = self._place
+        if place is None or not units or not torch.is_grad_enabled():
+            return
+        at = [place[id(u)] for u in units if id(u) in place]
+        if not at:
+            return
+        i = (max(at) + 1) if step > 0 else (min(at) - 1)
+        if 0 <= i < len(self._order):
+            self._busy = True
+            try:
+                self._order[i].prefetch()
+            finally:
+                self._busy = False
 
     # ------------------------------------------------------------------ the hooks
     @torch.compiler.disable  # type: ignore[untyped-decorator]  # dynamo must not trace the parameter swap
@@ -134,6 +168,10 @@ class Fetcher:
                 self._watch.__enter__()
         self._frames.append((module, units))
         self.acquire(units)
+        if self._prefetch:
+            self._learn(units)
+            if module.training:
+                self._prefetch_from(units, 1)
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
@@ -160,6 +198,8 @@ class Fetcher:
                 u.gather()
         finally:
             self._busy = False
+        if self._prefetch:
+            self._prefetch_from(units, -1)
 
     def seen(self, t: torch.Tensor) -> None:
         """The tracing mode saw ``t`` used: if it is a sharded parameter, the running module reads its unit."""
@@ -172,6 +212,8 @@ class Fetcher:
         if any(u is unit for u in units):
             return
         units.append(unit)  # released by this forward's post hook, with the rest
+        if self._prefetch:
+            self._learn([unit])
         known = self.readers.setdefault(module, [])
         if all(u is not unit for u in known):
             known.append(unit)

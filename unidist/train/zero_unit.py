@@ -43,6 +43,9 @@ class Unit:
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1) for p in params], out=full[: self.numel])
         self.full: torch.Tensor | None = None
+        self._pending: tuple[Handle[torch.Tensor], torch.Tensor] | None = None  # a prefetch in flight (stage 3)
+        self.prefetches = 0  # prefetches started (and how many of them were used: ``prefetch_hits``)
+        self.prefetch_hits = 0
         self.host = host
         self._host_grad: torch.Tensor | None = None  # offload: the pinned buffer the reduced gradient comes down to
         own = full[self.lo:self.lo + self.chunk]
@@ -73,13 +76,34 @@ class Unit:
             if self.alone:  # one rank's shard is the whole unit: the parameters are views of it, nothing to copy
                 self._bind(self.shard.detach())
                 return
+            if self._pending is not None:  # prefetched: wait for it (usually long done) instead of starting one
+                handle, full = self._pending
+                self._pending = None
+                self.prefetch_hits += 1
+                with trace_hooks.span("zero prefetch wait"):
+                    handle.wait()
+                self._bind(full)
+                return
             full = torch.empty(self.chunk * self.dp.size, dtype=self.dtype, device=self.device)
             with trace_hooks.span("zero gather", bytes=full):
                 self.dp.allgather(self._sendable(), out=full)
             self._bind(full)
 
+    def prefetch(self) -> None:
+        """Start gathering the full parameters without waiting for them (stage 3: the next block's while this one
+        computes); the gather that needs them waits. A no-op while gathered, prefetching, or alone."""
+        if self.full is not None or self._pending is not None or self.alone:
+            return
+        full = torch.empty(self.chunk * self.dp.size, dtype=self.dtype, device=self.device)
+        with trace_hooks.span("zero prefetch", bytes=full):
+            self._pending = (self.dp.allgather_async(self._sendable(), out=full), full)
+        self.prefetches += 1
+
     def release(self) -> None:
         """Free the full parameters (stage 3): each becomes an empty tensor until the next gather."""
+        if self._pending is not None:  # prefetched and not used: every rank started it, so it is finished, then dropped
+            self._pending[0].wait()
+            self._pending = None
         for p in self.params:
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self.full = None
