@@ -71,16 +71,20 @@ def test_checkpointing_trains_the_same(launched: Result, mode: str, stage: int) 
         assert row["spread"] == 0.0, (rank, row)  # ranks agree bitwise
         if mode != "none":  # the blocks' inner activations are not kept: recomputed in backward
             assert row["saved_bytes"] < 0.75 * base["saved_bytes"], (rank, row, base)
-        # each block's two Linears run again in every backward (STEPS x 2 blocks x 2); at stage 3 their weights
-        # were released after the forward, so each recompute started from an empty parameter and gathered again
-        assert row["recomputes"] == (0 if mode == "none" else STEPS * 4), (rank, row)
+        # each block runs again in every backward (STEPS x 2 blocks); at stage 3 its weights were released after
+        # the forward, so each recompute started from an empty parameter and gathered again
+        assert row["recomputes"] == (0 if mode == "none" else STEPS * 2), (rank, row)
         if stage == 3 and mode != "none" and launched[0].backend == "deepspeed":  # prefetches after a traced step
             assert 0 < row["recomputed_from_empty"] <= row["recomputes"], (rank, row)
+        elif stage == 3 and mode == "nonreentrant":
+            # the block's forward ran with grad enabled, so the hook on its output gathered the block again before
+            # autograd reached the recompute (reentrant checkpointing runs the forward under no_grad: no hook)
+            assert row["recomputed_from_empty"] == 0, (rank, row)
         else:
             assert row["recomputed_from_empty"] == (row["recomputes"] if stage == 3 else 0), (rank, row)
     print(f"{launched[0].backend} {mode} stage {stage}: diff {rows[0]['diff']:.2e} vs_none {rows[0]['vs_none']:.2e} "
           f"saved {rows[0]['saved_bytes']} B (without checkpointing {none[0]['saved_bytes']} B), "
-          f"{rows[0]['recomputes']} recomputed layer forwards, {rows[0]['recomputed_from_empty']} from released")
+          f"{rows[0]['recomputes']} recomputed block forwards, {rows[0]['recomputed_from_empty']} from released")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

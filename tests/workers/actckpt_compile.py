@@ -141,19 +141,19 @@ spread = common.spread
 def train_ckpt(mgr: Any, mode: str, stage: int) -> dict[str, Any]:
     model = Net(mode)
     # Registered before prepare, so it runs before ZeRO's (or DeepSpeed's) gathering pre-hook: each forward of a
-    # block's Linear during backward is a recompute; at stage 3 its weight must then still be the empty shard
-    # placeholder (released after the forward), so the recompute trains right only if it gathers again.
+    # block during backward is a recompute; at stage 3 its first Linear's weight must then still be the empty shard
+    # placeholder (released after the forward), so the recompute trains right only if it gathers again. The probe
+    # sits on the block, not its Linears: unidist's stage 3 gathers a block's parameters as one unit around the
+    # block's forward, so inside the block they are already whole.
     in_backward: list[bool] = [False]
     recomputes: list[int] = []
 
     def probe(mod: torch.nn.Module, args: Any) -> None:
         if in_backward[0]:
-            recomputes.append(mod.weight.numel())
+            recomputes.append(mod[0].weight.numel())
 
     for block in model.blocks:
-        for layer in block:
-            if isinstance(layer, torch.nn.Linear):
-                layer.register_forward_pre_hook(probe)
+        block.register_forward_pre_hook(probe)
     model, opt = mgr.prepare(model, make_opt(model), zero_stage=stage)
     user = mgr.unwrap(model)
     counter = SavedBytes(list(user.parameters()))

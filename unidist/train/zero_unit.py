@@ -43,7 +43,8 @@ class Unit:
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1) for p in params], out=full[: self.numel])
         self.full: torch.Tensor | None = None
-        self._pending: tuple[Handle[torch.Tensor], torch.Tensor] | None = None  # a prefetch in flight (stage 3)
+        # a prefetch in flight (stage 3): its handle, its buffer, and the shard's version when it started
+        self._pending: tuple[Handle[torch.Tensor], torch.Tensor, int] | None = None
         self.prefetches = 0  # prefetches started (and how many of them were used: ``prefetch_hits``)
         self.prefetch_hits = 0
         self.host = host
@@ -77,13 +78,15 @@ class Unit:
                 self._bind(self.shard.detach())
                 return
             if self._pending is not None:  # prefetched: wait for it (usually long done) instead of starting one
-                handle, full = self._pending
+                handle, full, version = self._pending
                 self._pending = None
-                self.prefetch_hits += 1
                 with trace_hooks.span("zero prefetch wait"):
                     handle.wait()
-                self._bind(full)
-                return
+                # the shard changed since (a recompute in backward prefetched a unit the step then updated): stale
+                if version == self.shard._version:
+                    self.prefetch_hits += 1
+                    self._bind(full)
+                    return
             full = torch.empty(self.chunk * self.dp.size, dtype=self.dtype, device=self.device)
             with trace_hooks.span("zero gather", bytes=full):
                 self.dp.allgather(self._sendable(), out=full)
@@ -96,7 +99,7 @@ class Unit:
             return
         full = torch.empty(self.chunk * self.dp.size, dtype=self.dtype, device=self.device)
         with trace_hooks.span("zero prefetch", bytes=full):
-            self._pending = (self.dp.allgather_async(self._sendable(), out=full), full)
+            self._pending = (self.dp.allgather_async(self._sendable(), out=full), full, self.shard._version)
         self.prefetches += 1
 
     def release(self) -> None:
