@@ -81,6 +81,15 @@ def _shell_param(block: Block) -> object:
 IN_PAGE_ORDER = sorted([*BLOCKS, *SHELL], key=lambda b: (str(b.path), b.line))
 
 
+def _torch_teardown_abort(block: Block, stdout: str, stderr: str) -> bool:
+    """A plain torch.distributed block (a page's "before", no unidist in it) that printed all it should and then
+    aborted in gloo's teardown ("terminate called without an active exception": gloo's worker threads at
+    interpreter exit, pytorch/pytorch#190489; once in CI, on docs/coming-from/ddp.md's DDP script, which calls
+    destroy_process_group). Not unidist's code: such a block is run once more. A unidist block never is."""
+    return ("unidist" not in block.body and "terminate called without an active exception" in stderr
+            and (block.output is None or output_matches(block.output, stdout) is None))
+
+
 @pytest.mark.parametrize("block", [_param(b) if b.lang == "python" else _shell_param(b) for b in IN_PAGE_ORDER])
 def test_doc_block(block: Block, tmp_path_factory: pytest.TempPathFactory) -> None:
     where = _page_dir(block, tmp_path_factory)
@@ -92,6 +101,8 @@ def test_doc_block(block: Block, tmp_path_factory: pytest.TempPathFactory) -> No
         script = where / f"example-{block.line}.py"
         script.write_text(block.body)
         proc = run(argv_of(n, str(script)), env=env, cwd=where, timeout=300)
+        if proc.returncode != 0 and _torch_teardown_abort(block, proc.stdout, proc.stderr):
+            proc = run(argv_of(n, str(script)), env=env, cwd=where, timeout=300)  # once more; see the helper
     else:
         shell = _shell_engine(block)
         if shell:
