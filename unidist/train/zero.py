@@ -173,6 +173,12 @@ class ZeroOptimizer(WindowedOptimizer):
         self._synced = True
         self._order.drain()
         self._in_flight.clear()
+        # no prefetch outlives its backward: the step changes every shard, so the next forward must gather anew (a
+        # block recomputed in backward, under activation checkpointing, prefetches the block after it, already
+        # reduced; bound in the next forward, that gather gave parameters from before the step). Every rank ran
+        # the same hooks, so every rank drops the same gathers here.
+        for unit in self.units:
+            unit.drop_prefetch()
         if self.offload and self.units:  # the gradients came down without blocking: the host reads them next
             wait_for_copies(self.units[0].device)
 
@@ -331,12 +337,14 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     values) would pay a collective's latency for each small module, four times per step (forward and backward
     gathers, reduce-scatter, refresh)."""
     found: list[torch.nn.Module] = []
+    seen: set[int] = set()
 
     def walk(module: torch.nn.Module) -> None:
         container = isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential))
         for child in module.children():
             if container and next(child.parameters(), None) is not None:
-                if all(child is not b for b in found):
+                if id(child) not in seen:  # a block listed twice (one layer in two containers) is one block
+                    seen.add(id(child))
                     found.append(child)
             else:
                 walk(child)

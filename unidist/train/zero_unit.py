@@ -82,7 +82,7 @@ class Unit:
                 self._pending = None
                 with trace_hooks.span("zero prefetch wait"):
                     handle.wait()
-                # the shard changed since (a recompute in backward prefetched a unit the step then updated): stale
+                # the shard changed since it started (a checkpoint loaded between a forward and its gather): stale
                 if version == self.shard._version:
                     self.prefetch_hits += 1
                     self._bind(full)
@@ -104,12 +104,16 @@ class Unit:
 
     def release(self) -> None:
         """Free the full parameters (stage 3): each becomes an empty tensor until the next gather."""
-        if self._pending is not None:  # prefetched and not used: every rank started it, so it is finished, then dropped
-            self._pending[0].wait()
-            self._pending = None
+        self.drop_prefetch()
         for p in self.params:
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self.full = None
+
+    def drop_prefetch(self) -> None:
+        """Finish and discard a prefetch nobody used: every rank started it, so every rank waits for it here."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
 
     def write_back(self) -> None:
         """Copy this rank's chunk of the full parameters into its shard (after edits inside a gather)."""
