@@ -347,15 +347,21 @@ class Collectives(abc.ABC):
                 return out
         t, as_np = self._input(x)
         if out is not None:
-            if t.dim() == 0:
-                t = t.reshape(1)
-            o = out_tensor(out, t, self._size * t.shape[0], "allgather")
-            self._signature("allgather", t)  # sizes compared too: they must be equal
+            t, o = self._gather_into(t, out)
             self._allgather(self._wired(t), self._wired(o), [t.numel()] * self._size)
             self._keep_plan("allgather", x, out, t, o)
             return out
         gathered, _ = self._allgather_rows("allgather", t)
         return self._output(gathered, as_np)  # type: ignore[no-any-return]
+
+    def _gather_into(self, t: torch.Tensor, out: Array) -> tuple[torch.Tensor, torch.Tensor]:
+        """An allgather into the caller's ``out=`` (blocking or not): x's rows and the buffer, checked, and the call
+        signed with its size, which every rank must share (no row counts are exchanged)."""
+        if t.dim() == 0:
+            t = t.reshape(1)
+        o = out_tensor(out, t, self._size * t.shape[0], "allgather")
+        self._signature("allgather", t)
+        return t, o
 
     def allgather_async(self, x: Array, out: Array | None = None) -> Handle[Array]:
         """Start an allgather; ``wait()`` returns the result.
@@ -366,13 +372,12 @@ class Collectives(abc.ABC):
                 exchanged before the call starts. Without it the row counts are exchanged first, synchronously.
         """
         t, as_np = self._input(x)
-        if t.dim() == 0:
-            t = t.reshape(1)
         if out is not None:
-            o = out_tensor(out, t, self._size * t.shape[0], "allgather")
-            self._signature("allgather", t)  # sizes compared too: they must be equal
+            t, o = self._gather_into(t, out)
             work = self._allgather_async(self._wired(t), self._wired(o), [t.numel()] * self._size)
             return Handle(work, lambda: out)
+        if t.dim() == 0:
+            t = t.reshape(1)
         self._signature("allgather", t, numel=-1)
         rows = self._row_meta("allgather", t)
         row = row_numel(t)
