@@ -153,7 +153,7 @@ class Launch:
 
 
 def _launch(record: Any, way: Any, n: int) -> Launch:
-    from unidist.backends import unidist_training
+    from unidist.engines import unidist_training
     from unidist.launch import family
 
     fam = family(way.launcher)

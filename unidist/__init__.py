@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import unidist.backends  # noqa: F401  (registers the built-in backends: records only, no engine imported)
+import unidist.engines  # noqa: F401  (registers the built-in backends: records only, no engine imported)
 from unidist import registry
 from unidist.config import Config
 from unidist.errors import (

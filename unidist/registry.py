@@ -5,7 +5,7 @@ training strategy behind ``prepare`` (both handed over as calls that import them
 ``import unidist`` imports no engine), the packages it needs and how to install them, the launcher family that
 starts it and the ones that imply it, the engine's own calls the benchmarks compare with, and the launches the
 tests use. The selector, ``unidist launch``, ``unidist info``, the benchmarks and the multi-process tests read
-it. unidist's own five records live in ``unidist/backends/``; a backend written outside the package registers
+it. unidist's own five records live in ``unidist/engines/``; a backend written outside the package registers
 with one call, :func:`register`, and is then chosen with ``UNIDIST_BACKEND``.
 
 This module sits low (it imports only errors and launch): the managers read their record from here, and
@@ -81,6 +81,9 @@ class Backend:
         raw_calls: given a started Manager, the engine's own collective calls by name (the benchmarks' raw
             column): ``{"allreduce": builder, ...}``, a builder taking the input tensor and returning a call.
         raw_grad_mean: given a started Manager, the engine's in-place average of one gradient.
+        raw_engine: the engine's own training engine (the benchmarks' raw training column): given a started
+            Manager, a model, its optimizer, a ZeRO stage and a precision mode, an object that is called as the
+            model is and has ``backward(loss)`` and ``step()``, made with the config ``prepare`` would use.
         launches: how the tests start it; the first one is its main launch.
     """
 
@@ -96,6 +99,7 @@ class Backend:
     engine: str = "none"
     raw_calls: Callable[[Any], Mapping[str, Callable[[Any], Callable[[], Any]]]] | None = None
     raw_grad_mean: Callable[[Any], Callable[[Any], Any]] | None = None
+    raw_engine: Callable[[Any, Any, Any, int, str], Any] | None = None
     launches: tuple[Launch, ...] = ()
 
     def missing(self) -> list[str]:

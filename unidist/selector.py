@@ -1,6 +1,6 @@
 """Selection: which backend a launched process uses, and its Manager made with its training strategy.
 
-The backends themselves are records in ``unidist.registry`` (unidist's own in ``unidist/backends/``); this
+The backends themselves are records in ``unidist.registry`` (unidist's own in ``unidist/engines/``); this
 module only reads them: ``UNIDIST_BACKEND`` if set, else the backend the launcher family implies.
 """
 

@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from unidist.backends import unidist_training
 from unidist.comm.engine import Engine
+from unidist.engines import unidist_training
 from unidist.errors import CollectiveMismatchError
 from unidist.managers.base import Manager
 from unidist.ops import ReduceOp

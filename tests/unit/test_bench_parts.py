@@ -15,8 +15,8 @@ import pytest
 
 from unidist.bench import SUBCOMMANDS, drift
 from unidist.bench.collectives import busbw_factor, default_sizes, parse_size
-from unidist.bench.models import ShapeModel, gpt2_shapes, resnet, resnet50_shapes
 from unidist.bench.output import human_bytes, markdown, write_json
+from unidist.bench.real_models import ShapeModel, gpt2_shapes, resnet, resnet50_shapes
 from unidist.bench.report import BEGIN, END, render, targets, write_results
 
 

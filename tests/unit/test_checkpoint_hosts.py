@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import unidist.checkpoint as ckpt
-import unidist.checkpoint.hosts as hosts
+import unidist.checkpoint.local_disks as hosts
 from unidist import CheckpointCorruptError, CheckpointError, CheckpointMissingError
 
 _HOST = threading.local()

@@ -74,7 +74,7 @@ def test_cuda_device_checked_against_what_torch_sees() -> None:
 @pytest.mark.parametrize(("kind", "words"), [("missing", "does not exist"), ("directory", "is a directory"),
                                               ("not-json", "not valid JSON"), ("list", "JSON object")])
 def test_deepspeed_config_path_errors(tmp_path: Path, kind: str, words: str) -> None:
-    from unidist.train.ds_config import load as _load_config
+    from unidist.engines.deepspeed.config import load as _load_config
 
     path = {"missing": tmp_path / "nope.json", "directory": tmp_path}.get(kind, tmp_path / "ds.json")
     if kind == "not-json":

@@ -31,7 +31,7 @@ FIGURES: dict[tuple[str, str], str] = {
     ("docs/getting-started.md", "98.1%"): "why: tests/multiproc/test_doc_examples.py runs the main job and compares",
     ("docs/reliability.md", "15 s"): "=unidist.comm.watchdog:BACKSTOP_GRACE",
     ("docs/reliability.md", "10 s"): "=unidist.comm.watchdog:ENGINE_GRACE",
-    ("docs/reliability.md", "30 s"): "=unidist.managers.horovod:HOROVOD_GLOO_TIMEOUT",
+    ("docs/reliability.md", "30 s"): "=unidist.engines.horovod.manager:HOROVOD_GLOO_TIMEOUT",
     ("docs/reliability.md", "60 s"): "=unidist.config:Config.stall_warning",
     ("docs/reliability.md", "1 s"): "why: the watchdog's period, min(1.0, ...) in unidist/comm/watchdog.py",
     ("docs/reliability.md", "2 s"): "why: the warning tests/multiproc/test_stalls.py sets",

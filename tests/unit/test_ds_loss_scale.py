@@ -21,8 +21,8 @@ import torch
 from unidist import Config, LaunchInfo, LocalManager
 from unidist.compat.deepspeed.exceptions import DeepSpeedConfigError
 from unidist.compat.deepspeed.loss_scale import loss_scaling
+from unidist.engines.deepspeed.scaler import AgreedGradScaler
 from unidist.errors import InvalidArgumentError
-from unidist.train.ds_scaler import AgreedGradScaler
 from unidist.train.precision import LossScaleFloorError, LossScaler, ScalerOptions
 
 CPU = torch.device("cpu")

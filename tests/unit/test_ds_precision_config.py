@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from unidist import Config
+from unidist.engines.deepspeed import config as ds_config
 from unidist.errors import ConfigError, InvalidArgumentError
-from unidist.train import ds_config
 from unidist.train.options import TrainOptions
 from unidist.train.precision import Precision
 
@@ -130,7 +130,7 @@ def test_the_launch_scripts_config_with_its_own_stage_and_clip() -> None:
 
 # ----------------------------------------------------------------- what DeepSpeed cannot do with unidist's meaning
 def test_refusals() -> None:
-    from unidist.train.deepspeed import DeepSpeedTrainer
+    from unidist.engines.deepspeed.trainer import DeepSpeedTrainer
 
     check = DeepSpeedTrainer._check_precision
     check(Precision("bf16-true"), 0)  # a bfloat16 model and the user's optimizer: runs
@@ -155,7 +155,7 @@ class _Engine:
 
 
 def test_engine_optimizer_reports_as_unidists_optimizers() -> None:
-    from unidist.train.deepspeed import EngineOptimizer
+    from unidist.engines.deepspeed.trainer import EngineOptimizer
 
     for name in ("loss_scale", "last_step_skipped", "skipped_steps", "backward_passes_per_step"):
         assert isinstance(getattr(EngineOptimizer, name), property), name  # not forwarded by __getattr__
@@ -167,7 +167,7 @@ def test_engine_optimizer_reports_as_unidists_optimizers() -> None:
 
 def test_the_scaler_state_is_loss_scalers() -> None:
     """An fp16 checkpoint's scale resumes across backends: AgreedGradScaler and LossScaler read each other's."""
-    from unidist.train.ds_scaler import AgreedGradScaler
+    from unidist.engines.deepspeed.scaler import AgreedGradScaler
     from unidist.train.precision import LossScaler, ScalerOptions
 
     ours = AgreedGradScaler(ScalerOptions(init_scale=8.0, growth_interval=3), torch.device("cpu"), None)

@@ -37,8 +37,9 @@ def test_manager_and_groups_are_one_communicator_class() -> None:
         assert isinstance(mgr, Communicator) and isinstance(mgr.engine, SoloEngine)
         g = mgr.new_group([0])
         assert type(g) is Group and isinstance(g.engine, SoloEngine) and g.engine is not mgr.engine
-    from unidist.managers import horovod, mpi
-    from unidist.managers import torch as torch_manager
+    from unidist.engines.horovod import manager as horovod
+    from unidist.engines.mpi import manager as mpi
+    from unidist.engines.torch import manager as torch_manager
 
     for module in (mpi, torch_manager, horovod):
         made = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from unidist import Config, LaunchInfo
-from unidist.managers.torch import TorchManager
+from unidist.engines.torch.manager import TorchManager
 
 
 def test_cuda_runs_get_gloo_beside_nccl_for_cpu_tensors() -> None:
@@ -18,7 +18,7 @@ def test_cuda_runs_get_gloo_beside_nccl_for_cpu_tensors() -> None:
 
 def test_ranks_sharing_a_gpu_get_gloo_alone_and_host_staging() -> None:
     """MOCK (the device and the shared flag set by hand): more ranks than GPUs on a host cannot use NCCL."""
-    from unidist.managers.torch import HostStagedTorchEngine, shares_gpus
+    from unidist.engines.torch.manager import HostStagedTorchEngine, shares_gpus
 
     assert shares_gpus(torch.device("cuda", 0), local_size=2, gpus=1)
     assert not shares_gpus(torch.device("cuda", 0), local_size=2, gpus=2)
@@ -39,7 +39,7 @@ def test_deepspeed_refuses_ranks_sharing_a_gpu_before_any_rendezvous(monkeypatch
 
     pytest.importorskip("deepspeed")
     from unidist import LaunchEnvironmentError
-    from unidist.managers.deepspeed import DeepSpeedManager
+    from unidist.engines.deepspeed.manager import DeepSpeedManager
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

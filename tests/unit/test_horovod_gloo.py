@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from unidist.engines.horovod.gloo import layout
 from unidist.errors import LaunchEnvironmentError
 from unidist.launch import slurm_step_hosts
-from unidist.managers.horovod_gloo import layout
 
 
 def test_block_placement_over_uneven_nodes() -> None:

@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from unidist.managers import mpi_shm
+from unidist.engines.mpi import shm as mpi_shm
 
 
 def test_removes_only_old_unmapped_mpich_files(tmp_path: Path) -> None:

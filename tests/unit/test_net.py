@@ -67,8 +67,8 @@ def test_listener_on_a_foreign_address() -> None:
 
 def test_torch_store_port_in_use_is_a_typed_error() -> None:
     pytest.importorskip("torch.distributed")
+    from unidist.engines.torch.manager import TorchManager
     from unidist.errors import LaunchEnvironmentError
-    from unidist.managers.torch import TorchManager
 
     with net.listener("127.0.0.1") as taken:
         port = taken.getsockname()[1]

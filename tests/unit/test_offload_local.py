@@ -136,7 +136,7 @@ def test_none_is_no_offload() -> None:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_config_offloads_the_optimizer_and_at_stage3_the_parameters(stage: int) -> None:
     from unidist.config import Config
-    from unidist.train.ds_config import build
+    from unidist.engines.deepspeed.config import build
 
     opts = TrainOptions.parse(Config(), zero_stage=stage, clip_grad_norm=None, op="mean", compression=None,
                               backward_passes_per_step=None, bucket_mb=None, group=None, deepspeed_config=None,

@@ -6,7 +6,7 @@ import pytest
 
 import unidist
 from unidist import BackendUnavailableError, Config, ConfigError, LaunchInfo, registry
-from unidist.backends import unidist_training
+from unidist.engines import unidist_training
 from unidist.launch import LAUNCHERS, family
 from unidist.registry import Backend, Launch
 from unidist.selector import backend_for, create, select

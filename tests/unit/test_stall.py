@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from unidist.comm import processes, stall, watchdog, watched
+from unidist.comm import processes, regions, stall, watchdog
 from unidist.comm.engine import Engine, SoloEngine
 from unidist.comm.stall import Seen, classify
 from unidist.ops import ReduceOp
@@ -119,10 +119,10 @@ class _Pair(SoloEngine):
         self.during: list[dict[str, Any]] = []
 
     def allreduce(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> None:
-        self.during.append(watched.position())
+        self.during.append(regions.position())
 
     def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
-        self.during.append(watched.position())
+        self.during.append(regions.position())
 
     def _split(self, lists: list[list[int]]) -> list[Engine | None]:
         return [_Pair() if 0 in m else None for m in lists]
@@ -131,8 +131,8 @@ class _Pair(SoloEngine):
 def test_positions_number_each_engine_apart() -> None:
     inner = _Pair()
     inner.size = 3
-    engine = watched.watch(inner)
-    watched.reset(3)
+    engine = regions.watch(inner)
+    regions.reset(3)
     t = torch.ones(4)
     engine.allreduce(t, t, ReduceOp.SUM)
     engine.broadcast(t, 0)
@@ -149,7 +149,7 @@ def test_positions_number_each_engine_apart() -> None:
     assert group["seqs"]["world"] == 2 and group["seqs"]["group 0,1#1"] == 1 and "group 0,1#0" not in group["seqs"]
     assert again["call"]["n"] == 3 and again["seqs"]["group 0,1#1"] == 1
     assert p2p["call"]["peer"] == 1 and "on" not in p2p["call"] and p2p["seqs"]["world"] == 3
-    assert watched.position()["call"] is None  # left every call
+    assert regions.position()["call"] is None  # left every call
 
 
 def _heartbeat(directory: str, rank: int, pos: dict[str, Any]) -> None:
@@ -176,7 +176,7 @@ def test_the_watchdog_ends_a_desync_and_warns_of_a_straggler(tmp_path: object, p
     monkeypatch.setattr(watchdog, "_HEARTBEATS", str(tmp_path))
     ended: list[int] = []
     monkeypatch.setattr(processes, "end_job", lambda abort, code, pause=None: ended.append(code))
-    engine = watched.watch(_Slow(3.0))
+    engine = regions.watch(_Slow(3.0))
     watchdog.start(60.0, 0, 2, "job", lambda code: None, stall_warning=0.6)
     stop = threading.Event()
 
@@ -212,7 +212,7 @@ def test_a_rank_stopped_just_after_a_call_is_not_taken_for_one_that_never_left(
     monkeypatch.setattr(watchdog, "_HEARTBEATS", str(tmp_path))
     ended: list[int] = []
     monkeypatch.setattr(processes, "end_job", lambda abort, code, pause=None: ended.append(code))
-    engine = watched.watch(_Slow(3.0))
+    engine = regions.watch(_Slow(3.0))
     watchdog.start(60.0, 0, 2, "job", lambda code: None, stall_warning=0.6)
     try:
         # rank 1 was seen inside the world's first call, then stopped: this rank's wait is the world's second

@@ -194,7 +194,7 @@ def run_deepspeed(report: dict[str, Any]) -> int:
     import deepspeed
 
     compatible = getattr(getattr(deepspeed, "ops", None), "__compatible_ops__", None)
-    if isinstance(compatible, dict):  # skip the shared-memory op's JIT build (see unidist/managers/deepspeed.py)
+    if isinstance(compatible, dict):  # skip the shared-memory op's JIT build (see unidist/engines/deepspeed/manager.py)
         compatible["deepspeed_shm_comm"] = False
     deepspeed.utils.logger.setLevel(logging.ERROR)
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=report["port"])

@@ -3,7 +3,7 @@ that is not this host's, as a misconfigured interface would give): rank 0 must s
 job, not leave the other ranks waiting for the address it was to broadcast."""
 
 import unidist
-import unidist.managers.torch as torch_manager
+import unidist.engines.torch.manager as torch_manager
 
 torch_manager.rendezvous_address = lambda single_node: "192.0.2.77"  # TEST-NET-1: never this host's
 with unidist.init() as mgr:

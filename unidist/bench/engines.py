@@ -1,6 +1,6 @@
 """The engines' own calls, as their users write them: what unidist is compared against.
 
-Each backend's record (``unidist.registry``; unidist's own in ``unidist/backends/``) carries them: a table
+Each backend's record (``unidist.registry``; unidist's own in ``unidist/engines/``) carries them: a table
 mapping a collective to a builder that, given the input tensor unidist is timed on, allocates what the engine
 needs (output buffers, numpy views) once, outside the timing, and returns a zero-argument call moving the same
 bytes as unidist's; and ``grad_mean``, the per-tensor gradient average a hand-written data-parallel loop would

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from unidist.bench import engines
-from unidist.bench.models import MODELS, ShapeModel
 from unidist.bench.output import Column, fmt, markdown
+from unidist.bench.real_models import MODELS, ShapeModel
 from unidist.bench.timing import per_unit_rounds, slowest, spread
 
 __all__ = ["add_arguments", "run", "table"]

@@ -43,9 +43,11 @@ from typing import Any
 import torch
 
 import unidist
+from unidist import registry
 from unidist.bench.gpt import GPT2, GPT2Config
 from unidist.bench.machine import line as machine_line
 from unidist.bench.timing import per_unit_rounds, slowest
+from unidist.errors import InvalidArgumentError
 
 __all__ = ["main"]
 
@@ -183,7 +185,7 @@ def _build(mgr: Any, name: str, args: argparse.Namespace, ids: torch.Tensor) -> 
             popt.zero_grad()
         return unidist_step
     if name.startswith("ds-z"):
-        return _deepspeed(mgr, model, opt, _stage(name), args, ids)
+        return _engine_own(mgr, model, opt, _stage(name), args, ids)
     if name == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif name == "fsdp2":
@@ -214,19 +216,14 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(blocks)
 
 
-def _deepspeed(mgr: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, stage: int, args: argparse.Namespace,
+def _engine_own(mgr: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, stage: int, args: argparse.Namespace,
                ids: torch.Tensor) -> Step:
-    """``deepspeed.initialize`` with exactly the config ``prepare`` would give DeepSpeed for this stage."""
-    import deepspeed
-
-    from unidist.config import Config
-    from unidist.train.ds_config import build
-    from unidist.train.options import TrainOptions
-
-    opts = TrainOptions.parse(Config(), zero_stage=stage, clip_grad_norm=None, op="mean", compression=None,
-                              backward_passes_per_step=None, bucket_mb=None, group=None, deepspeed_config=None,
-                              precision=args.precision, unknown={})
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=build(opts, mgr.size, None))
+    """The engine's own training engine, made as its record says (DeepSpeed: ``deepspeed.initialize`` with the
+    config ``prepare`` would give it for this stage)."""
+    make = registry.get(mgr.backend).raw_engine
+    if make is None:
+        raise InvalidArgumentError(f"the {mgr.backend} backend has no engine of its own to compare with")
+    engine = make(mgr, model, opt, stage, args.precision)
 
     def ds_step() -> None:
         engine.backward(engine(ids, ids))

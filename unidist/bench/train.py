@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from unidist.bench.models import resnet
 from unidist.bench.output import Column, fmt, markdown
+from unidist.bench.real_models import resnet
 from unidist.bench.timing import per_unit_rounds, slowest
 
 __all__ = ["IMPLS", "add_arguments", "run", "table"]

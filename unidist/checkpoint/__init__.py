@@ -54,8 +54,8 @@ from unidist.checkpoint.files import (
     save_bytes,
     save_tensors,
 )
-from unidist.checkpoint.hosts import agreed_manifest, fetch, host_id, host_name, rank_domains, storage
 from unidist.checkpoint.layout import FullLayout, Layout, Pieces
+from unidist.checkpoint.local_disks import agreed_manifest, fetch, host_id, host_name, rank_domains, storage
 from unidist.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, InvalidArgumentError
 
 __all__ = ["FullLayout", "Layout", "Staged", "World", "finish", "latest_checkpoint", "load", "save", "stage", "write"]

@@ -4,7 +4,7 @@ The checkpoint speaks only of *full* tensors by name: the model's state-dict ent
 the optimizer's per-element state (Adam's ``exp_avg``...) and scalars (``step``), plus the param groups'
 settings. A Layout maps that to one prepared optimizer's reality, and each prepared optimizer makes its own
 (``checkpoint_layout(model)``): unidist's ZeRO writes exactly the shards it owns (unidist/train/zero_layout.py),
-a DeepSpeed engine assembles its partitions with DeepSpeed's calls (unidist/train/deepspeed.py), and state
+a DeepSpeed engine assembles its partitions with DeepSpeed's calls (unidist/engines/deepspeed/trainer.py), and state
 every rank holds whole (plain data parallelism on any backend) is written as an even 1/N slice of every
 tensor by ``FullLayout`` here, which needs nothing but a module and a torch optimizer.
 

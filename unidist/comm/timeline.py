@@ -1,7 +1,7 @@
 """The timeline (``UNIDIST_TIMELINE=path``): every engine call of every rank, on one Chrome/Perfetto trace.
 
 When the variable is set, the Manager wraps its engine in a *recording engine* before the watchdog wraps it
-(so the watchdog's timing and counting see the same calls): every primitive of :data:`watched.PRIMITIVES`
+(so the watchdog's timing and counting see the same calls): every primitive of :data:`regions.PRIMITIVES`
 becomes one complete event with its start, duration, bytes, dtype, op, group and peer, each async start a
 ``<call> launch`` event and its handle's ``wait()`` a ``<call> wait`` event with the same ``id``. Sub-engines
 (groups) are recorded alike, named by their ranks. The layers above add spans through comm/trace_hooks.py
@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import torch
 
-from unidist.comm import processes, trace_files, trace_hooks, watched
+from unidist.comm import processes, regions, trace_files, trace_hooks
 from unidist.comm.engine import Engine
 from unidist.ops import ReduceOp
 
@@ -208,9 +208,9 @@ class _RecordingEngine:
 
     def __init__(self, engine: Any, rec: Recorder, group: str) -> None:
         self._inner, self._rec, self._group = engine, rec, group
-        for name in watched.PRIMITIVES:
+        for name in regions.PRIMITIVES:
             setattr(self, name, recorded_call(getattr(engine, name), name, rec, group, engine.size))
-        for name in watched.ASYNC_PRIMITIVES:
+        for name in regions.ASYNC_PRIMITIVES:
             setattr(self, name, _recorded_async(getattr(engine, name), name, rec, group, engine.size))
 
     def __getattr__(self, name: str) -> Any:
@@ -235,9 +235,9 @@ def recording(engine: Engine, path: str | None, limit: int) -> Engine:
 
 @contextmanager
 def watching(what: str, *args: Any) -> Iterator[None]:
-    """``watched.watching`` that the timeline also records, as one region on the communication stream: for
+    """``regions.watching`` that the timeline also records, as one region on the communication stream: for
     the engine calls unidist's engine wrapper does not see (DeepSpeed's and Horovod's gradient exchanges)."""
-    with watched.watching(what, *args), trace_hooks.region(what):
+    with regions.watching(what, *args), trace_hooks.region(what):
         yield
 
 

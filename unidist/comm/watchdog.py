@@ -7,7 +7,7 @@ its peers there for good. So every place unidist waits on peers is a watched reg
 daemon thread samples what the main thread waits in a few times per timeout. It re-arms Python's GIL-free
 ``faulthandler`` timer as a backstop for a main thread stuck in C while holding the GIL (it then dumps every
 thread's stack and exits 1; this takes over ``faulthandler.dump_traceback_later`` while a Manager runs), and
-leaves a heartbeat (time, what it does, and after a tab its position: watched.position) in a file of the job's
+leaves a heartbeat (time, what it does, and after a tab its position: regions.position) in a file of the job's
 directory on this host; on a job of several hosts it also serves that line on the liveness channel
 (liveness.py).
 
@@ -37,8 +37,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from unidist.comm import liveness, processes, stall, trace_hooks, watched
-from unidist.comm.watched import calls, describe_args, explaining, watch, watching
+from unidist.comm import liveness, processes, regions, stall, trace_hooks
+from unidist.comm.regions import calls, describe_args, explaining, watch, watching
 
 __all__ = ["DESYNC_EXIT_CODE", "LEAVING", "TIMEOUT_EXIT_CODE", "calls", "describe_args", "engine_timeout",
            "explaining", "start", "stop", "watch", "watching"]
@@ -81,7 +81,7 @@ class _Dog:
     def run(self) -> None:
         with processes.quiet():
             os.makedirs(self.dir, mode=0o700, exist_ok=True)  # the name is random per job
-        st = watched._state
+        st = regions._state
         while True:
             # the backstop: if this thread cannot run (the main thread holds the GIL inside a blocked C call,
             # as Horovod's enqueue does while its background thread waits for a stopped peer), Python's C-level
@@ -111,7 +111,7 @@ class _Dog:
         path = os.path.join(self.dir, str(self.rank))
         line = f"{time.time():.3f} {self.me} {self.host} {doing}"
         if self.stall:
-            line += "\t" + json.dumps(watched.position(), separators=(",", ":"))
+            line += "\t" + json.dumps(regions.position(), separators=(",", ":"))
         if self.beacon is not None:
             self.beacon.line = line
         with processes.quiet():
@@ -195,7 +195,7 @@ class _Dog:
         # positions written a period after a sample first found this wait (wall time: heartbeats carry it); a
         # live rank beats every period, and one written just around the wait's start may predate it
         seen, _, _ = self.survey(since=self.found_wall + self.period)
-        verdict = stall.classify(self.rank, self.size, watched.position(), seen)
+        verdict = stall.classify(self.rank, self.size, regions.position(), seen)
         if verdict.kind == "unknown":  # nothing seen since the wait began (a stopped rank not yet stale)
             return False
         if verdict.kind == "desync":
@@ -281,7 +281,7 @@ def _stamp(line: str) -> float:
 
 
 def _position(text: str) -> dict[str, Any] | None:
-    """A heartbeat's position (watched.position, as JSON), or None when it has none or is cut short."""
+    """A heartbeat's position (regions.position, as JSON), or None when it has none or is cut short."""
     try:
         got = json.loads(text) if text else None
     except ValueError:
@@ -314,22 +314,22 @@ def start(timeout: float, rank: int, size: int, job: str, abort: Callable[[int],
     UNIDIST_STALL_WARNING, the seconds of a wait before the inspector explains it (0: off)."""
     global _dog
     stop()
-    watched.reset(size)
+    regions.reset(size)
     _dog = _Dog(timeout, rank, size, job, abort, address, stall_warning)
-    watched.failure_hook = _dog.failed
+    regions.failure_hook = _dog.failed
     _dog.thread.start()
     if exchange is not None:
         table = exchange(_dog.endpoint())  # a watched call: a rank that never arrives is caught as any other
         here = processes.machine()
         _dog.far = [liveness.Endpoint(*e) for e in table if e is not None and e[2] != here]
-        watched.reset(size)  # every rank made the exchange: count from here, as a job of one host does
+        regions.reset(size)  # every rank made the exchange: count from here, as a job of one host does
 
 
 def stop() -> None:
     """Stop the watchdog and remove this rank's heartbeat (at shutdown)."""
     global _dog
     if _dog is not None:
-        watched.failure_hook = None
+        regions.failure_hook = None
         _dog.leave()
         _dog = None
 

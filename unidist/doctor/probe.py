@@ -63,7 +63,7 @@ def _cuda_aware(MPI: Any, lib: str) -> bool | None:
     """Whether the MPI library moves CUDA memory itself (None: cannot tell without starting MPI). MPICH aborts on
     MPIX_Query_cuda_support before MPI_Init, but names its configure options (``--with-cuda``) in its version
     string; Open MPI answers the query before MPI_Init."""
-    from unidist.managers.mpi import query_cuda_support
+    from unidist.engines.mpi.manager import query_cuda_support
 
     if MPI.Is_initialized() or lib.startswith("Open MPI"):
         return query_cuda_support(MPI)

@@ -31,7 +31,7 @@ from unidist.train.gradcore import Compression
 from unidist.train.options import SyncOptions
 from unidist.train.protocol import world_ranks
 from unidist.train.reducer import GradientReducer
-from unidist.train.window import WindowedOptimizer
+from unidist.train.step_window import WindowedOptimizer
 
 if TYPE_CHECKING:
     from unidist.train.protocol import Comm

@@ -26,6 +26,7 @@ from unidist.comm.group import Group
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train import offload
+from unidist.train.broadcast_state import broadcast_optimizer_state, broadcast_parameters
 from unidist.train.buffer_sync import BufferSync
 from unidist.train.data import Loader
 from unidist.train.ddp import DistributedOptimizer
@@ -34,7 +35,6 @@ from unidist.train.options import SyncOptions, TrainOptions
 from unidist.train.precision import LossScaler, Precision
 from unidist.train.preempt import Preemption
 from unidist.train.sampler import ShardSampler
-from unidist.train.state import broadcast_optimizer_state, broadcast_parameters
 from unidist.train.sync_batchnorm import convert_sync_batchnorm
 from unidist.train.zero import ZeroOptimizer
 

@@ -39,7 +39,7 @@ from unidist.ops import ReduceOp
 from unidist.train.gradcore import Compression, InOrder, pack
 from unidist.train.offload import wait_for_copies
 from unidist.train.options import SyncOptions
-from unidist.train.window import WindowedOptimizer
+from unidist.train.step_window import WindowedOptimizer
 from unidist.train.zero_fetch import Fetcher
 from unidist.train.zero_layout import ZeroLayout
 from unidist.train.zero_unit import Unit

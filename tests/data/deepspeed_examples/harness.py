@@ -45,7 +45,7 @@ def case_argv(script: str, case: str, passthrough: list[str]) -> list[str]:
 
 def skip_shm_comm_build() -> None:
     """Mark real DeepSpeed's CPU shared-memory comm op unavailable, as unidist's deepspeed manager does
-    (unidist/managers/deepspeed.py). deepspeed.init_distributed JIT-compiles it on first use (measured here: 74 s
+    (unidist/engines/deepspeed/manager.py). deepspeed.init_distributed JIT-compiles it on first use (measured here: 74 s
     on a clean extensions cache, as on every fresh CI machine), and only DeepSpeed's inference_all_reduce uses it
     (deepspeed/comm/torch.py build_shm_op / inference_all_reduce): training's collectives are torch.distributed's
     either way, so the script's math is unchanged."""

@@ -38,15 +38,7 @@ from unidist.compat.horovod.basics import (
     start_timeline,
     stop_timeline,
 )
-from unidist.compat.horovod.compression import Compression
-from unidist.compat.horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from unidist.compat.horovod.functions import (
-    allgather_object,
-    broadcast_object,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-)
-from unidist.compat.horovod.ops import (
+from unidist.compat.horovod.collectives import (
     Adasum,
     Average,
     Max,
@@ -79,6 +71,14 @@ from unidist.compat.horovod.ops import (
     reducescatter,
     reducescatter_async,
     synchronize,
+)
+from unidist.compat.horovod.compression import Compression
+from unidist.compat.horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from unidist.compat.horovod.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
 )
 from unidist.compat.horovod.optimizer import DistributedOptimizer
 from unidist.compat.horovod.process_sets import (

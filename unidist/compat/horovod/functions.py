@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from unidist.compat.horovod import ops
+from unidist.compat.horovod import collectives
 from unidist.compat.horovod.basics import manager
 from unidist.compat.horovod.process_sets import ProcessSet, global_process_set
 from unidist.errors import InvalidArgumentError
@@ -113,12 +113,12 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     name = type(obj).__name__ if name is None else name
     if manager().rank == root_rank:
         data = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
-        ops.broadcast_(torch.tensor([data.numel()], dtype=torch.int32), root_rank, name + ".sz", process_set)
+        collectives.broadcast_(torch.tensor([data.numel()], dtype=torch.int32), root_rank, name + ".sz", process_set)
     else:
         sz = torch.zeros(1, dtype=torch.int32)
-        ops.broadcast_(sz, root_rank, name + ".sz", process_set)
+        collectives.broadcast_(sz, root_rank, name + ".sz", process_set)
         data = torch.empty(int(sz.item()), dtype=torch.uint8)
-    ops.broadcast_(data, root_rank, name + ".t", process_set)
+    collectives.broadcast_(data, root_rank, name + ".t", process_set)
     if manager().rank == root_rank:
         return obj
     return pickle.loads(data.numpy().tobytes())  # peers of one job are trusted (README, Security)
@@ -128,8 +128,8 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     """Every rank's object, as a list indexed by rank (two allgathers: the sizes, then the bytes)."""
     name = type(obj).__name__ if name is None else name
     data = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
-    sizes = ops.allgather(torch.tensor([data.numel()], dtype=torch.int32), name=name + ".sz").tolist()
-    gathered = ops.allgather(data, name=name + ".t").numpy()
+    sizes = collectives.allgather(torch.tensor([data.numel()], dtype=torch.int32), name=name + ".sz").tolist()
+    gathered = collectives.allgather(data, name=name + ".t").numpy()
     out, start = [], 0
     for n in sizes:
         out.append(pickle.loads(gathered[start:start + n].tobytes()))  # trusted peers

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from unidist.compat.horovod import ops
+from unidist.compat.horovod import collectives
 from unidist.compat.horovod.basics import manager, size
 from unidist.compat.horovod.compression import Compression, Compressor
 from unidist.compat.horovod.exceptions import OptimizerProtocolError
@@ -61,7 +61,7 @@ class _Slot:
         """Wait for the reduction and write each parameter's (decompressed) result into its gradient."""
         if self.handle is None:
             return
-        out = ops.synchronize(self.handle)
+        out = collectives.synchronize(self.handle)
         self.handle = None
         if out is None:
             raise NotInitializedError("DistributedOptimizer: a gradient reduction was dropped mid-step (hvd.shutdown()"
@@ -188,14 +188,15 @@ class _HorovodOptimizer(torch.optim.Optimizer):
             slot.shapes.append(compressed.shape)
         name = self._hvd_names[id(slot.params[0])]
         if not slot.fused:  # Horovod's explicit groups: one grouped call, without the predivide split
-            slot.handle = ops.grouped_allreduce_async_(tensors, name=name, op=self.op, process_set=self.process_set)
+            slot.handle = collectives.grouped_allreduce_async_(tensors, name=name, op=self.op,
+                                                               process_set=self.process_set)
             return
         pre = post = 1.0
-        if self.op == ops.Average:  # the average split around the sum; the backend adds 1/size after it
+        if self.op == collectives.Average:  # the average split around the sum; the backend adds 1/size after it
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
-        slot.handle = ops.allreduce_async_(flat, name=name, op=self.op, prescale_factor=pre, postscale_factor=post,
-                                           process_set=self.process_set)
+        slot.handle = collectives.allreduce_async_(flat, name=name, op=self.op, prescale_factor=pre,
+                                                   postscale_factor=post, process_set=self.process_set)
 
     # ------------------------------------------------------------------ Horovod's optimizer protocol
     def synchronize(self) -> None:
@@ -262,7 +263,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802  (Horovod's name)
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          compression: type[Compressor] = Compression.none, backward_passes_per_step: int = 1,
-                         op: int = ops.Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         op: int = collectives.Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: int | list[list[torch.Tensor]] | None = None, sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """Horovod's distributed optimizer around ``optimizer`` (see the module docstring).
@@ -280,7 +281,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802  (Horov
         sparse_as_dense: reduce sparse gradients as dense ones (they are reduced dense in any case here).
         process_set: the ranks that average their gradients (default: all).
     """
-    if gradient_predivide_factor != 1.0 and op != ops.Average:
+    if gradient_predivide_factor != 1.0 and op != collectives.Average:
         raise InvalidArgumentError("gradient_predivide_factor not supported with op != Average")
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
@@ -301,10 +302,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802  (Horov
                     seen.add(id(p))
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step <= 0:
         raise InvalidArgumentError("backward_passes_per_step must be > 0")
-    if op not in (ops.Average, ops.Sum, ops.Adasum, ops.Min, ops.Max, ops.Product):
+    if op not in (collectives.Average, collectives.Sum, collectives.Adasum, collectives.Min, collectives.Max,
+                  collectives.Product):
         raise InvalidArgumentError(f"op={op!r} is not one of hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, "
                                    "hvd.Product")
-    if op == ops.Adasum and size() > 1:
+    if op == collectives.Adasum and size() > 1:
         from unidist.compat.horovod.adasum_optimizer import adasum_optimizer
 
         return adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, process_set)

@@ -4,21 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from unidist.registry import Backend, Launch, Strategy, register
+from unidist.engines.training import unidist_training
+from unidist.registry import Backend, Launch, register
 
 
 def _manager() -> type[Any]:
-    from unidist.managers.local import LocalManager
+    from unidist.engines.local.manager import LocalManager
 
     return LocalManager
-
-
-def unidist_training() -> Strategy:
-    """unidist's own training (DistributedOptimizer, ZeRO): the strategy of every backend without an engine
-    trainer of its own, and of backends registered outside unidist that name none."""
-    from unidist.train.trainer import Trainer
-
-    return Trainer
 
 
 BACKEND = register(Backend(

@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from unidist.backends.local import unidist_training
+from unidist.engines.training import unidist_training
 from unidist.launch import LAUNCHERS
 from unidist.registry import Backend, Launch, register
 
 
 def _manager() -> type[Any]:
-    from unidist.managers.mpi import MPIManager
+    from unidist.engines.mpi.manager import MPIManager
 
     return MPIManager
 

@@ -1,6 +1,6 @@
 """DeepSpeedManager: collectives through ``deepspeed.comm`` (a TorchEngine over it; only start-up differs).
 
-Training through ``deepspeed.initialize`` lives in unidist/train/deepspeed.py.
+Training through ``deepspeed.initialize`` lives in unidist/engines/deepspeed/trainer.py.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import logging
 from typing import Any
 
 from unidist.comm import watchdog
+from unidist.engines.torch.manager import TorchManager
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
-from unidist.managers.torch import TorchManager
 from unidist.registry import get
 
 __all__ = ["DeepSpeedManager"]

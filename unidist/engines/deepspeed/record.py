@@ -5,18 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from unidist.backends.torch import torch_like_calls, torch_like_mean
+from unidist.engines.torch.record import torch_like_calls, torch_like_mean
 from unidist.registry import Backend, Launch, Strategy, register
 
 
 def _manager() -> type[Any]:
-    from unidist.managers.deepspeed import DeepSpeedManager
+    from unidist.engines.deepspeed.manager import DeepSpeedManager
 
     return DeepSpeedManager
 
 
 def _strategy() -> Strategy:
-    from unidist.train.deepspeed import DeepSpeedTrainer
+    from unidist.engines.deepspeed.trainer import DeepSpeedTrainer
 
     return DeepSpeedTrainer
 
@@ -33,6 +33,21 @@ def _raw_grad_mean(mgr: Any) -> Callable[[Any], None]:
     return torch_like_mean(ds_comm, mgr.size)
 
 
+def _raw_engine(mgr: Any, model: Any, optimizer: Any, zero_stage: int, precision: str) -> Any:
+    """``deepspeed.initialize`` with exactly the config ``prepare`` would give DeepSpeed for this stage."""
+    import deepspeed
+
+    from unidist.config import Config
+    from unidist.engines.deepspeed.config import build
+    from unidist.train.options import TrainOptions
+
+    opts = TrainOptions.parse(Config(), zero_stage=zero_stage, clip_grad_norm=None, op="mean", compression=None,
+                              backward_passes_per_step=None, bucket_mb=None, group=None, deepspeed_config=None,
+                              precision=precision, unknown={})
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=build(opts, mgr.size, None))
+    return engine
+
+
 BACKEND = register(Backend(
     name="deepspeed",
     manager_name="DeepSpeedManager",
@@ -46,5 +61,6 @@ BACKEND = register(Backend(
     engine="deepspeed.comm",
     raw_calls=_raw_calls,
     raw_grad_mean=_raw_grad_mean,
+    raw_engine=_raw_engine,
     launches=(Launch("deepspeed", "deepspeed-{n}", (2,), cpu_env={"DS_ACCELERATOR": "cpu"}, bench="deepspeed"),),
 ))

@@ -13,13 +13,13 @@ from unidist.registry import Backend, Launch, Strategy, register
 
 
 def _manager() -> type[Any]:
-    from unidist.managers.horovod import HorovodManager
+    from unidist.engines.horovod.manager import HorovodManager
 
     return HorovodManager
 
 
 def _strategy() -> Strategy:
-    from unidist.train.horovod import HorovodTrainer
+    from unidist.engines.horovod.trainer import HorovodTrainer
 
     return HorovodTrainer
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from unidist.backends.local import unidist_training
+from unidist.engines.training import unidist_training
 from unidist.registry import Backend, Launch, register
 
 
 def _manager() -> type[Any]:
-    from unidist.managers.torch import TorchManager
+    from unidist.engines.torch.manager import TorchManager
 
     return TorchManager
 

@@ -18,11 +18,11 @@ import torch
 
 from unidist.comm.engine import Engine
 from unidist.comm.work import DONE, EngineWork, Work
+from unidist.engines.mpi import shm as mpi_shm
+from unidist.engines.mpi.checks import MessageGuard
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.launch import family
-from unidist.managers import mpi_shm
 from unidist.managers.base import Manager
-from unidist.managers.mpi_checks import MessageGuard
 from unidist.ops import ReduceOp
 from unidist.registry import for_launcher, get
 

@@ -1,5 +1,5 @@
 """DeepSpeed's own training behind ``prepare``: ``deepspeed.initialize`` from a config unidist generates
-(unidist/train/ds_config.py: the engine defaults that change the math pinned, the user's config checked).
+(unidist/engines/deepspeed/config.py: the engine defaults that change the math pinned, the user's config checked).
 
 The engine's adapter lives here: the optimizer view, precision, accumulation, memory accounting and consolidated
 optimizer state; beside it, each with one job, ``ds_config.py`` (the config), ``ds_scaler.py`` (fp16's agreed
@@ -16,11 +16,13 @@ import torch
 
 from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.comm import timeline
+from unidist.engines.deepspeed import config as ds_config
+from unidist.engines.deepspeed import reducer as ds_reducer
+from unidist.engines.deepspeed.layout import DeepSpeedLayout
+from unidist.engines.deepspeed.scaler import AgreedGradScaler
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
-from unidist.train import ds_config, ds_reducer, offload
-from unidist.train.ds_layout import DeepSpeedLayout
-from unidist.train.ds_scaler import AgreedGradScaler
+from unidist.train import offload
 from unidist.train.memory import optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import TrainOptions, one_way_to_accumulate
 from unidist.train.precision import Precision, cast_floats

@@ -18,9 +18,11 @@ from unidist.comm import watchdog
 from unidist.comm.engine import Engine, SortedOrder
 from unidist.comm.mismatch import Framing, Verdicts
 from unidist.comm.work import EngineWork, Work
+from unidist.engines.horovod import gloo as horovod_gloo
+from unidist.engines.mpi import shm as mpi_shm
 from unidist.errors import BackendUnavailableError, LaunchEnvironmentError
 from unidist.launch import slurm_step_hosts
-from unidist.managers import horovod_gloo, mpi_shm, stores
+from unidist.managers import stores
 from unidist.managers.base import Manager
 from unidist.net import listener, rendezvous_address
 from unidist.ops import ReduceOp

@@ -1,0 +1,1 @@
+"""One process, no launcher (``python script.py``): its record and Manager."""

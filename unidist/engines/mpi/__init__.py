@@ -1,0 +1,2 @@
+"""mpi4py: its record, the MPI Engine and Manager, the message guard and MPICH's shared-memory sweep (which
+Horovod on MPICH uses too)."""

@@ -1,0 +1,1 @@
+"""Torch.distributed (gloo, NCCL): its record, Engine and Manager."""
