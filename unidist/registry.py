@@ -3,10 +3,11 @@
 A record says everything the rest of the code needs to know about a backend: the Manager class and the
 training strategy behind ``prepare`` (both handed over as calls that import them when called, so that
 ``import unidist`` imports no engine), the packages it needs and how to install them, the launcher family that
-starts it and the ones that imply it, the engine's own calls the benchmarks compare with, and the launches the
-tests use. The selector, ``unidist launch``, ``unidist info``, the benchmarks and the multi-process tests read
-it. unidist's own five records live in ``unidist/engines/``; a backend written outside the package registers
-with one call, :func:`register`, and is then chosen with ``UNIDIST_BACKEND``.
+starts it and the ones that imply it, the engine's own calls the benchmarks compare with, the algorithms the cost
+model assumes for it, and the launches the tests use. The selector, ``unidist launch``, ``unidist info``, the
+benchmarks, the cost model and the multi-process tests read it, and keep no table of their own. unidist's own
+five records live in ``unidist/engines/``; a backend written outside the package registers with one call,
+:func:`register`, and is then chosen with ``UNIDIST_BACKEND``.
 
 This module sits low (it imports only errors and launch): the managers read their record from here, and
 the records point up at the managers through their calls, never the other way round.
@@ -17,22 +18,14 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from unidist.errors import ConfigError
 from unidist.launch import LAUNCHERS, NO_LAUNCHER, family, find_program
+from unidist.strategy import Strategy
 
 __all__ = ["ENTRY_POINTS", "Backend", "Launch", "Strategy", "first_launchable", "for_launcher", "get", "names",
            "records", "register", "unregister"]
-
-
-class Strategy(Protocol):
-    """The training layer behind a Manager's ``prepare``, ``backward``, checkpoints and friends: made with
-    the started Manager (``Strategy(mgr)``); ``latest_checkpoint`` needs no Manager."""
-
-    def __call__(self, manager: Any) -> Any: ...
-
-    def latest_checkpoint(self, directory: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -84,6 +77,27 @@ class Backend:
         raw_engine: the engine's own training engine (the benchmarks' raw training column): given a started
             Manager, a model, its optimizer, a ZeRO stage and a precision mode, an object that is called as the
             model is and has ``backward(loss)`` and ``step()``, made with the config ``prepare`` would use.
+        raw_p2p: given a started Manager, the engine's own blocking send and recv on the world, each called with
+            a tensor and the peer's rank (the benchmarks' point-to-point column): ``{"engine": (send, recv),
+            "engine+guard": (send, recv)}``, the second with the size guard unidist adds (MPI: the receive
+            status's count; gloo: a header frame). None: no calls of its own to compare with.
+        raw_optimizer: the engine's own data parallelism as its examples write it (``bench train``'s column
+            named after the backend): given a started Manager, a model and its optimizer, makes the model's state
+            equal on every rank and returns an optimizer whose ``step()`` averages the gradients first (Horovod:
+            ``hvd.broadcast_parameters`` and ``hvd.DistributedOptimizer``). None: the engine has none.
+        raw_engine_column: what ``bench step`` calls the columns of ``raw_engine`` (``"ds"``: ``ds-z2``); no
+            ``-`` in it.
+        engine_reducer: what ``prepare(reducer='engine')`` averages the gradients with, named as the benchmarks
+            print it (``"hvd.DistributedOptimizer"``); None (the default): the engine has no reducer of its own,
+            prepare's reducer is unidist's, and ``bench gradsync`` compares nothing more.
+        algorithms: the collective library whose documented algorithm choices run underneath, by the launcher
+            family that starts it (``"*"``: any other), for the cost model (``unidist.bench.costmodel.KNOWN``:
+            ``"mpich"`` or ``"gloo"``). Empty (the default): not documented; the cost model refuses to model the
+            engine as if it were another, and models it only on request with the fastest formula at each size.
+        distributions: installed distributions beyond ``requires`` whose versions ``unidist info`` reports (the
+            ``mpich`` wheel that provides mpiexec).
+        env_prefixes: the prefixes of the variables the engine reads (``"NCCL_"``): ``unidist launch`` carries them
+            to the processes it starts on other hosts over ssh (a launcher started per host gets no environment).
         launches: how the tests start it; the first one is its main launch.
     """
 
@@ -100,6 +114,13 @@ class Backend:
     raw_calls: Callable[[Any], Mapping[str, Callable[[Any], Callable[[], Any]]]] | None = None
     raw_grad_mean: Callable[[Any], Callable[[Any], Any]] | None = None
     raw_engine: Callable[[Any, Any, Any, int, str], Any] | None = None
+    raw_p2p: Callable[[Any], Mapping[str, tuple[Callable[[Any, int], Any], Callable[[Any, int], Any]]]] | None = None
+    raw_optimizer: Callable[[Any, Any, Any], Any] | None = None
+    raw_engine_column: str = "engine"
+    engine_reducer: str | None = None
+    algorithms: Mapping[str, str] = field(default_factory=dict)
+    distributions: tuple[str, ...] = ()
+    env_prefixes: tuple[str, ...] = ()
     launches: tuple[Launch, ...] = ()
 
     def missing(self) -> list[str]:
@@ -131,10 +152,13 @@ def register(backend: Backend, *, replace: bool = False) -> Backend:
                           "replace=True to replace it")
     known = {fam.name for fam in LAUNCHERS} | {NO_LAUNCHER}
     for fam in (*backend.implied_by, *([backend.launcher] if backend.launcher else []),
-                *(lch.launcher for lch in backend.launches)):
+                *(lch.launcher for lch in backend.launches), *(f for f in backend.algorithms if f != "*")):
         if fam not in known:
             raise ConfigError(f"backend {name!r} names launcher family {fam!r}, which unidist.launch does not "
                               f"know; use one of {', '.join(sorted(known))}")
+    if not backend.raw_engine_column or "-" in backend.raw_engine_column:
+        raise ConfigError(f"backend {name!r}: raw_engine_column {backend.raw_engine_column!r} must be a non-empty "
+                          "word without '-' (bench step names its columns '<it>-z<stage>')")
     for fam in backend.implied_by:
         other = next((b.name for b in _TABLE.values() if fam in b.implied_by and b.name != name), None)
         if other is not None:

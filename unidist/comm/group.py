@@ -36,6 +36,15 @@ class Group(Communicator):
         self._enable_fast_path()
 
     @property
+    def owner(self) -> Any:
+        """The Manager that made this group (its config, device and lifetime are the Manager's)."""
+        return self._owner
+
+    def close(self) -> None:
+        """Called by its Manager at shutdown: later calls leave the fast path and find the Manager stopped."""
+        self._disable_fast_path()
+
+    @property
     def ranks(self) -> tuple[int, ...]:
         """The members' world ranks, in group order."""
         return self._ranks

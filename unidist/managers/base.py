@@ -1,4 +1,5 @@
-"""Manager: one distributed run of one engine — lifecycle, topology, groups, and the training entry points.
+"""Manager: one distributed run of one engine — lifecycle, topology, groups; the training entry points are
+training.py's, inherited.
 
 The Manager is the world's Communicator (``unidist.comm``: every collective, written once) over the Engine its
 backend makes when it starts; managers/<engine>.py has each backend's engine and start-up/shutdown. Training
@@ -15,10 +16,9 @@ import os
 import sys
 import traceback
 import weakref
-from collections.abc import Iterable, Mapping, Sequence, Sized
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, Literal, overload
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -30,9 +30,10 @@ from unidist.comm.work import DONE, EngineWork, Handle, Work
 from unidist.config import Config
 from unidist.errors import CollectiveMismatchError, ConfigError, InvalidArgumentError, NotInitializedError, UnidistError
 from unidist.launch import LaunchInfo, detect
+from unidist.managers.training import TrainingEntryPoints
 from unidist.net import host_address, local_only_env
-from unidist.ops import ReduceOp
-from unidist.registry import Strategy, get
+from unidist.registry import get
+from unidist.strategy import Strategy, TrainingStrategy
 from unidist.tree import to_device
 
 __all__ = ["DONE", "EngineWork", "Group", "Handle", "Manager", "Work", "get_manager"]
@@ -48,7 +49,7 @@ def get_manager() -> Manager:
     return _active
 
 
-class Manager(Communicator):
+class Manager(TrainingEntryPoints, Communicator):
     """One distributed run. ``with Manager() as mgr:`` starts the engine and always shuts it down; in between
     the Manager is the world's communicator over that engine."""
 
@@ -70,7 +71,7 @@ class Manager(Communicator):
         self._device = torch.device("cpu")
         self._saved_env: dict[str, str | None] = {}
         self._failing = False  # set by __exit__ when an exception is leaving the with block
-        self._trainer: Any = None
+        self._trainer: TrainingStrategy | None = None
         self._preemption: Any = None  # mgr.preemption()'s object: its signal handlers are undone at shutdown
         self._made_groups: weakref.WeakSet[Group] = weakref.WeakSet()  # disabled at shutdown
         self._init_collectives()
@@ -123,8 +124,10 @@ class Manager(Communicator):
             return
         refused = None
         try:
+            # the training layer's own leaving (a background save nobody waited for); optional, so a strategy
+            # written outside unidist needs none
             close = getattr(self._trainer, "close", None)
-            if callable(close):  # the training layer's own leaving (a background save nobody waited for)
+            if callable(close):
                 close(failing=self._failing)
             if not self._failing and self._size > 1:
                 # ranks leave together; one leaving while a peer still waits in a collective is caught here,
@@ -143,7 +146,7 @@ class Manager(Communicator):
             self._started = False
             self._disable_fast_path()
             for group in list(self._made_groups):  # their fast path skips the started check too
-                group._disable_fast_path()
+                group.close()
             self._made_groups.clear()
             if _active is self:
                 _active = None
@@ -249,6 +252,20 @@ class Manager(Communicator):
         self._need_started()
         return self._device
 
+    @property
+    def engine_api(self) -> Any:
+        """The engine's own Python API (the ``deepspeed`` module, ``horovod.torch``) for code built on the engine,
+        such as its trainer; None where the backend has none (local, mpi, torch: unidist trains)."""
+        return None
+
+    def check_root(self, root: int) -> int:
+        """``root`` as a rank of this run; an InvalidArgumentError naming the valid range otherwise.
+
+        Args:
+            root: a world rank.
+        """
+        return self._check_root(root)
+
     def to_device(self, batch: Any, non_blocking: bool | None = None) -> Any:
         """``batch`` with every tensor on ``device``: tensors in dicts, lists, tuples, namedtuples, dataclasses and
         ``ModelOutput``-like mappings, each container keeping its type (other objects come back unchanged).
@@ -329,244 +346,13 @@ class Manager(Communicator):
         self._made_groups.update(g for g in out if g is not None)
         return out
 
-    # ----------------------------------------------------------------- training entry points
-    # Thin calls into the training layer: the strategy this Manager was handed when made, never imported here.
-    def _training(self) -> Any:
+    # ----------------------------------------------------------------- the training strategy
+    def _training(self) -> TrainingStrategy:
         """This backend's trainer (its strategy made over this Manager), made on first use."""
         if self._trainer is None:
             self._need_started()
             self._trainer = self._strategy(self)
         return self._trainer
-
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
-                zero_stage: int | None = None, clip_grad_norm: float | None = None, op: ReduceOp | str = "mean",
-                compression: str | None = None, backward_passes_per_step: int | None = None,
-                bucket_mb: float | None = None, group: Group | None = None,
-                deepspeed_config: Mapping[str, Any] | str | None = None, precision: str | None = None,
-                loss_scaling: Mapping[str, Any] | None = None, reducer: str = "auto", sync_batchnorm: bool = False,
-                offload: str | None = None, **unknown: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """Make ``model`` and ``optimizer`` data parallel; then ``mgr.backward(loss); opt.step();
-        opt.zero_grad()`` is the whole loop, the same on every backend.
-
-        The model moves to ``device`` with rank 0's parameters, the optimizer gets rank 0's state, and
-        gradients are averaged, so N ranks on B/N rows each train exactly like one process on B rows. The
-        returned optimizer is a ``torch.optim.Optimizer`` (LR schedulers, ``param_groups``, ``state_dict``).
-        Every argument is checked before anything changes.
-
-        Args:
-            model: the user's module. ``mgr.unwrap(returned_model)`` gives it back on every backend.
-            optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
-            zero_stage: 0-3 (default ``UNIDIST_ZERO_STAGE``): 1 shards optimizer state, 2 also gradients,
-                3 also parameters; DeepSpeed's own ZeRO on the deepspeed backend, unidist's elsewhere.
-            clip_grad_norm: clip the averaged gradient to this global L2 norm, as
-                ``torch.nn.utils.clip_grad_norm_`` on one process would; None (default) never clips, on every
-                backend (DeepSpeed's own default of 1.0 is switched off).
-            op: ``"mean"`` (default) or ``"sum"`` of the ranks' gradients (DeepSpeed only averages).
-            compression: ``"none"``, ``"fp16"`` or ``"bf16"`` wire dtype for gradients (default
-                ``UNIDIST_COMPRESSION``).
-            backward_passes_per_step: k (default 1, or the DeepSpeed config's gradient_accumulation_steps):
-                ``step()``/``zero_grad()`` act on every k-th call and ``backward`` divides the loss by k, so k
-                passes make one k-times larger batch.
-            bucket_mb: gradient fusion bucket size in MiB (default ``UNIDIST_BUCKET_MB``).
-            group: data parallel over this Group only (parameters from its rank 0, gradients averaged within
-                it); None is the whole world.
-            deepspeed_config: a DeepSpeed config (dict or JSON path) merged over the generated one; the
-                deepspeed backend only (default ``UNIDIST_DEEPSPEED_CONFIG``). A setting it shares with an
-                argument above (ZeRO stage, clipping, precision, accumulation) must agree with it.
-            precision: ``"32"`` (default ``UNIDIST_PRECISION``), ``"bf16-mixed"`` or ``"fp16-mixed"`` (autocast
-                forward, float32 parameters and optimizer state; fp16 adds dynamic loss scaling: a step with
-                inf/nan gradients is skipped on every rank, see ``opt.last_step_skipped`` and ``opt.loss_scale``)
-                or ``"bf16-true"`` (a bfloat16 model). Outputs come back as float32.
-            loss_scaling: fp16's dynamic loss scaling, with ``torch.amp.GradScaler``'s parameters and defaults:
-                ``{"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}``,
-                and DeepSpeed's (``dynamic``, ``hysteresis``, ``consecutive_hysteresis``, ``min_scale``,
-                ``growth_rule``, ``raise_at_min_scale``: ``unidist.train.precision.ScalerOptions``).
-            reducer: who averages the gradients where the engine has a reducer of its own: ``"engine"``
-                (DeepSpeed's engine, ``hvd.DistributedOptimizer``), ``"unidist"`` (unidist's fusion buckets over
-                the engine's collectives; the engine's optimizer step, clipping and loss scaling unchanged) or
-                ``"auto"`` (default: unidist's where it was measured faster and keeps the engine's math, see
-                ``unidist.train.reducer``). The mpi, torch and local backends always use unidist's.
-            sync_batchnorm: replace every BatchNorm of the model with one that normalises by the statistics of the
-                whole batch across the data-parallel ranks (``unidist.train.sync_batchnorm``; CPU and GPU, every
-                backend), so N ranks train like one process on B rows with BatchNorm too. Default False: each rank's
-                own rows, as DDP without ``convert_sync_batchnorm``. Either way every rank holds rank 0's buffers
-                (running statistics) after every optimizer step.
-            offload: ``"cpu"`` keeps the optimizer state (ZeRO's shards, their gradients, and at stage 3 the parameter
-                shards between uses) in pinned host memory and steps it there (``unidist.train.offload``; DeepSpeed's
-                ``offload_optimizer``/``offload_param`` on the deepspeed backend): device memory for host memory and
-                copies, the same training. Needs ``zero_stage`` 1-3; a no-op, said once, where the device is the CPU.
-                Default None.
-        """
-        return self._training().prepare(  # type: ignore[no-any-return]
-            model, optimizer, zero_stage=zero_stage, clip_grad_norm=clip_grad_norm, op=op, compression=compression,
-            backward_passes_per_step=backward_passes_per_step, bucket_mb=bucket_mb, group=group,
-            deepspeed_config=deepspeed_config, precision=precision, loss_scaling=loss_scaling, reducer=reducer,
-            sync_batchnorm=sync_batchnorm, offload=offload, unknown=unknown)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` for the prepared model (divided by ``backward_passes_per_step``; on DeepSpeed
-        ``engine.backward``)."""
-        self._training().backward(loss)
-
-    def accumulate(self, model: torch.nn.Module) -> Any:
-        """A block for one optimizer step's micro-batches: the backward passes inside add their gradients
-        locally and communicate nothing (on ZeRO-3 the parameters stay gathered for the block, so the forwards do
-        not fetch them either); leaving the block reduces everything once; then ``opt.step(); opt.zero_grad()``.
-        Gradients add up as with plain ``loss.backward()``: divide each micro-batch's loss by their number for a
-        mean. The form of DDP's ``no_sync`` and Accelerate's ``accumulate``, on every backend
-        (``backward_passes_per_step`` is the other form; use one of them).
-
-        Args:
-            model: what ``prepare`` returned.
-        """
-        return self._training().accumulate(model)
-
-    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The user's module behind what ``prepare`` returned (a DeepSpeed engine's ``module``)."""
-        return self._training().unwrap(model)  # type: ignore[no-any-return]
-
-    def distributed_optimizer(self, optimizer: torch.optim.Optimizer,
-                              named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
-                              op: ReduceOp | str = ReduceOp.MEAN, compression: str | None = None,
-                              backward_passes_per_step: int = 1, bucket_mb: float | None = None,
-                              clip_grad_norm: float | None = None) -> torch.optim.Optimizer:
-        """Gradient averaging around ``optimizer`` (unidist's DistributedOptimizer; Horovod's on horovod).
-
-        Args: as ``prepare``; ``named_parameters`` (optional) checks that every optimized parameter is known.
-        """
-        return self._training().distributed_optimizer(  # type: ignore[no-any-return]
-            optimizer, named_parameters, op=op, compression=compression,
-            backward_passes_per_step=backward_passes_per_step, bucket_mb=bucket_mb, clip_grad_norm=clip_grad_norm)
-
-    def broadcast_parameters(self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]
-                             | Iterable[tuple[str, torch.Tensor]], root: int = 0) -> None:
-        """Root's parameters and buffers, in place, everywhere (a module, a state dict or named tensors)."""
-        self._training().broadcast_parameters(model_or_state, root)
-
-    def broadcast_optimizer_state(self, optimizer: Any, root: int = 0) -> None:
-        """Root's optimizer state (tensors and Python scalars such as Adam's step) loaded everywhere."""
-        self._training().broadcast_optimizer_state(optimizer, root)
-
-    def gathered_parameters(self, module: torch.nn.Module) -> Any:
-        """Context manager with the module's full parameters inside (ZeRO stage 3 partitions them)."""
-        return self._training().gathered_parameters(module)
-
-    def memory_stats(self) -> dict[str, int]:
-        """This rank's bytes for the prepared model: ``param_bytes``, ``grad_bytes`` (gradients and the
-        buffers that keep them between steps), ``optimizer_bytes`` (optimizer state, with DeepSpeed's fp32
-        master partitions) and ``peak_bytes`` (the process: CUDA peak allocation, or peak RSS on CPU)."""
-        return self._training().memory_stats()  # type: ignore[no-any-return]
-
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The prepared model's state dict as one process would hold it, on every rank (ZeRO gathered).
-
-        Args:
-            model: what ``prepare`` returned (or the user's module behind it).
-        """
-        return self._training().full_state_dict(model)  # type: ignore[no-any-return]
-
-    def full_optimizer_state_dict(self, optimizer: Any) -> dict[str, Any]:
-        """The prepared optimizer's state dict as one process would hold it (every parameter's state, indexed
-        as in the user's optimizer), on every rank; a collective under ZeRO.
-
-        Args:
-            optimizer: what ``prepare`` returned.
-        """
-        return self._training().full_optimizer_state_dict(optimizer)  # type: ignore[no-any-return]
-
-    # ----------------------------------------------------------------- checkpoints (unidist.checkpoint)
-    @overload
-    def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: Literal[True] = True, **extra: Any) -> Path: ...
-
-    @overload
-    def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: Literal[False], **extra: Any) -> Any: ...
-
-    @overload
-    def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: bool, **extra: Any) -> Any: ...
-
-    def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: bool = True, **extra: Any) -> Any:
-        """Save model (and optimizer) state to the directory ``path``, atomically; every rank calls it.
-
-        The format depends on neither the backend, nor the world size, nor the ZeRO stage: each rank writes
-        the slices it owns, rank 0 the manifest, and the directory appears complete or not at all.
-
-        ``blocking=False`` returns once this rank's state is copied to host memory (a snapshot: training may
-        change the parameters at once), and a background thread writes this rank's files; ``handle.wait()``
-        publishes the checkpoint and returns its path. The thread runs no collective (one beside the training
-        thread's collectives on the same communicator would deadlock or mismatch), so the cross-rank end (all
-        shards written, the manifest, the atomic rename) runs in ``wait()``, which **every rank must call**, or
-        which the next ``save_checkpoint``/``load_checkpoint`` and the ``with`` block's exit run for you. A
-        second save while one is in flight first waits for it (one in flight, as torch.distributed.checkpoint's
-        ``async_save``). Until it is published, ``latest_checkpoint`` returns the previous checkpoint, and a
-        crash leaves that one loadable.
-
-        Args:
-            path: the checkpoint directory (an existing checkpoint there is replaced only once the new one
-                is complete).
-            model: what ``prepare`` returned. optimizer: what ``prepare`` returned, or None for weights only.
-            keep: keep only the newest ``keep`` checkpoints in ``path``'s parent directory (None: keep all).
-            blocking: True (default): return the path once published. False: return a ``SaveHandle``
-                (unidist.checkpoint.background; typed ``Any`` here, as managers/ imports no layer above it;
-                ``wait()`` -> path, raising the writer's error as a CheckpointError on every rank; ``done()``:
-                this rank's files are written).
-            extra: anything else to restore (step counters, ``scheduler.state_dict()``): tensors, numbers,
-                strings, lists and dicts, as ``torch.load(weights_only=True)`` accepts.
-        """
-        return self._training().save_checkpoint(  # type: ignore[no-any-return]
-            path, model, optimizer, keep=keep, extra=extra, blocking=blocking)
-
-    def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
-                        ) -> dict[str, Any]:
-        """Load a checkpoint saved by any backend, world size and ZeRO stage into the prepared model (and
-        optimizer), and return its ``extra``. Every rank checks the whole checkpoint first: a mismatch is a
-        CheckpointMismatchError naming the first differing parameter, a damaged file a CheckpointCorruptError
-        naming it, and then nothing was modified on any rank.
-
-        Args:
-            path: a checkpoint directory (``latest_checkpoint(dir)`` finds the newest).
-            model: what ``prepare`` returned.
-            optimizer: what ``prepare`` returned, or None for the weights only.
-        """
-        return self._training().load_checkpoint(path, model, optimizer)  # type: ignore[no-any-return]
-
-    def latest_checkpoint(self, directory: str | os.PathLike[str]) -> Path | None:
-        """The newest complete checkpoint directly inside ``directory``, or None (no collective).
-
-        Args:
-            directory: where ``save_checkpoint`` wrote checkpoint directories.
-        """
-        latest: Path | None = self._strategy.latest_checkpoint(directory)
-        return latest
-
-    def preemption(self, signals: Iterable[str | int] = ("SIGUSR1", "SIGTERM"), every: int = 1,
-                   grace: float | None = None) -> Any:
-        """Catch the signals a scheduler sends before it ends the job (Slurm: SIGUSR1 ahead of the time limit with
-        ``sbatch --signal=USR1@SECONDS``, SIGTERM on preemption and ``scancel``), so the loop saves a checkpoint on
-        every rank and leaves cleanly: ``if stop.requested(): save; break``. The handlers only note the signal;
-        ``stop.requested()`` is a collective that is True on every rank at the same call once any rank got one.
-        Main thread only; undone at shutdown. A signal ``requested()`` has not reported within ``grace`` seconds
-        is raised again with its previous handler (SIGTERM's default ends the process). See unidist.train.preempt.
-
-        Args:
-            signals: names (``"SIGUSR1"``), numbers or ``signal.Signals`` members.
-            every: ``requested()`` communicates (one int, a MAX allreduce) on every ``every``-th call only.
-            grace: seconds, or ``math.inf`` for never; default ``UNIDIST_TIMEOUT``.
-
-        Returns:
-            a ``Preemption``: ``requested()``, ``signal``, ``received_at``, ``requeue()``, ``close()`` (typed
-            ``Any`` here: managers/ imports no layer above it).
-        """
-        stop = self._training().preemption(signals, every=every, grace=grace)
-        self._preemption = stop
-        return stop
-
-    def shard(self, data: Sized | int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> Any:
-        """A sampler giving this rank its disjoint share, reshuffled by ``set_epoch`` (same on every rank)."""
-        return self._training().shard(data, shuffle=shuffle, seed=seed, drop_last=drop_last)
 
 
 def _rank_list(ranks: Sequence[int], size: int) -> list[int]:

@@ -131,6 +131,10 @@ class WindowedOptimizer(OptimizerView):
             return
         self._clear_grads(set_to_none)
 
+    def attach_hooks(self, hooks: list[Any]) -> None:
+        """Hooks ``remove_hooks()`` detaches too (the precision's forward hooks on the user's module)."""
+        self._hooks += hooks
+
     def remove_hooks(self) -> None:
         """Detach the gradient (and module) hooks: the optimizer stops reducing anything."""
         for h in self._hooks:

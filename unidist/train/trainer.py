@@ -30,6 +30,7 @@ from unidist.train.broadcast_state import broadcast_optimizer_state, broadcast_p
 from unidist.train.buffer_sync import BufferSync
 from unidist.train.data import Loader
 from unidist.train.ddp import DistributedOptimizer
+from unidist.train.host import TrainingHost
 from unidist.train.memory import MemoryStats, optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import SyncOptions, TrainOptions
 from unidist.train.precision import LossScaler, Precision
@@ -49,7 +50,7 @@ ENGINE_OPTIONS: Mapping[str, str] = {"deepspeed_config": "deepspeed"}
 class Trainer:
     """unidist's own data-parallel training over a Manager (or one of its Groups)."""
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, manager: TrainingHost) -> None:
         self.mgr = manager
         self.prepared: Any = None  # the optimizer prepare returned last
         self.model: torch.nn.Module | None = None  # the user's module prepare saw last
@@ -73,7 +74,7 @@ class Trainer:
                     f"prepare({name}=...) is understood by the {backend} backend only, and this run uses "
                     f"{self.mgr.name}; pass it only when mgr.backend == {backend!r}"
                 )
-        if opts.group is not None and not (isinstance(opts.group, Group) and opts.group._owner is self.mgr):
+        if opts.group is not None and not (isinstance(opts.group, Group) and opts.group.owner is self.mgr):
             raise InvalidArgumentError(f"prepare(group=...) takes a Group made by this Manager's new_group() or "
                                        f"split(), got {opts.group!r}")
         if self.unwrap(model) in self.prepared_for:
@@ -136,7 +137,7 @@ class Trainer:
         else:
             wrapped = DistributedOptimizer(comm, optimizer, model.named_parameters(), opts.sync)
         wrapped.scaler = self._scaler(opts)
-        wrapped._hooks += hooks  # remove_hooks() detaches them too
+        wrapped.attach_hooks(hooks)
         self.prepared = wrapped
         self.prepared_for[model] = wrapped
         return model, wrapped
@@ -311,10 +312,10 @@ class Trainer:
         return DistributedOptimizer(self.mgr, optimizer, named_parameters, sync)
 
     def broadcast_parameters(self, model_or_state: Any, root: int = 0) -> None:
-        broadcast_parameters(self.mgr, model_or_state, self.mgr._check_root(root))
+        broadcast_parameters(self.mgr, model_or_state, self.mgr.check_root(root))
 
     def broadcast_optimizer_state(self, optimizer: Any, root: int = 0) -> None:
-        broadcast_optimizer_state(self.mgr, optimizer, self.mgr._check_root(root))
+        broadcast_optimizer_state(self.mgr, optimizer, self.mgr.check_root(root))
 
     def preemption(self, signals: Iterable[str | int], *, every: int, grace: float | None) -> Preemption:
         """``Manager.preemption``: the handlers installed (unidist/train/preempt.py)."""

@@ -33,6 +33,11 @@ class DeepSpeedManager(TorchManager):
         self._deepspeed = deepspeed
         return ds_comm
 
+    @property
+    def engine_api(self) -> Any:
+        """The ``deepspeed`` module this run imported (its trainer calls ``deepspeed.initialize``)."""
+        return self._deepspeed
+
     def _refuse_shared_gpu(self) -> None:
         """DeepSpeed's engine reduces its gradients and ZeRO partitions with NCCL on a GPU (reduce-scatter included,
         which gloo cannot do on CUDA tensors): ranks sharing a GPU cannot run it. Said before any rendezvous, rather

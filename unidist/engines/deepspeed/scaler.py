@@ -87,6 +87,10 @@ class AgreedGradScaler(torch.amp.GradScaler):
     def begin_step(self) -> None:
         self._in_step, self._found = True, False
 
+    def abandon_step(self) -> None:
+        """The engine's step raised: it moved no scale, and ``update()`` is GradScaler's again."""
+        self._in_step = False
+
     def end_step(self, engine_skipped: bool) -> None:
         """After the engine's optimizer step: one update of the scale, with inf if this scaler or the engine
         found one (every rank alike: both decisions are agreed)."""

@@ -51,6 +51,10 @@ class EngineOptimizer(OptimizerView):
         self.reducer: GradientReducer | None = None
         self._synced = False
 
+    def attach_hooks(self, hooks: list[Any]) -> None:
+        """Hooks this optimizer's ``remove_hooks()`` detaches too (the precision's, the stage-0 reducer's)."""
+        self._hooks += hooks
+
     def remove_hooks(self) -> None:
         """Detach the precision's forward hooks from the user's module (the engine itself keeps running)."""
         for h in self._hooks:
@@ -123,7 +127,7 @@ class EngineOptimizer(OptimizerView):
                 self.engine.step()
         except BaseException:
             if scaler is not None:
-                scaler._in_step = False  # a failed step moves no scale; update() is GradScaler's again
+                scaler.abandon_step()
             raise
         if scaler is not None:
             zero = self.zero_optimizer
@@ -242,18 +246,18 @@ class DeepSpeedTrainer(Trainer):
             hooks.append(model.register_forward_hook(_outputs_float32))
         _reset_autocast_state()
         # The user's RNG stream stays as it was (dropout masks must not depend on the backend).
-        devices = [self.mgr._device] if self.mgr._device.type == "cuda" else []
+        devices = [self.mgr.device] if self.mgr.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), timeline.watching("deepspeed.initialize"):
-            engine, _, _, _ = self.mgr._deepspeed.initialize(
+            engine, _, _, _ = self.mgr.engine_api.initialize(
                 model=model, optimizer=optimizer, config=config,
                 model_parameters=None if optimizer is not None else model.parameters())
         engine.__class__ = _module_keys(type(engine))
         self.engine = engine
         self.prepared = EngineOptimizer(engine, optimizer, self.full_groups, self.mgr)
-        self.prepared._hooks += hooks
+        self.prepared.attach_hooks(hooks)
         if ds_reducer.wanted(opts, config, stage, user_config=self.mgr.config.deepspeed_config):
             self.prepared.reducer = ds_reducer.install(engine, self.mgr, opts.bucket_mb * 2**20)
-            self.prepared._hooks += self.prepared.reducer.hooks
+            self.prepared.attach_hooks(self.prepared.reducer.hooks)
         self._install_scaler(self.prepared, precision, opts)
         self.prepared_for[model] = self.prepared
         return engine, self.prepared
@@ -286,7 +290,7 @@ class DeepSpeedTrainer(Trainer):
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module: a DeepSpeed engine's ``module``."""
-        engine_cls = self.mgr._deepspeed.DeepSpeedEngine
+        engine_cls = self.mgr.engine_api.DeepSpeedEngine
         return model.module if isinstance(model, engine_cls) else model  # type: ignore[no-any-return]
 
     def _serve(self, opt: Any) -> None:
@@ -307,7 +311,7 @@ class DeepSpeedTrainer(Trainer):
         """Context manager giving full parameters even under ZeRO stage 3 (for checks and export)."""
         if not isinstance(self.prepared, EngineOptimizer):
             return super().gathered_parameters(module)
-        return self.mgr._deepspeed.zero.GatheredParameters(list(module.parameters()))  # type: ignore[no-any-return]
+        return self.mgr.engine_api.zero.GatheredParameters(list(module.parameters()))  # type: ignore[no-any-return]
 
     # ----------------------------------------------------------------- what a rank holds, consolidated state
     def _zero_optimizer(self) -> Any:

@@ -167,6 +167,11 @@ class HorovodManager(Manager):
     name = "horovod"
     _gloo_rendezvous: horovod_gloo.Rendezvous | None = None  # rank 0 serves it under srun without PMI
 
+    @property
+    def engine_api(self) -> Any:
+        """``horovod.torch`` (its trainer uses Horovod's own optimizer and broadcasts)."""
+        return self._hvd
+
     def _start(self) -> Engine:
         try:
             import horovod.torch as hvd
@@ -198,7 +203,7 @@ class HorovodManager(Manager):
                 f"the {self.launch.launcher} launcher started {self.launch.size} processes but Horovod sees a world "
                 f"of {size}: Horovod meets over MPI (mpiexec, srun --mpi=pmi2) or over gloo when horovodrun "
                 "started the job (horovodrun --gloo); start it one of those ways")
-        self._hvd = hvd  # train/horovod.py uses Horovod's own training calls
+        self._hvd = hvd  # its trainer (trainer.py) uses Horovod's own training calls, through engine_api
         self._process_sets: dict[tuple[int, ...], Any] = {}
         self._local_rank, self._local_size, self._node_rank = hvd.local_rank(), hvd.local_size(), hvd.cross_rank()
         self._p2p: Any = None

@@ -40,7 +40,7 @@ class HorovodTrainer(Trainer):
     def broadcast_parameters(self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]
                              | Iterable[tuple[str, torch.Tensor]], root: int = 0) -> None:
         """``hvd.broadcast_parameters`` on a module's state_dict (or a state dict / named tensors)."""
-        root = self.mgr._check_root(root)
+        root = self.mgr.check_root(root)
         if isinstance(model_or_state, torch.nn.Module):
             state: Any = model_or_state.state_dict()
         else:
@@ -49,7 +49,7 @@ class HorovodTrainer(Trainer):
         state = {k: v.view(torch.int16) if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
                  for k, v in state.items()}
         with timeline.watching("hvd.broadcast_parameters"):
-            self.mgr._hvd.broadcast_parameters(state, root_rank=root)
+            self.mgr.engine_api.broadcast_parameters(state, root_rank=root)
 
     def _distributed_optimizer(self, optimizer: torch.optim.Optimizer,
                                named_parameters: Iterable[tuple[str, torch.Tensor]] | None, sync: SyncOptions,
@@ -62,7 +62,7 @@ class HorovodTrainer(Trainer):
         (``gradient_predivide_factor=1``), no sparse-as-dense or Adasum, and the optimizer's existing state
         (e.g. a resumed Adam) carried over, which ``hvd.DistributedOptimizer`` alone would drop. Horovod 0.28
         cannot reduce bfloat16, so a bfloat16 model's gradients travel as float32 (``bf16_params``)."""
-        hvd = self.mgr._hvd
+        hvd = self.mgr.engine_api
         compressor = self._compressor(sync.compression, bf16_params)
         hvd_opt = hvd.DistributedOptimizer(
             optimizer, named_parameters=list(named_parameters) if named_parameters is not None else None,
@@ -73,7 +73,7 @@ class HorovodTrainer(Trainer):
         return HorovodOptimizer(hvd_opt, sync.backward_passes_per_step, sync.clip_grad_norm, self.mgr)
 
     def _compressor(self, name: str, bf16_params: bool = False) -> Any:
-        comp = self.mgr._hvd.Compression
+        comp = self.mgr.engine_api.Compression
         if name == "none":
             return _upcast_bf16(comp) if bf16_params else comp.none
         if name == "fp16":
@@ -99,7 +99,7 @@ class HorovodTrainer(Trainer):
             raise InvalidArgumentError(f"prepare(optimizer=...) takes a torch.optim.Optimizer, got "
                                        f"{type(optimizer).__name__}")
         self._compressor(opts.compression)  # refuse bf16 before anything changes
-        model = model.to(self.mgr._device)
+        model = model.to(self.mgr.device)
         hooks = self._apply_precision(model, opts)
         self.broadcast_parameters(model)
         self.broadcast_optimizer_state(optimizer)
