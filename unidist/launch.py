@@ -150,7 +150,7 @@ LAUNCHERS: tuple[Family, ...] = (
     Family("pmix", "PMIX_RANK", ("OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), mpi_like=True),
     # Inside an sbatch script SLURM_PROCID/SLURM_NTASKS are set too, but only srun steps set SLURM_STEP_ID.
     # This row matches only a step started without PMI (srun --mpi=pmi2 or pmix sets PMI_RANK or PMIX_RANK, the
-    # rows above): no MPI world, so the mpi backend cannot start (managers/mpi.py says how to give it one) and
+    # rows above): no MPI world, so the mpi backend cannot start (engines/mpi/manager.py says how to give it one) and
     # torch.distributed meets at MASTER_ADDR:MASTER_PORT, by default the step's first node and slurm_port().
     # SLURM_RESTART_COUNT counts requeues (sbatch --requeue).
     # `unidist launch` inside an allocation starts every backend with srun on the allocation's nodes.

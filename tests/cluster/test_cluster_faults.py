@@ -65,7 +65,7 @@ HYDRA_LOST_PROXY = r"\[mpiexec@h1\] control_cb .*assert \(!closed\) failed"
 
 
 # Open cells (issue 23's note), marked xfail with their reason: none since 2026-11-25 (the torchrun c10d cut and
-# the horovodrun far stop were closed: comm/processes.py stop_agent, managers/horovod.py's gloo timeout)
+# the horovodrun far stop were closed: comm/processes.py stop_agent, engines/horovod/manager.py's gloo timeout)
 KNOWN_GAPS: dict[tuple[str, str], str] = {}
 CASES = [pytest.param(LAUNCHES[n], f, id=f"{n}-{f}",
                       marks=[getattr(pytest.mark, LAUNCHES[n].backend),

@@ -3,7 +3,7 @@ reason where torch sees no CUDA device. Run it with ``python3 -m pytest -m gpu t
 (../shared/gpu/README.md says how to bring the engines there).
 
 Launches on one GPU: torchrun at one rank (nccl), torchrun at two ranks sharing the GPU (gloo, CUDA tensors staged
-through the host: managers/torch.py ``HostStagedTorchEngine``), mpiexec at two ranks (MPI's host staging, or
+through the host: engines/torch/manager.py ``HostStagedTorchEngine``), mpiexec at two ranks (MPI's host staging, or
 CUDA-aware MPI), deepspeed at one rank (its engine on the GPU). Per launch, the same workers as the CPU suites,
 on the GPU: the collective suite with CUDA inputs (``--on-device``, every dtype, sampled), ``prepare(precision=)``
 in every mode against ``torch.autocast("cuda")`` + ``GradScaler("cuda")``, and where there are two ranks tensor

@@ -1,5 +1,5 @@
-"""The deepspeed backend's precision and config agreement, without launching (train/ds_config.py and the
-refusals in train/deepspeed.py); the engine itself is tested under the deepspeed launcher
+"""The deepspeed backend's precision and config agreement, without launching (engines/deepspeed/config.py and the
+refusals in engines/deepspeed/trainer.py); the engine itself is tested under the deepspeed launcher
 (tests/multiproc/test_ds_precision.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Horovod's placement under srun without PMI, from the step's layout (managers/horovod_gloo.py), and the
+"""Horovod's placement under srun without PMI, from the step's layout (engines/horovod/gloo.py), and the
 layout itself from Slurm's variables (launch.slurm_step_hosts)."""
 
 from __future__ import annotations

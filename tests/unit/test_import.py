@@ -59,7 +59,8 @@ LAYERS = {
     # the engines' own APIs, written on everything below (the top-level unidist.init included)
     "compat": ("unidist", *_BELOW_ENGINES, "unidist.compat"),
     # the tools read the records (unidist.registry), never an engine's package
-    "tools": ("unidist", *_BELOW_ENGINES, "unidist.selector", "unidist.bench", "unidist.doctor", "unidist.cli"),
+    "tools": ("unidist", *_BELOW_ENGINES, "unidist.selector", "unidist.bench", "unidist.doctor", "unidist.verify",
+              "unidist.cli"),
 }
 # the places a module reaches past its layer, each with its reason (kept short on purpose)
 EXCEPTIONS = {
@@ -68,7 +69,7 @@ EXCEPTIONS = {
 }
 # which layer each module is in: a folder, or a top-level module by name
 HOME = {**{m.removeprefix("unidist."): "base" for m in BASE}, "__init__": "top", "selector": "top", "cli": "tools",
-        "bench": "tools", "doctor": "tools",
+        "bench": "tools", "doctor": "tools", "verify": "tools",
         **{layer: layer for layer in LAYERS if layer not in ("base", "top", "tools")}}
 
 

@@ -13,6 +13,7 @@ import torch
 
 import unidist
 from unidist.comm import check, mismatch, watchdog
+from unidist.comm.engine import SoloEngine
 from unidist.config import Config
 
 
@@ -147,11 +148,6 @@ def test_the_check_mode_setting() -> None:
     assert Config.from_env({"UNIDIST_CHECK_COLLECTIVES": "off"}).check_collectives is False
 
 
-def _comm(every: int, cost: float, since: float, sampled: bool = True) -> types.SimpleNamespace:
-    return types.SimpleNamespace(_every=every, _left=1, _sampled=sampled, _check_cost=cost, _check_end=-since,
-                                 _check_np=[0, 0, 0])
-
-
 @pytest.mark.parametrize(("every", "cost", "since", "want"), [
     (1, 0.0, 1.0, 1),          # nothing measured yet: K stays
     (8, 3e-6, 8 * 5e-6, 16),   # 3 us checks against 5 us calls: K grows, at most doubling
@@ -160,13 +156,70 @@ def _comm(every: int, cost: float, since: float, sampled: bool = True) -> types.
     (1024, 1e-3, 1024 * 1e-6, check.K_MAX),  # bounded
 ])
 def test_k_adapts_to_about_one_percent(every: int, cost: float, since: float, want: int) -> None:
-    comm = _comm(every, cost, since)
-    check._propose(comm, 0.0)
-    assert comm._check_np[2] == want
+    assert check.next_every(every, cost, since) == want
+
+
+class _Pair(SoloEngine):
+    """Two ranks that agree on everything: the check's exchange leaves this rank's words as they are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.size = 2
+        self.exchanges = 0
+
+    def check_exchange(self, *about: object) -> None:
+        self.exchanges += 1
+
+
+def _desync(mode: bool | None) -> tuple[check.DesyncCheck, _Pair]:
+    engine = _Pair()
+    d = check.DesyncCheck()
+    d.bind(engine)
+    d.reset(mode)
+    return d, engine
 
 
 def test_the_check_mode_checks_every_call() -> None:
-    comm = _comm(1, 1.0, 1e-6, sampled=False)
-    check._propose(comm, 0.0)
-    check._agree(comm, 0.0, 1.0)
-    assert comm._check_np[2] == 1 and comm._left == comm._every == 1
+    d, engine = _desync(True)
+    assert d.every_call and not d.sampled and d.countdown == d.every == 1
+    for _ in range(3):
+        d.signature("allreduce", torch.ones(2), unidist.ReduceOp.SUM, -1, None)
+        assert d.countdown == d.every == 1
+    assert engine.exchanges == 3
+
+
+def test_the_default_mode_resumes_from_a_given_k() -> None:
+    d, _ = _desync(None)
+    assert d.sampled and d.countdown == d.every == 1
+    d.set_every(64, 3e-6)
+    assert d.countdown == d.every == 64 and d.cost == 3e-6
+    d.signature("barrier", None, None, -1, None)  # the wish of this rank alone: K moves at most by 2x
+    assert 32 <= d.countdown == d.every <= 128
+    off, _ = _desync(False)
+    off.set_every(64, 3e-6)  # the other modes' distances are fixed
+    assert off.countdown == off.every == check.NEVER
+    with pytest.raises(unidist.InvalidArgumentError):
+        d.set_every(0, 0.0)
+
+
+def test_a_communicator_restarts_its_countdown_from_its_check() -> None:
+    """The Communicator counts down a copy of the check's distance; restarting the check restarts the copy."""
+    from unidist.comm import Group
+
+    owner = types.SimpleNamespace(config=Config.from_env({}), device=torch.device("cpu"), started=True)
+    g = Group(owner, [0, 1], _Pair())
+    assert g.desync_check.sampled and not g.checks_collectives
+    g.restart_desync_check(every=8, cost=1e-6)
+    assert g.desync_check.every == 8
+    engine = g.engine
+    assert isinstance(engine, _Pair)
+    for _ in range(7):  # not due: nothing exchanged
+        g.allreduce_(torch.ones(2))
+    assert engine.exchanges == 0
+    g.allreduce_(torch.ones(2))  # the 8th call is checked
+    assert engine.exchanges == 1
+    g.config = Config.from_env({"UNIDIST_CHECK_COLLECTIVES": "1"})
+    g.restart_desync_check()
+    assert g.checks_collectives and g.desync_check.every_call
+    g.allreduce_(torch.ones(2))
+    assert engine.exchanges == 2

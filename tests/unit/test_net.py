@@ -67,13 +67,13 @@ def test_listener_on_a_foreign_address() -> None:
 
 def test_torch_store_port_in_use_is_a_typed_error() -> None:
     pytest.importorskip("torch.distributed")
-    from unidist.engines.torch.manager import TorchManager
+    from unidist.engines.torch.manager import store_listener
     from unidist.errors import LaunchEnvironmentError
 
     with net.listener("127.0.0.1") as taken:
         port = taken.getsockname()[1]
         with pytest.raises(LaunchEnvironmentError, match=f"MASTER_PORT={port}"):
-            TorchManager._listener("127.0.0.1", port)
+            store_listener("127.0.0.1", port)
 
 
 def test_local_only_env_names_the_loopback_interface() -> None:

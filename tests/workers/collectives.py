@@ -514,7 +514,7 @@ def plan(size: int) -> list[Case]:
                 assert got is buf
                 expect(buf, f64(data(name, prv, (n,), dtype, kind)), dtype, kind, name)
 
-    # --- mismatches caught without the check mode (comm/mismatch.py, managers/mpi_checks.py, check.py's one in K)
+    # --- mismatches caught without the check mode (comm/mismatch.py, engines/mpi/checks.py, check.py's one in K)
     @add("default_guard[send_recv]")
     def _(mgr: Any) -> None:
         """Rank 0 sends what rank 1's buffer does not fit: shorter, longer, another dtype, and above the inline

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,11 +28,15 @@ from unidist.bench.machine import line as machine_line
 from unidist.bench.zero import make_model
 from unidist.comm import watchdog
 
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
 
-def run(mgr: Any, stage: int, blocked: bool, args: argparse.Namespace) -> tuple[list[float], float]:
+
+def run(mgr: Manager, stage: int, blocked: bool, args: argparse.Namespace) -> tuple[list[float], float]:
     """Timed steps of one way; returns (seconds per step, watched calls per step)."""
     model = make_model(args.width, args.layers)
-    model, opt = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-4), zero_stage=stage)
+    model, prepared = mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-4), zero_stage=stage)
+    opt: Any = prepared  # unidist's prepared optimizer: synchronize() beside the torch Optimizer's calls
     x = torch.randn(args.batch, args.width)
     times: list[float] = []
     calls = 0

@@ -9,8 +9,8 @@ rounds, per call. A check is one three-word MAX allreduce (comm/check.py); by de
 checked, K adapting so checks take about 1% of the time (the ``K`` column: the distance the ranks agreed on at
 the end). The point-to-point guard is the receive status's count on MPI, a 32-byte header frame on gloo engines
 (comm/mismatch.py): the second table times a ping-pong between ranks 0 and 1 through unidist, through the engine's
-own calls (mpi4py, torch.distributed), and through the engine's calls with the guard added, whose ratio is the
-guard's cost.
+own calls (mpi4py, torch.distributed: its record's ``raw_p2p``), and through the engine's calls with the guard
+added, whose ratio is the guard's cost.
 """
 
 from __future__ import annotations
@@ -19,28 +19,29 @@ import argparse
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import unidist
+from unidist import registry
 from unidist.bench.machine import line as machine_line
-from unidist.comm import mismatch
+
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
 
 SIZES = (8, 512, 4096, 65536, 1 << 20, 32 << 20)
 MODES = {"off": False, "1 in K": None, "every": True}
 
 
-def _mode(mgr: Any, mode: bool | None, every: tuple[int, float] | None) -> None:
+def _mode(mgr: Manager, mode: bool | None, every: tuple[int, float] | None) -> None:
     mgr.config = dataclasses.replace(mgr.config, check_collectives=mode)
-    mgr._enable_fast_path()  # reads the flag and restarts the countdown
-    if every is not None:  # the default mode goes on from the K (and check cost) it had reached
-        mgr._every, mgr._check_cost = every
-        mgr._left = mgr._every
+    # reads the flag and restarts the countdown; the default mode goes on from the K (and check cost) it had reached
+    mgr.restart_desync_check(*(every or ()))
 
 
-def _time(mgr: Any, fn: Callable[[], Any], iters: int) -> float:
+def _time(mgr: Manager, fn: Callable[[], Any], iters: int) -> float:
     mgr.barrier()
     start = time.perf_counter()
     for _ in range(iters):
@@ -52,7 +53,7 @@ def _iters(nbytes: int) -> int:
     return max(5, min(2000, (64 << 20) // max(nbytes, 1) // 8))
 
 
-def collectives(mgr: Any, sizes: list[int], rounds: int) -> list[tuple[int, dict[str, float], int]]:
+def collectives(mgr: Manager, sizes: list[int], rounds: int) -> list[tuple[int, dict[str, float], int]]:
     rows = []
     for nbytes in sizes:
         t = torch.zeros(max(1, nbytes // 4))
@@ -66,7 +67,7 @@ def collectives(mgr: Any, sizes: list[int], rounds: int) -> list[tuple[int, dict
                 _mode(mgr, mode, every if mode is None else None)
                 times[name].append(_time(mgr, call, _iters(nbytes)))
                 if mode is None:
-                    every = mgr._every, mgr._check_cost
+                    every = mgr.desync_check.every, mgr.desync_check.cost
         _mode(mgr, None, None)
         rows.append((nbytes, {m: statistics.median(v) for m, v in times.items()}, every[0] if every else 0))
     return rows
@@ -75,32 +76,15 @@ def collectives(mgr: Any, sizes: list[int], rounds: int) -> list[tuple[int, dict
 P2P = Callable[[torch.Tensor, int], Any]
 
 
-def _engine_p2p(mgr: Any) -> dict[str, tuple[P2P, P2P]]:
-    """The engine's own blocking send/recv on the world, without and with the guard unidist adds (MPI: the
-    status's count; gloo: the header frame), or nothing (Horovod's are unidist's side group)."""
-    if mgr.backend == "mpi":
-        from mpi4py import MPI
-
-        comm, status = mgr.comm, MPI.Status()
-
-        def counted(t: torch.Tensor, peer: int) -> None:
-            comm.Recv(t.numpy(), peer, 0, status)
-            if status.Get_count(MPI.BYTE) != t.nbytes:
-                raise AssertionError("the ping-pong's sizes differ")
-        def send(t: torch.Tensor, peer: int) -> None:
-            comm.Send(t.numpy(), peer, 0)
-        return {"engine": (send, lambda t, peer: comm.Recv(t.numpy(), peer, 0)), "engine+guard": (send, counted)}
-    if mgr.backend in ("torch", "deepspeed"):
-        import torch.distributed as dist
-
-        raw: tuple[P2P, P2P] = (lambda t, peer: dist.send(t, peer)), (lambda t, peer: dist.recv(t, peer))
-        framing = mismatch.Framing(lambda t, peer, tag: raw[0](t, peer), lambda t, peer, tag: raw[1](t, peer))
-        return {"engine": raw,
-                "engine+guard": (lambda t, peer: framing.send(t, peer, 0), lambda t, peer: framing.recv(t, peer, 0))}
-    return {}
+def _engine_p2p(mgr: Manager) -> Mapping[str, tuple[P2P, P2P]]:
+    """The engine's own blocking send/recv on the world, without and with the guard unidist adds, as its record
+    gives them (``unidist.registry.Backend.raw_p2p``); nothing where it has none (Horovod's are unidist's side
+    group)."""
+    raw = registry.get(mgr.backend).raw_p2p
+    return {} if raw is None else raw(mgr)
 
 
-def point_to_point(mgr: Any, sizes: list[int], rounds: int) -> list[tuple[int, dict[str, float]]]:
+def point_to_point(mgr: Manager, sizes: list[int], rounds: int) -> list[tuple[int, dict[str, float]]]:
     """Ping-pong between ranks 0 and 1 (the others wait at the barriers), per message (half a round trip)."""
     ways: dict[str, tuple[P2P, P2P]] = {
         "unidist": (lambda t, peer: mgr.send(t, peer), lambda t, peer: mgr.recv(t, peer)), **_engine_p2p(mgr)}

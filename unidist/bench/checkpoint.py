@@ -20,13 +20,16 @@ import shutil
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import unidist
 import unidist.checkpoint.background as bg
 from unidist.bench.machine import line as machine_line
+
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
 
 
 def make_model(width: int, layers: int) -> torch.nn.Module:
@@ -90,7 +93,7 @@ def main() -> int:
     return 0
 
 
-def _slowest(mgr: Any, seconds: float) -> float:
+def _slowest(mgr: Manager, seconds: float) -> float:
     """The slowest rank's time: the ranks write at once, and the job waits for the last."""
     return float(mgr.allreduce(torch.tensor([seconds], dtype=torch.float64), "max").item())
 

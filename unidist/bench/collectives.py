@@ -22,7 +22,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from unidist.bench import engines
 from unidist.bench.busbw import busbw_factor
 from unidist.bench.output import Column, fmt, human_bytes, markdown
 from unidist.bench.timing import calibrate, interleaved, slowest, spread
+
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
 
 __all__ = ["add_arguments", "busbw_factor", "default_sizes", "estimate_seconds", "parse_size", "planned", "run",
            "table", "verify"]
@@ -76,7 +79,7 @@ def _sizes(args: argparse.Namespace) -> list[int]:
     return default_sizes(args.min_size, args.max_size)
 
 
-def _calls(mgr: Any, op: str, nbytes: int) -> tuple[torch.Tensor, Callable[[], Any], int]:
+def _calls(mgr: Manager, op: str, nbytes: int) -> tuple[torch.Tensor, Callable[[], Any], int]:
     """The buffer the raw call takes, unidist's call, and the bytes in nccl-tests' sense."""
     n = mgr.size
     count = max(1, nbytes // 4)
@@ -100,7 +103,7 @@ def _calls(mgr: Any, op: str, nbytes: int) -> tuple[torch.Tensor, Callable[[], A
     raise SystemExit(f"collectives: unknown op {op!r}; use {', '.join(engines.OPS)}")
 
 
-def verify(mgr: Any, op: str, x: torch.Tensor, call: Callable[[], Any]) -> None:
+def verify(mgr: Manager, op: str, x: torch.Tensor, call: Callable[[], Any]) -> None:
     """One call on rank-valued input, checked, before timing: a fast path that returns wrong data must not
     produce a fine-looking row. The input is zeroed again afterwards."""
     n, r = mgr.size, mgr.rank
@@ -116,7 +119,7 @@ def verify(mgr: Any, op: str, x: torch.Tensor, call: Callable[[], Any]) -> None:
                          f"({out.reshape(-1)[:8].tolist()}... expected {expected[:8].tolist()}...): not timing it")
 
 
-def planned(mgr: Any, ops: list[str], sizes: list[int]) -> list[tuple[str, int]]:
+def planned(mgr: Manager, ops: list[str], sizes: list[int]) -> list[tuple[str, int]]:
     """The (op, size) cells to time: a size whose buffer comes out the same as an earlier one's for that op
     (4 B of allgather on 2 ranks is one float per rank, 8 B, as 8 B is) is timed once, under its real size."""
     cells, seen = [], set()
@@ -143,7 +146,7 @@ def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
-def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(mgr: Manager, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per collective and size: unidist's time and bandwidths and, with --compare, the raw call's
     and the ratio unidist / raw. Rank 0 says first how long the sweep should take, then a progress line per
     cell on stderr (stdout keeps the tables)."""
@@ -186,7 +189,7 @@ def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _progress(mgr: Any) -> Callable[[str], None]:
+def _progress(mgr: Manager) -> Callable[[str], None]:
     def say(line: str) -> None:
         if mgr.rank == 0:
             print(line, file=sys.stderr, flush=True)

@@ -16,7 +16,8 @@ roughly doubles from 4 to 16 MiB, 117 to 211 ps/B). The rank count enters only t
 on 2 ranks that predicts 3 and 4 tests the formulas. gamma (seconds per byte reduced) is not fitted: see
 ``fit_link``; it is a measured local add (``model_measure.local_gamma``).
 
-Nothing here imports torch or numpy: the fit is a small non-negative least-squares solve in plain Python.
+Nothing here imports torch or numpy: the fit is a small non-negative least-squares solve in plain Python. Which
+library's algorithms an engine runs is its registration record's to say (``engine_kind``), not a table here.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from unidist.errors import InvalidArgumentError
+from unidist import registry
+from unidist.errors import ConfigError, InvalidArgumentError
 
 __all__ = ["ALGORITHMS", "KNOWN", "MIN_SPLIT", "Coeffs", "Link", "Params", "choose", "coefficients",
            "engine_kind", "fit", "fit_link", "nnls", "predict"]
@@ -141,10 +143,21 @@ def _gloo(op: str, p: int, n: float) -> str | None:
 KNOWN: dict[str, Callable[[str, int, float], str | None]] = {"mpich": _mpich, "gloo": _gloo}
 
 
-def engine_kind(backend: str, launcher: str) -> str:
-    """Which library's algorithms run underneath: MPICH for the mpi backend and Horovod under an MPI
-    launcher, gloo for torch, deepspeed (CPU) and Horovod under horovodrun --gloo."""
-    return "mpich" if backend == "mpi" or (backend == "horovod" and launcher in ("mpich", "openmpi")) else "gloo"
+def engine_kind(backend: str, launcher: str) -> str | None:
+    """Which library's documented algorithms run under ``backend`` started by launcher family ``launcher``: what its
+    registration record says (``unidist.registry.Backend.algorithms``: that family's entry, else ``"*"``'s). None
+    where the record names none, or no backend of that name is registered here (a JSON file from a plugin that is
+    not installed): an engine nobody documented is not modelled as if it were another (``choose`` then takes the
+    fastest formula, and ``model`` refuses it under ``--policy known``)."""
+    try:
+        algorithms = registry.get(backend).algorithms
+    except ConfigError:
+        return None
+    kind = algorithms.get(launcher, algorithms.get("*"))
+    if kind is not None and kind not in KNOWN:
+        raise InvalidArgumentError(f"the {backend} backend's record names the algorithms of {kind!r}, which the cost "
+                                   f"model does not know; use one of {', '.join(KNOWN)}")
+    return kind
 
 
 @dataclass
@@ -192,12 +205,14 @@ class Params:
         return a * link.alpha_at(n) + b * link.beta_at(n) + c * gamma
 
 
-def choose(kind: str, op: str, p: int, n: float, params: Params | None = None, policy: str = "known") -> str:
+def choose(kind: str | None, op: str, p: int, n: float, params: Params | None = None, policy: str = "known"
+           ) -> str:
     """The algorithm the model uses: with ``policy="known"`` the one the engine ``kind`` is documented to run
-    (``KNOWN``), else (or where unknown) the fastest under ``params`` (the first listed when none given)."""
+    (``KNOWN``), else (or where unknown, ``kind`` None) the fastest under ``params`` (the first listed when none
+    given)."""
     if op not in ALGORITHMS:
         raise InvalidArgumentError(f"no cost formulas for {op!r}; use one of {', '.join(ALGORITHMS)}")
-    if policy == "known" and kind in KNOWN:
+    if policy == "known" and kind is not None and kind in KNOWN:
         name = KNOWN[kind](op, p, n)
         if name is not None:
             return name
@@ -220,7 +235,7 @@ def coefficients(op: str, algorithm: str, p: int, n: float, cores: int = 0) -> C
     return a, b * share, c * share
 
 
-def predict(params: Params, kind: str, op: str, p: int, n: float, policy: str = "known", cores: int = 0
+def predict(params: Params, kind: str | None, op: str, p: int, n: float, policy: str = "known", cores: int = 0
             ) -> tuple[float, str]:
     """Predicted seconds of an ``n``-byte ``op`` on ``p`` ranks (sharing ``cores``, 0: one each), and the
     algorithm it assumed."""
@@ -280,7 +295,7 @@ Sample = tuple[str, int, float, float]  # (op, ranks, bytes, measured seconds)
 MIN_SPLIT = 4 << 10  # protocol switches (eager to rendezvous) are KiB; caches (L2: 2 MiB per core) MiB
 
 
-def fit_link(samples: Sequence[Sample], kind: str, gamma: Params, *, caches: Sequence[float] = (),
+def fit_link(samples: Sequence[Sample], kind: str | None, gamma: Params, *, caches: Sequence[float] = (),
              policy: str = "known", cores: int = 0) -> Link:
     """Fit one collective's ``Link`` by non-negative least squares on relative error (each row divided by
     its measured time, so 8 B and 16 MiB count alike, as a 25% target wants), with the reduction cost
@@ -316,7 +331,7 @@ def fit_link(samples: Sequence[Sample], kind: str, gamma: Params, *, caches: Seq
     return best[1]
 
 
-def fit(samples: Sequence[Sample], kind: str, gamma: Params, *, policy: str = "known", cores: int = 0) -> Params:
+def fit(samples: Sequence[Sample], kind: str | None, gamma: Params, *, policy: str = "known", cores: int = 0) -> Params:
     """``fit_link`` for every collective in ``samples``; the result carries ``gamma``'s reduction costs.
     Candidate splits: the measured sizes from ``MIN_SPLIT`` up that leave two sizes on each side (fewer
     would let one noisy point set a regime). Arguments as ``fit_link``."""

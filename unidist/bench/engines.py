@@ -10,11 +10,14 @@ do with the engine alone (the reference of ``gradsync``). A backend without them
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from unidist import registry
+
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
 
 __all__ = ["OPS", "collective_table", "engine_name", "grad_mean"]
 
@@ -28,13 +31,13 @@ def engine_name(backend: str) -> str:
     return registry.get(backend).engine
 
 
-def collective_table(mgr: Any) -> Mapping[str, Builder]:
+def collective_table(mgr: Manager) -> Mapping[str, Builder]:
     """The raw calls of ``mgr``'s engine by collective name; empty where the record has none."""
     raw = registry.get(mgr.backend).raw_calls
     return {} if raw is None else raw(mgr)
 
 
-def grad_mean(mgr: Any) -> Callable[[torch.Tensor], Any] | None:
+def grad_mean(mgr: Manager) -> Callable[[torch.Tensor], Any] | None:
     """The engine's in-place average of one gradient over the ranks (None where the record has none)."""
     raw = registry.get(mgr.backend).raw_grad_mean
     return None if raw is None else raw(mgr)

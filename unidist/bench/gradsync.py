@@ -2,7 +2,7 @@
 
     mpiexec -n 2 python -m unidist.bench gradsync --model resnet50
 
-Models (``models.py``): ResNet-50 (161 tensors, 25.6 M parameters) and a GPT-2-small-like transformer
+Models (``real_models.py``): ResNet-50 (161 tensors, 25.6 M parameters) and a GPT-2-small-like transformer
 (148 tensors, 124 M parameters), the sizes and tensor counts of real workloads. Methods, all timed as
 backward + synchronisation (the hooks of fused methods start exchanging during backward, so backward
 cannot be left out of the unit):
@@ -11,9 +11,9 @@ cannot be left out of the unit):
 - ``per_tensor``: ``mgr.allreduce_(p.grad, op="mean")`` on every gradient after backward;
 - ``raw_per_tensor``: the engine's own in-place allreduce (and divide) on every gradient (``engines.py``);
 - ``fused``: ``mgr.prepare(model, SGD)``, ``mgr.backward(loss)`` and ``opt.synchronize()``: what prepare gives
-  by default (``reducer='auto'``); on deepspeed and horovod also ``fused_engine`` and ``fused_unidist``, the
-  engine's own reducer (a DeepSpeed engine's allreduce, ``hvd.DistributedOptimizer``) and unidist's buckets over
-  the engine's collectives, side by side;
+  by default (``reducer='auto'``); where the backend's record names an ``engine_reducer`` (deepspeed, horovod)
+  also ``fused_engine`` and ``fused_unidist``, the engine's own reducer (a DeepSpeed engine's allreduce,
+  ``hvd.DistributedOptimizer``) and unidist's buckets over the engine's collectives, side by side;
 - ``ddp``: torch's ``DistributedDataParallel`` reducer (gloo), where torch.distributed is initialised.
 
 Each method has its own copy of the model (hooks of one must not fire in another's backward). The forward
@@ -30,16 +30,20 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unidist import registry
 from unidist.bench import engines
 from unidist.bench.output import Column, fmt, markdown
 from unidist.bench.real_models import MODELS, ShapeModel
 from unidist.bench.timing import per_unit_rounds, slowest, spread
 
-__all__ = ["add_arguments", "run", "table"]
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
+
+__all__ = ["add_arguments", "engine_reducer", "run", "table"]
 
 Method = tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]]
 
@@ -57,16 +61,19 @@ def _nothing() -> None:
     """No clean-up after a unit: each unit clears the gradients it will make (timed, as a loop's zero_grad)."""
 
 
-ENGINE_REDUCERS = {"deepspeed": "DeepSpeed engine's allreduce", "horovod": "hvd.DistributedOptimizer"}
+def engine_reducer(backend: str) -> str | None:
+    """The engine's own gradient reducer behind ``prepare(reducer='engine')``, as its record names it (None: the
+    engine has none; prepare's reducer is unidist's)."""
+    return registry.get(backend).engine_reducer
 
 
 def fused_label(backend: str) -> str:
-    if backend in ENGINE_REDUCERS:
+    if engine_reducer(backend) is not None:
         return "prepare (reducer='auto')"
     return "prepare: unidist DistributedOptimizer"
 
 
-def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float
+def _methods(mgr: Manager, shapes: list[tuple[str, tuple[int, ...]]], c: float
              ) -> tuple[dict[str, Method], dict[str, list[torch.nn.Parameter]], list[Any]]:
     """(before, unit, after) per method, the parameters whose gradients each method averages, and what must
     stay alive (the prepared optimizer, DDP)."""
@@ -107,7 +114,7 @@ def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float
         methods["raw_per_tensor"] = (forward(plain, "plain"), backward_then("plain", each(raw)), _nothing)
 
     variants = {"fused": "auto"}
-    if mgr.backend in ENGINE_REDUCERS:
+    if engine_reducer(mgr.backend) is not None:
         variants.update(fused_engine="engine", fused_unidist="unidist")
     for key, reducer in variants.items():
         fused_model = ShapeModel(shapes)
@@ -115,8 +122,10 @@ def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float
         prepared, popt = mgr.prepare(fused_model, opt, reducer=reducer)
         keep += [prepared, popt]
 
-        # each DeepSpeed engine's own backward: mgr.backward drives the engine prepare made last
-        backward = prepared.backward if mgr.backend == "deepspeed" else mgr.backward
+        # a prepared model that is the engine's own training engine (DeepSpeed's) has its own backward, and
+        # mgr.backward drives the one prepare made last: each variant calls its own
+        own = getattr(prepared, "backward", None)
+        backward = own if callable(own) else mgr.backward
 
         def fused_unit(key: str = key, popt: Any = popt, backward: Callable[[torch.Tensor], Any] = backward) -> None:
             popt.zero_grad()
@@ -135,7 +144,7 @@ def _methods(mgr: Any, shapes: list[tuple[str, tuple[int, ...]]], c: float
     return methods, owners, keep
 
 
-def _verifier(mgr: Any, owners: dict[str, list[torch.nn.Parameter]], c: float) -> Callable[[str], None]:
+def _verifier(mgr: Manager, owners: dict[str, list[torch.nn.Parameter]], c: float) -> Callable[[str], None]:
     """After a method's first unit every gradient must hold the ranks' mean of c (backward alone: this
     rank's c): a sync path that loses or double-counts gradients must not produce a fine-looking row."""
     mean = sum(range(1, mgr.size + 1)) / mgr.size
@@ -150,7 +159,7 @@ def _verifier(mgr: Any, owners: dict[str, list[torch.nn.Parameter]], c: float) -
     return verify
 
 
-def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(mgr: Manager, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per model and method."""
     rows: list[dict[str, Any]] = []
     for name in (list(MODELS) if args.model == "both" else [args.model]):
@@ -186,7 +195,7 @@ def _describe(method: str, backend: str) -> str:
             "per_tensor": "mgr.allreduce_(grad, 'mean') per tensor",
             "raw_per_tensor": f"{engines.engine_name(backend)} allreduce per tensor",
             "fused": fused_label(backend),
-            "fused_engine": f"prepare(reducer='engine'): {ENGINE_REDUCERS.get(backend)}",
+            "fused_engine": f"prepare(reducer='engine'): {engine_reducer(backend)}",
             "fused_unidist": f"prepare(reducer='unidist'): unidist's buckets on {engines.engine_name(backend)}",
             "ddp": "torch DDP reducer (gloo)"}.get(method, method)
 

@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from unidist import registry
 from unidist.bench import costmodel
 from unidist.bench.costmodel import Link, Params
 from unidist.errors import InvalidArgumentError
@@ -30,7 +31,7 @@ from unidist.errors import InvalidArgumentError
 __all__ = ["NETWORKS", "WORKLOADS", "add_arguments", "main", "project", "samples"]
 
 BUCKET = 25 << 20
-WORKLOADS = {"ResNet-50": 25_557_032 * 4, "GPT-2": 124_439_808 * 4}  # fp32 gradient bytes (models.py's shapes)
+WORKLOADS = {"ResNet-50": 25_557_032 * 4, "GPT-2": 124_439_808 * 4}  # fp32 gradient bytes (real_models.py's shapes)
 NETWORKS = {  # name: (alpha s, beta s/B); gamma is this machine's (a CPU adds the buckets)
     "InfiniBand HDR-like (25 GB/s per link, 5 us)": (5e-6, 1 / 25e9),
     "10 Gb/s Ethernet (1.25 GB/s, 50 us)": (50e-6, 1 / 1.25e9),
@@ -51,7 +52,8 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--cores", type=int, help="cores the ranks shared (default: as the runs recorded; 0: model "
                                              "one core per rank)")
     p.add_argument("--reference", help="the engine whose gamma and fitted values the projection uses "
-                                       "(default: the mpi one, else the first)")
+                                       "(default: the one whose backend comes first in the registry's order "
+                                       "of preference: mpi's, among unidist's)")
     p.add_argument("--json", type=Path, help="also write parameters, predictions and projections here")
     p.add_argument("--measure", action="store_true", help="first run the measurements (model_measure.py)")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/model"), help="--measure writes JSON here")
@@ -80,15 +82,16 @@ def gamma_of(docs: list[dict[str, Any]]) -> tuple[Params, str]:
     return Params(gamma=g, gamma_mem=g_mem, gamma_cache=split), note
 
 
-def samples(docs: list[dict[str, Any]], column: str = "raw") -> tuple[Samples, dict[str, str]]:
+def samples(docs: list[dict[str, Any]], column: str = "raw") -> tuple[Samples, dict[str, str | None]]:
     """Measurements per engine label (op, ranks, bytes, seconds) from ``collectives`` rows, and each label's
-    engine kind. ``column``: "raw" (the engine's call) or "unidist". Files that are not measurements (this
-    command's own ``--json``, ``gamma.json``) are passed over, so a directory's ``*.json`` can be given."""
+    engine kind (``costmodel.engine_kind``: None where its backend's record documents none). ``column``: "raw"
+    (the engine's call) or "unidist". Files that are not measurements (this command's own ``--json``,
+    ``gamma.json``) are passed over, so a directory's ``*.json`` can be given."""
     from unidist.bench.output import label
 
     key = "raw_time_us" if column == "raw" else "time_us"
     out: Samples = {}
-    kinds: dict[str, str] = {}
+    kinds: dict[str, str | None] = {}
     for doc in docs:
         if "meta" not in doc or "backend" not in doc["meta"]:
             continue
@@ -112,10 +115,18 @@ def _fit_ranks(text: str, data: Samples) -> set[int]:
         raise InvalidArgumentError(f"--fit-ranks {text!r}: give rank counts (2 or 2,3) or 'all'") from None
 
 
-def fit_all(data: Samples, kinds: dict[str, str], ranks: set[int], policy: str, gamma: Params, cores: int = 0
-            ) -> dict[str, Params]:
+def fit_all(data: Samples, kinds: dict[str, str | None], ranks: set[int], policy: str, gamma: Params,
+            cores: int = 0) -> dict[str, Params]:
     """One ``Params`` per engine, fitted on its rows at ``ranks`` with the reduction cost ``gamma`` (and
-    ``cores`` shared, see ``costmodel.coefficients``)."""
+    ``cores`` shared, see ``costmodel.coefficients``). Under ``policy="known"`` an engine whose algorithms no
+    record documents is refused (an InvalidArgumentError naming it): fitting it with another library's choices
+    would print a model of an engine that is not the one measured."""
+    unknown = [name for name in data if kinds.get(name) is None]
+    if unknown and policy == "known":
+        raise InvalidArgumentError(
+            f"model: {', '.join(unknown)}: no documented collective algorithms (the backend's registration record, "
+            "unidist.registry.Backend.algorithms, names none for that launcher, or the backend is not registered "
+            "here); model it with --policy min (the fastest formula at each size), or leave its files out")
     out = {}
     for name, rows in data.items():
         mine = [s for s in rows if s[1] in ranks]
@@ -126,7 +137,7 @@ def fit_all(data: Samples, kinds: dict[str, str], ranks: set[int], policy: str, 
     return out
 
 
-def check(data: Samples, kinds: dict[str, str], params: dict[str, Params], policy: str, cores: int = 0
+def check(data: Samples, kinds: dict[str, str | None], params: dict[str, Params], policy: str, cores: int = 0
           ) -> list[dict[str, Any]]:
     """Every measurement beside its prediction: one dict per (engine, op, ranks, bytes)."""
     out = []
@@ -160,7 +171,7 @@ def networks(reference: Params, name: str) -> dict[str, Params]:
     return out
 
 
-def render(kinds: dict[str, str], params: dict[str, Params], rows: list[dict[str, Any]], reference: str,
+def render(kinds: dict[str, str | None], params: dict[str, Params], rows: list[dict[str, Any]], reference: str,
            fit_ranks: set[int], column: str, policy: str, gamma_note: str, cores: int,
            runs: list[dict[str, Any]] | None = None) -> tuple[str, dict[str, Any]]:
     """The markdown report and its JSON form; ``runs``: ``measure.json``'s rows (each launch's load)."""
@@ -196,6 +207,18 @@ def _jsonable(params: Params) -> dict[str, Any]:
             "gamma": params.gamma, "gamma_mem": params.gamma_mem, "gamma_cache": num(params.gamma_cache)}
 
 
+def _default_reference(params: dict[str, Params], docs: list[dict[str, Any]]) -> str:
+    """The engine the projection uses unless ``--reference`` names one: the fitted label whose backend comes first
+    in the records' order of preference (``unidist.registry``: the mpi backend among unidist's), a backend not
+    registered here last; the first label among equals."""
+    from unidist.bench.output import label
+
+    backend = {label({k: v for k, v in d["meta"].items() if k != "label"}): d["meta"]["backend"]
+               for d in docs if "backend" in d.get("meta", {})}
+    order = {name: i for i, name in enumerate(registry.names())}
+    return min(params, key=lambda name: order.get(backend.get(name, ""), len(order)))
+
+
 def main(args: argparse.Namespace) -> int:
     """Measure if asked, fit, check, project, print (and write ``--json``)."""
     from unidist.bench.output import load
@@ -214,7 +237,7 @@ def main(args: argparse.Namespace) -> int:
     cores = args.cores if args.cores is not None else min(
         (int(d["meta"]["cpus"]) for d in docs if d.get("meta", {}).get("cpus")), default=0)
     params = fit_all(data, kinds, ranks, args.policy, gamma, cores)
-    reference = args.reference or next((n for n in params if n.startswith("mpi ")), next(iter(params)))
+    reference = args.reference or _default_reference(params, docs)
     if reference not in params:
         raise InvalidArgumentError(f"--reference {reference!r}: not among {', '.join(params)}")
     rows = check(data, kinds, params, args.policy, cores)

@@ -31,13 +31,14 @@ def _ps(seconds_per_byte: float) -> str:
     return f"{seconds_per_byte * 1e12:.1f} ps/B ({1e-9 / seconds_per_byte:.2f} GB/s)"
 
 
-def params_md(params: dict[str, Params], kinds: dict[str, str]) -> str:
-    """One row per engine and collective: alpha (us), beta up to and above the cache split; gamma below."""
+def params_md(params: dict[str, Params], kinds: dict[str, str | None]) -> str:
+    """One row per engine and collective: alpha (us), beta up to and above the cache split; gamma below. An engine
+    whose algorithms no record documents (modelled with ``--policy min``) says ``unknown``."""
     rows = []
     for name, p in params.items():
         for op, link in p.links.items():
             one = math.isinf(link.split)
-            rows.append({"engine": name, "kind": kinds[name], "op": op, "alpha": f"{link.alpha * 1e6:.2f}",
+            rows.append({"engine": name, "kind": kinds[name] or "unknown", "op": op, "alpha": f"{link.alpha * 1e6:.2f}",
                          "beta": _ps(link.beta), "split": "-" if one else human_bytes(link.split),
                          "alpha_big": "-" if one else f"{link.alpha_big * 1e6:.2f}",
                          "beta_big": "-" if one else _ps(link.beta_big)})

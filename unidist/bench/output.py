@@ -18,10 +18,13 @@ import platform
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unidist.bench.machine import line as machine_line
 from unidist.bench.machine import version as _version
+
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
 
 __all__ = ["Column", "human_bytes", "label", "load", "machine_line", "markdown", "meta", "plot_bandwidth",
            "write_json"]
@@ -29,7 +32,7 @@ __all__ = ["Column", "human_bytes", "label", "load", "machine_line", "markdown",
 Column = tuple[str, str, Callable[[Any], str]]  # (row key, header, formatter of the value)
 
 
-def meta(mgr: Any) -> dict[str, Any]:
+def meta(mgr: Manager) -> dict[str, Any]:
     """Where and how this run was made: enough to tell two JSON files apart and to reproduce them, and
     ``machine`` (``unidist.bench.machine``: CPU, THP, measured copy bandwidth, ...) to tell two machines
     apart. The bandwidth is measured on rank 0 only, the rank that writes the JSON (why: machine.py)."""

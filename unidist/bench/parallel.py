@@ -16,13 +16,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import unidist
 from unidist.bench.machine import line as machine_line
 from unidist.parallel import ColumnParallelLinear, Pipeline, RowParallelLinear
+
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
 
 
 def _stage(width: int, layers: int) -> torch.nn.Module:
@@ -32,7 +35,7 @@ def _stage(width: int, layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*mods)
 
 
-def pipeline_rows(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+def pipeline_rows(mgr: Manager, args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.manual_seed(mgr.rank)
     rows = []
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
@@ -60,7 +63,7 @@ def pipeline_rows(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def tensor_rows(mgr: Any, args: argparse.Namespace) -> dict[str, float]:
+def tensor_rows(mgr: Manager, args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(0)
     width, hidden = args.width, 4 * args.width
     up, down = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)

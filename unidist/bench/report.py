@@ -70,8 +70,8 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks"),
                    help="RESULTS.md and collectives.png here, JSON and logs under results/ (default: benchmarks)")
     p.add_argument("--bin", action="append", default=[], metavar="ENGINE=DIR",
-                   help="directory with python and the launcher for an engine (mpi, torch, deepspeed, horovod); "
-                        "default: beside this interpreter")
+                   help=f"directory with python and the launcher for an engine "
+                        f"({', '.join(dict.fromkeys(r.backend for r in runs()))}); default: beside this interpreter")
     p.add_argument("--runs", default=",".join(r.name for r in runs()), help="which runs, comma-separated")
     p.add_argument("-n", "--nprocs", type=int, default=2)
     p.add_argument("--render-only", action="store_true", help="no runs: render from the JSON files there")
@@ -238,9 +238,11 @@ def render(docs: list[dict[str, Any]]) -> str:
     from unidist.bench import collectives
 
     goals = targets(docs)
+    # a version column per package a registered backend requires (output.meta records the same ones)
+    versions: list[Column] = [(pkg, pkg, str) for pkg in
+                              dict.fromkeys(pkg for rec in registry.records() for pkg in rec.requires)]
     out = ["### Runs", "", markdown(
-        [("run", "run", str), ("ranks", "ranks", str), ("date", "date (UTC)", str), ("torch", "torch", str),
-         ("mpi4py", "mpi4py", str), ("deepspeed", "deepspeed", str), ("horovod", "horovod", str),
+        [("run", "run", str), ("ranks", "ranks", str), ("date", "date (UTC)", str), *versions,
          ("omp_threads", "OMP threads", str), ("cpu_model", "CPU", str), ("cores", "cores", str),
          ("thp", "THP", str), ("copy", "memory GB/s", str)],
         [{**d["meta"], "run": label(d["meta"]), **machine_cells(d["meta"])} for d in docs]), ""]

@@ -13,7 +13,8 @@ Columns, each the same model, optimizer and batch, where this launch can run the
 - ``plain``: the model and its optimizer, nothing else (no communication: at N ranks each rank alone);
 - ``ddp``: ``DistributedDataParallel`` (torch.distributed: the torch or deepspeed backend);
 - ``fsdp2``: ``fully_shard`` on every block and the root (torch.distributed);
-- ``ds-zS``: ``deepspeed.initialize`` with the config unidist generates for stage S (the deepspeed backend);
+- ``ds-zS``: the engine's own training engine at stage S, where the backend's record has one (``raw_engine``, in
+  columns its ``raw_engine_column`` names): DeepSpeed's ``deepspeed.initialize`` with the config unidist generates;
 - ``unidist-zS``: ``mgr.prepare(model, opt, zero_stage=S)``, ``mgr.backward``, ``opt.step``, ``opt.zero_grad``;
 - ``unidist-zS-offload`` (``--offload``, on a GPU): the same with ``offload="cpu"`` (the optimizer on the host).
 
@@ -38,7 +39,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +49,9 @@ from unidist.bench.gpt import GPT2, GPT2Config
 from unidist.bench.machine import line as machine_line
 from unidist.bench.timing import per_unit_rounds, slowest
 from unidist.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
 
 __all__ = ["main"]
 
@@ -149,11 +153,18 @@ def _mmap_threshold(nbytes: int) -> None:
             pass
 
 
-def _columns(mgr: Any, args: argparse.Namespace) -> list[str]:
+def _own(mgr: Manager) -> str | None:
+    """The name of the engine's own training engine's columns (``ds``), None where its record has no such engine."""
+    record = registry.get(mgr.backend)
+    return record.raw_engine_column if record.raw_engine is not None else None
+
+
+def _columns(mgr: Manager, args: argparse.Namespace) -> list[str]:
     stages = [int(s) for s in args.stages.split(",") if s.strip()]
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    own = _own(mgr)
     cols = ["plain", *(["ddp", "fsdp2"] if dist else []),
-            *([f"ds-z{s}" for s in stages] if mgr.backend == "deepspeed" else []),
+            *([f"{own}-z{s}" for s in stages] if own is not None else []),
             *(f"unidist-z{s}" for s in stages)]
     if args.offload:
         if mgr.device.type != "cuda":
@@ -170,7 +181,7 @@ def _columns(mgr: Any, args: argparse.Namespace) -> list[str]:
     return cols
 
 
-def _build(mgr: Any, name: str, args: argparse.Namespace, ids: torch.Tensor) -> Step:
+def _build(mgr: Manager, name: str, args: argparse.Namespace, ids: torch.Tensor) -> Step:
     """One column's step: forward, backward, optimizer step, gradients cleared."""
     model = _model(args).to(mgr.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -184,7 +195,7 @@ def _build(mgr: Any, name: str, args: argparse.Namespace, ids: torch.Tensor) -> 
             popt.step()
             popt.zero_grad()
         return unidist_step
-    if name.startswith("ds-z"):
+    if (own := _own(mgr)) is not None and name.startswith(f"{own}-z"):
         return _engine_own(mgr, model, opt, _stage(name), args, ids)
     if name == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -206,7 +217,7 @@ def _build(mgr: Any, name: str, args: argparse.Namespace, ids: torch.Tensor) -> 
 
 
 def _stage(column: str) -> int:
-    """The ZeRO stage of a ``ds-zS`` or ``unidist-zS[-offload]`` column."""
+    """The ZeRO stage of an engine's own ``ds-zS`` or a ``unidist-zS[-offload]`` column."""
     return int(column.split("-z")[1][0])
 
 
@@ -216,7 +227,7 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(blocks)
 
 
-def _engine_own(mgr: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, stage: int, args: argparse.Namespace,
+def _engine_own(mgr: Manager, model: torch.nn.Module, opt: torch.optim.Optimizer, stage: int, args: argparse.Namespace,
                ids: torch.Tensor) -> Step:
     """The engine's own training engine, made as its record says (DeepSpeed: ``deepspeed.initialize`` with the
     config ``prepare`` would give it for this stage)."""
@@ -225,13 +236,13 @@ def _engine_own(mgr: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, st
         raise InvalidArgumentError(f"the {mgr.backend} backend has no engine of its own to compare with")
     engine = make(mgr, model, opt, stage, args.precision)
 
-    def ds_step() -> None:
+    def engine_step() -> None:
         engine.backward(engine(ids, ids))
         engine.step()
-    return ds_step
+    return engine_step
 
 
-def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(mgr: Manager, args: argparse.Namespace) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(1000 + mgr.rank)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(mgr.device)
     peak = Peak(mgr.device)
@@ -261,13 +272,14 @@ def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
                                        iters=args.steps, rounds=args.rounds, warmup=0))
     peaks = mgr.allgather_object(memory)
     rows = []
+    own = _own(mgr)
     for name, seconds in med.items():
         row: dict[str, Any] = {"column": name, "step_ms": seconds * 1e3,
                                "peak_mb": max(p[name] for p in peaks) / 2**20}
         if name.startswith("unidist-z"):
             stage = str(_stage(name))
             for base in ("plain", *(["ddp"] if stage == "0" else []), *(["fsdp2"] if stage == "3" else []),
-                         f"ds-z{stage}"):
+                         *([f"{own}-z{stage}"] if own is not None else [])):
                 if base in med:
                     row[f"vs_{base.split('-')[0]}"] = seconds / med[base]
                     row[f"mem_vs_{base.split('-')[0]}"] = memory[name] / max(memory[base], 1)
@@ -275,13 +287,15 @@ def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def table(rows: list[dict[str, Any]], mgr: Any, args: argparse.Namespace) -> str:
+def table(rows: list[dict[str, Any]], mgr: Manager, args: argparse.Namespace) -> str:
     params = sum(p.numel() for p in _model(args).parameters())
     head = (f"bench step: backend={mgr.backend} launcher={mgr.launch.launcher} ranks={mgr.size} device="
             f"{mgr.device.type}; GPT-2 {args.layers}x{args.width} ({params / 1e6:.1f} M parameters), AdamW, "
             f"{args.batch}x{args.seq} tokens per rank, precision {args.precision}; slowest rank's median of "
             f"{args.rounds} interleaved rounds of {args.steps} steps")
-    ratio_cols = [c for c in ("vs_plain", "vs_ddp", "vs_fsdp2", "vs_ds") if any(c in r for r in rows)]
+    own = _own(mgr)
+    ratio_cols = [c for c in ("vs_plain", "vs_ddp", "vs_fsdp2", *([f"vs_{own}"] if own is not None else []))
+                  if any(c in r for r in rows)]
     lines = ["| column | step ms | peak MB | " + " | ".join(f"time {c[3:]}" for c in ratio_cols) + " | "
              + " | ".join(f"memory {c[3:]}" for c in ratio_cols) + " |",
              "|---" * (3 + 2 * len(ratio_cols)) + "|"]

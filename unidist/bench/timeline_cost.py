@@ -29,12 +29,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if __package__ in (None, ""):  # run by path under the launcher: this tree, not the bench directory, first
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 from unidist.bench.output import fmt, markdown
+
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
 
 __all__ = ["main", "per_call_us"]
 
@@ -91,7 +94,7 @@ def per_call_us(calls: int = 10_000) -> tuple[float, float]:
     return best[0], best[1]
 
 
-def _train(mgr: Any, x: Any, y: Any, steps: int) -> tuple[float, float, int]:
+def _train(mgr: Manager, x: Any, y: Any, steps: int) -> tuple[float, float, int]:
     """The main job's model and loop on ``mgr``: 10 warm-up steps, then ``steps`` timed ones; returns their
     wall and CPU seconds and the events the timeline recorded meanwhile (0 when it is off)."""
     import torch
@@ -100,8 +103,8 @@ def _train(mgr: Any, x: Any, y: Any, steps: int) -> tuple[float, float, int]:
 
     per = 48 // mgr.size
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64),
-                                torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    model: torch.nn.Module = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64),
+                                                 torch.nn.ReLU(), torch.nn.Linear(64, 10))
     model, opt = mgr.prepare(model, torch.optim.Adam(model.parameters(), lr=2e-3))
     rec = trace_hooks.recorder()
     before = wall = cpu = 0.0

@@ -15,12 +15,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
 
 __all__ = ["calibrate", "interleaved", "per_unit_rounds", "slowest", "spread"]
 
 
-def calibrate(mgr: Any, fns: Sequence[Callable[[], Any]], *, budget: float, warmup: int = 3,
+def calibrate(mgr: Manager, fns: Sequence[Callable[[], Any]], *, budget: float, warmup: int = 3,
               min_iters: int = 1, max_iters: int = 10000) -> int:
     """Run each fn ``warmup`` times (first calls allocate, connect and fill caches), then return how many
     calls of the slowest fn fit in ``budget`` seconds, clamped to [min_iters, max_iters]: rank 0's figure,
@@ -36,7 +39,7 @@ def calibrate(mgr: Any, fns: Sequence[Callable[[], Any]], *, budget: float, warm
     return int(mgr.broadcast_object(iters))
 
 
-def interleaved(mgr: Any, columns: Mapping[str, Callable[[], Any]], *, iters: int, rounds: int
+def interleaved(mgr: Manager, columns: Mapping[str, Callable[[], Any]], *, iters: int, rounds: int
                 ) -> dict[str, list[float]]:
     """Seconds per call of each column, one sample per round; within a round the columns run one after the
     other, each after a barrier, each ``iters`` times. The starting column rotates from round to round so no
@@ -54,7 +57,7 @@ def interleaved(mgr: Any, columns: Mapping[str, Callable[[], Any]], *, iters: in
     return samples
 
 
-def per_unit_rounds(mgr: Any, methods: Mapping[str, tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]]],
+def per_unit_rounds(mgr: Manager, methods: Mapping[str, tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]]],
                     *, iters: int, rounds: int, warmup: int = 1, verify: Callable[[str], None] | None = None
                     ) -> dict[str, list[float]]:
     """Like ``interleaved`` for work that needs set-up and clean-up around each timed unit (a forward pass
@@ -86,14 +89,14 @@ def per_unit_rounds(mgr: Any, methods: Mapping[str, tuple[Callable[[], Any], Cal
     return samples
 
 
-def slowest(mgr: Any, samples: Mapping[str, list[float]]) -> dict[str, float]:
+def slowest(mgr: Manager, samples: Mapping[str, list[float]]) -> dict[str, float]:
     """Each column's median over rounds, then the maximum of those over ranks (same keys on every rank)."""
     mine = {name: statistics.median(values) for name, values in samples.items()}
     every = mgr.allgather_object(mine)
     return {name: max(float(rank_medians[name]) for rank_medians in every) for name in mine}
 
 
-def spread(mgr: Any, samples: Mapping[str, list[float]]) -> dict[str, float]:
+def spread(mgr: Manager, samples: Mapping[str, list[float]]) -> dict[str, float]:
     """Each column's spread over rounds, (max - min) / median, the largest over ranks: how far apart the rounds
     were, the noise a later run's figure must move beyond to count as a change (``report``'s drift table)."""
     mine = {name: (max(v) - min(v)) / statistics.median(v) if v and statistics.median(v) > 0 else 0.0

@@ -11,8 +11,9 @@ Implementations (``--impl``; ``all``, the default, runs those this launch suppor
   backend the launch gives;
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (gloo), where torch.distributed is initialised
   (the torch backend under torchrun or ``UNIDIST_BACKEND=torch mpiexec``; deepspeed);
-- ``horovod``: ``hvd.broadcast_parameters`` and ``hvd.DistributedOptimizer`` as Horovod's examples write
-  them (the horovod backend: horovodrun, or ``UNIDIST_BACKEND=horovod mpiexec``).
+- the backend's own name (``horovod``), where its record has a ``raw_optimizer``: the engine's own data
+  parallelism as its examples write it (Horovod: ``hvd.broadcast_parameters`` and ``hvd.DistributedOptimizer``;
+  horovodrun, or ``UNIDIST_BACKEND=horovod mpiexec``).
 
 After ``--warmup`` untimed steps each, the implementations take turns for ``--rounds`` rounds of ``--steps``
 steps (so machine noise hits them alike); samples/s counts every rank's images: ranks x batch / step time
@@ -23,35 +24,44 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unidist import registry
 from unidist.bench.output import Column, fmt, markdown
 from unidist.bench.real_models import resnet
 from unidist.bench.timing import per_unit_rounds, slowest
 
-__all__ = ["IMPLS", "add_arguments", "run", "table"]
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
 
-IMPLS = ("unidist", "ddp", "horovod")
+__all__ = ["add_arguments", "impls", "run", "table"]
+
 _CLASSES = 1000
 
 
+def impls() -> tuple[str, ...]:
+    """The implementations: unidist's, DDP's, and each registered backend's own (its record's ``raw_optimizer``),
+    named after the backend."""
+    return ("unidist", "ddp", *(rec.name for rec in registry.records() if rec.raw_optimizer is not None))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--impl", choices=[*IMPLS, "all"], default="all")
+    parser.add_argument("--impl", choices=[*impls(), "all"], default="all")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per implementation and round")
     parser.add_argument("--batch", type=int, default=32, help="images per rank")
     parser.add_argument("--image-size", type=int, default=64)
 
 
-def available(mgr: Any) -> dict[str, str]:
+def available(mgr: Manager) -> dict[str, str]:
     """The implementations this launch can run, with why the others cannot."""
     ddp = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return {"unidist": "", "ddp": "" if ddp else "needs torch.distributed (torch or deepspeed backend)",
-            "horovod": "" if mgr.backend == "horovod" else "needs the horovod backend"}
+    own = {name: "" if mgr.backend == name else f"needs the {name} backend" for name in impls()[2:]}
+    return {"unidist": "", "ddp": "" if ddp else "needs torch.distributed (torch or deepspeed backend)", **own}
 
 
-def _step_fn(mgr: Any, impl: str, scale: float, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+def _step_fn(mgr: Manager, impl: str, scale: float, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
     model = resnet(scale=scale, classes=_CLASSES).to(mgr.device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     x, y = x.to(mgr.device), y.to(mgr.device)
@@ -71,33 +81,30 @@ def _step_fn(mgr: Any, impl: str, scale: float, x: torch.Tensor, y: torch.Tensor
             torch.nn.functional.cross_entropy(ddp(x), y).backward()  # type: ignore[no-untyped-call]
             opt.step()
         return ddp_step
-    if impl == "horovod":
-        import horovod.torch as hvd
+    own = registry.get(mgr.backend).raw_optimizer
+    if impl == mgr.backend and own is not None:
+        engine_opt = own(mgr, model, opt)
 
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(opt, root_rank=0)
-        hopt = hvd.DistributedOptimizer(opt, named_parameters=[(f"native.{n}", p)
-                                                               for n, p in model.named_parameters()])
-
-        def horovod_step() -> None:
-            hopt.zero_grad()
+        def engine_step() -> None:
+            engine_opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
-            hopt.step()
-        return horovod_step
+            engine_opt.step()
+        return engine_step
     raise SystemExit(f"train: unknown --impl {impl!r}")
 
 
-def run(mgr: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(mgr: Manager, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per implementation: step time and samples/s."""
     can = available(mgr)
-    if args.impl != "all" and can[args.impl]:
-        raise SystemExit(f"train --impl {args.impl}: {can[args.impl]} (this run: backend {mgr.backend})")
-    impls = [i for i in IMPLS if not can[i]] if args.impl == "all" else [args.impl]
+    why = can.get(args.impl, f"no such implementation (use {', '.join(can)})") if args.impl != "all" else ""
+    if why:
+        raise SystemExit(f"train --impl {args.impl}: {why} (this run: backend {mgr.backend})")
+    chosen = [i for i in impls() if not can[i]] if args.impl == "all" else [args.impl]
     gen = torch.Generator().manual_seed(1000 + mgr.rank)
     x = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=gen)
     y = torch.randint(0, _CLASSES, (args.batch,), generator=gen)
     nothing: Callable[[], None] = lambda: None  # noqa: E731
-    methods = {impl: (nothing, _step_fn(mgr, impl, args.scale, x, y), nothing) for impl in impls}
+    methods = {impl: (nothing, _step_fn(mgr, impl, args.scale, x, y), nothing) for impl in chosen}
     med = slowest(mgr, per_unit_rounds(mgr, methods, iters=args.steps, rounds=args.rounds,
                                        warmup=max(1, args.warmup)))
     nparams = sum(p.numel() for p in resnet(scale=args.scale, classes=_CLASSES).parameters())

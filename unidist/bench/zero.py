@@ -14,12 +14,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import unidist
 from unidist.bench.machine import line as machine_line
+
+if TYPE_CHECKING:
+    from unidist.managers.base import Manager
 
 
 def make_model(width: int, layers: int) -> torch.nn.Module:
@@ -30,10 +33,10 @@ def make_model(width: int, layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*mods)
 
 
-def run_stage(mgr: Any, stage: int, args: argparse.Namespace) -> tuple[dict[str, int], list[float]]:
+def run_stage(mgr: Manager, stage: int, args: argparse.Namespace) -> tuple[dict[str, int], list[float]]:
     model = make_model(args.width, args.layers)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    model, opt = mgr.prepare(model, opt, zero_stage=stage)
+    model, prepared = mgr.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4), zero_stage=stage)
+    opt: Any = prepared  # unidist's prepared optimizer: synchronize() beside the torch Optimizer's calls
     x = torch.randn(args.batch, args.width)
     times: list[float] = []
     stats: dict[str, int] = {}

@@ -3,38 +3,30 @@
 A communicator (the Manager for the whole world, a Group for a subset) holds an engine (comm/engine.py: the
 backend's primitives on contiguous torch tensors) and calls nothing else of the backend. Everything a user
 calls — numpy/torch conversion, in-place variants, ``mean``, bool and half-precision handling, uneven sizes,
-fused (grouped) reductions, argument checks, desync detection — lives here and in comm/communicator.py (point
-to point, Python objects), so every backend and every group behaves the same. Ranks (``root``, ``dest``,
-``source``) are this communicator's ranks."""
+fused (grouped) reductions, argument checks, desync detection — lives here, in comm/binding.py (the engine's
+bound primitives, conversion, the desync countdown) and in comm/communicator.py (point to point, Python objects),
+so every backend and every group behaves the same. Ranks (``root``, ``dest``, ``source``) are this
+communicator's ranks."""
 
 from __future__ import annotations
 
-import abc
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from unidist.comm import check
+from unidist.comm.binding import EngineBinding
 from unidist.comm.dtypes import (
     DTYPE_ID,
     SUPPORTED_DTYPES,
     Tensorish,
-    inplace_tensor,
     out_tensor,
-    output,
     row_numel,
     rows_like,
     split_sizes,
-    to_tensor,
 )
-from unidist.comm.engine import Engine
-from unidist.comm.plans import Plans
-from unidist.comm.reduction import reduce_with
 from unidist.comm.work import Array, Handle, Work
-from unidist.config import Config
 from unidist.errors import CollectiveMismatchError, InvalidArgumentError
 from unidist.ops import ReduceOp, resolve_op
 
@@ -46,124 +38,10 @@ _SUM = ReduceOp.SUM
 _INT64 = torch.int64
 
 
-class Collectives(abc.ABC):
+class Collectives(EngineBinding):
     """The tensor collectives over one engine (``_bind``); ``comm.Communicator`` adds the rest of the API."""
 
-    config: Config
-    _device: torch.device
-    _rank: int
-    _size: int
-
-    def _init_collectives(self) -> None:
-        self._seq = 0
-        self._checked = False  # UNIDIST_CHECK_COLLECTIVES=1 on a communicator of 2+ ranks; set when started
-        # the desync check's countdown (check.py): calls until the next check, the distance the ranks agreed on,
-        # and whether it adapts (one call in K, the default); the check mode is K = 1, and NEVER is off
-        self._left = self._every = check.NEVER
-        self._sampled = False
-        self._check_cost, self._check_end = 0.0, 0.0
-        self._fast_dtypes: frozenset[torch.dtype] = frozenset()  # filled by _enable_fast_path: see allreduce
-        self._fast_np_dtypes: frozenset[np.dtype[Any]] = frozenset()
-        self._plans = Plans()  # the engine's prepared arguments by buffer (plans.py)
-        self._sum_of = self._plans.sums.get  # its in-place sums by (address, bytes, dtype): one lookup, inlined
-
-    def _bind(self, engine: Engine) -> None:
-        """Hold ``engine`` and keep its primitives as bound methods, read once here: the hot calls then cost no
-        more than a method of this class would (``self._engine.allreduce`` is one attribute read more per call,
-        a tenth of an 8-byte in-place allreduce's own overhead)."""
-        self._engine = engine
-        self._rank, self._size = engine.rank, engine.size
-        self._upcast_reduce, self._wire_dtypes = engine.upcast_reduce, engine.wire_dtypes
-        self._check_np = engine.check_np  # the desync fingerprint's words: see check.signature
-        self._barrier, self._broadcast, self._allreduce = engine.barrier, engine.broadcast, engine.allreduce
-        self._allgather, self._alltoall = engine.allgather, engine.alltoall
-        self._send, self._recv = engine.send, engine.recv
-        self._gather, self._scatter, self._reduce_scatter = engine.gather, engine.scatter, engine.reduce_scatter
-        self._allreduce_async, self._broadcast_async = engine.allreduce_async, engine.broadcast_async
-        self._allgather_async, self._reduce_scatter_async = engine.allgather_async, engine.reduce_scatter_async
-        self._check_exchange, self._check_exchange_async = engine.check_exchange, engine.check_exchange_async
-        self._check_rows = engine.check_rows
-        self._prepared_sum, self._allreduce_prepared = engine.prepared_sum, engine.allreduce_prepared
-        self._prepared_blocks, self._allgather_prepared = engine.prepared_blocks, engine.allgather_prepared
-        self._prepared_buffer, self._broadcast_prepared = engine.prepared_buffer, engine.broadcast_prepared
-        self._alltoall_prepared = engine.alltoall_prepared
-        self._reduce_scatter_prepared = engine.reduce_scatter_prepared
-        self._plans.clear()
-        self._pending_mismatch = engine.pending_mismatch
-
-    def _enable_fast_path(self) -> None:
-        """The lean allreduce path for the common case (native dtype, contiguous)."""
-        mode = self.config.check_collectives  # True: every call; None (the default): one in K; False: none
-        multi = self._size > 1
-        self._checked = mode is True and multi
-        self._sampled = mode is None and multi
-        self._left = self._every = 1 if multi and mode is not False else check.NEVER
-        self._check_cost, self._check_end = 0.0, time.perf_counter()
-        native = [d for d in SUPPORTED_DTYPES if d not in self._upcast_reduce and d is not torch.bool]
-        self._fast_dtypes = frozenset(native)
-        self._fast_np_dtypes = frozenset(np.dtype(str(d).replace("torch.", "")) for d in native
-                                         if d is not torch.bfloat16)
-
-    def _disable_fast_path(self) -> None:
-        self._fast_dtypes = frozenset()
-        self._plans.clear()
-
-    def _planned(self, call: str, x: Any, out: Any) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
-        """(x, out, the engine's prepared arguments) for an ``out=`` call on buffers checked before and not due for
-        the desync check (plans.py says why), or None: then the checked path."""
-        return None if self._left <= 1 else self._plans.blocks_of(call, x, out)
-
-    def _keep_plan(self, call: str, x: Any, out: Any, t: torch.Tensor, o: torch.Tensor) -> None:
-        """After a checked ``out=`` call that gave the engine ``x`` and ``out`` themselves (``t``, ``o``), keep the
-        engine's prepared arguments for that pair, where it has any."""
-        if t is not x or o is not out or t.dtype not in self._fast_dtypes or t.dtype in self._wire_dtypes \
-                or not t.is_contiguous() or not o.is_contiguous():
-            return
-        prepared = self._prepared_blocks(t, o)
-        if prepared is not None:
-            self._plans.keep_blocks(call, t, o, prepared)
-
-    @abc.abstractmethod
-    def _need_started(self) -> None:
-        """Raise NotInitializedError unless the engine behind this communicator is running."""
-
-    def _wired(self, t: torch.Tensor) -> torch.Tensor:
-        wire = self._wire_dtypes.get(t.dtype)
-        return t if wire is None else t.view(wire)
-
-    # ----------------------------------------------------------------- input/output conversion
-    _input = staticmethod(to_tensor)
-    _inplace = staticmethod(inplace_tensor)
-    _output = staticmethod(output)
-
-    def _check_root(self, root: int, what: str = "root") -> int:
-        self._need_started()
-        return check.check_rank(root, self._size, what)
-
-    # ----------------------------------------------------------------- desync detection
-    def _due(self) -> bool:
-        """Whether this collective is compared across ranks (check.py): every one with UNIDIST_CHECK_COLLECTIVES=1,
-        one in K by default. Every collective calls this (or its inlined form) exactly once: the ranks count
-        alike."""
-        left = self._left - 1
-        if left > 0:
-            self._left = left
-            return False
-        return True
-
-    def _signature(self, call: str, t: torch.Tensor | None = None, op: ReduceOp | None = None,
-                   root: int = -1, numel: int | None = None) -> None:
-        """When the call is due (``_due``), every rank compares what it is about to call (see check.py)."""
-        self._need_started()
-        if self._due():
-            check.signature(self, call, t, op, root, numel)
-
     # ----------------------------------------------------------------- reductions (shared by several calls)
-    def _reduce_with(self, prim: Callable[..., Work | None], send: torch.Tensor, recv: torch.Tensor,
-                     op: ReduceOp, *extra: Any) -> tuple[Work, Callable[[], None] | None]:
-        """``reduction.reduce_with`` on this communicator's size and the engine's native dtypes."""
-        return reduce_with(prim, send, recv, op, self._size, self._upcast_reduce, *extra)
-
     def _allreduce_impl(self, x: Tensorish, op: ReduceOp | str, inplace: bool, async_: bool) -> Any:
         rop = resolve_op(op)
         if inplace:
@@ -190,7 +68,7 @@ class Collectives(abc.ABC):
     # ----------------------------------------------------------------- public collectives
     def barrier(self) -> None:
         """Every rank waits here until all have arrived. On MPI, a sender whose earlier message its receiver
-        refused (mismatched size) raises here, after the barrier (managers/mpi_checks.py)."""
+        refused (mismatched size) raises here, after the barrier (engines/mpi/checks.py)."""
         self._signature("barrier")
         self._barrier()
         refused = self._pending_mismatch()
@@ -214,7 +92,7 @@ class Collectives(abc.ABC):
             fast_op = _FAST_OPS.get(op)
             if fast_op is not None and (fast_op is not ReduceOp.MEAN or t.dtype.is_floating_point):
                 if self._due():
-                    check.signature(self, "allreduce", t, fast_op, -1, None)
+                    self._compare("allreduce", t, fast_op, -1, None)
                 out = torch.empty_like(t)
                 self._allreduce(t, out, ReduceOp.SUM if fast_op is ReduceOp.MEAN else fast_op)
                 if fast_op is ReduceOp.MEAN:
@@ -247,7 +125,7 @@ class Collectives(abc.ABC):
             if fast_op is not None and (fast_op is not ReduceOp.MEAN or t.dtype.is_floating_point):
                 engine_op = ReduceOp.SUM if fast_op is ReduceOp.MEAN else fast_op
                 if self._due():
-                    check.overlapped(self, "allreduce", t, fast_op, lambda: self._allreduce(t, t, engine_op))
+                    self._compare_overlapped("allreduce", t, fast_op, lambda: self._allreduce(t, t, engine_op))
                 else:
                     self._allreduce(t, t, engine_op)
                 if fast_op is ReduceOp.MEAN:
@@ -290,7 +168,7 @@ class Collectives(abc.ABC):
             return self.broadcast_async_(x, root).wait()
         root = self._check_root(root)  # the lean path, as allreduce_'s: no handle, no writeback
         if self._due():
-            check.signature(self, "broadcast", t, None, root, None)
+            self._compare("broadcast", t, None, root, None)
         self._broadcast(self._wired(t), root)
         return x
 

@@ -85,7 +85,7 @@ def _launcher_problems(record: registry.Backend, packages: Mapping[str, Any], pr
         return [f"{prog['path']} runs {prog['python']}, not this Python ({sys.executable}); install the engine "
                 f"here ({record.install}) or put this environment's bin first on PATH"], []
     mpi = packages.get("mpi4py", {})
-    if not fam.mpi_like or not mpi.get("ok"):
+    if not fam.mpi_like or "mpi4py" not in record.requires or not mpi.get("ok"):  # only an engine on mpi4py's MPI
         return [], []
     theirs, ours = mpi_family(prog.get("output", "")), mpi_family(mpi.get("library_version", ""))
     if theirs and ours and theirs != ours:
@@ -165,7 +165,7 @@ def iface_variables(environ: Mapping[str, str], ifaces: list[Interface]) -> dict
 def device_plan(environ: Mapping[str, str], gpus: int | None) -> dict[str, Any]:
     """The device ``init()`` gives each rank of this host (what ``Manager._pick_device`` decides: ``UNIDIST_DEVICE``
     or ``cuda:{local_rank % GPUs}``), and whether the host's ranks outnumber its GPUs (then the torch backend stages
-    CUDA tensors through the host and the deepspeed backend refuses: managers/torch.py).
+    CUDA tensors through the host and the deepspeed backend refuses: engines/torch/manager.py).
 
     Args:
         environ: the launch's environment (its local size, UNIDIST_DEVICE).

@@ -7,13 +7,14 @@ Nothing here imports an engine, torch or a manager until a record's call is made
 order of preference: ``unidist launch`` without ``--backend`` takes the first whose launcher is installed.
 """
 
+# each import registers that engine's record (no name here shadows an engine's package); the order is preference
 # isort: off
-from unidist.engines.local import record as local
-from unidist.engines.mpi import record as mpi
-from unidist.engines.torch import record as torch
-from unidist.engines.deepspeed import record as deepspeed
-from unidist.engines.horovod import record as horovod
+import unidist.engines.local.record
+import unidist.engines.mpi.record
+import unidist.engines.torch.record
+import unidist.engines.deepspeed.record
+import unidist.engines.horovod.record  # noqa: F401
 # isort: on
 from unidist.engines.training import unidist_training
 
-__all__ = ["deepspeed", "horovod", "local", "mpi", "torch", "unidist_training"]
+__all__ = ["unidist_training"]

@@ -25,6 +25,7 @@ import torch
 
 from unidist.comm import trace_hooks
 from unidist.comm.dtypes import DTYPE_ID, SUPPORTED_DTYPES
+from unidist.comm.protocol import PeerComm
 from unidist.errors import InvalidArgumentError
 
 __all__ = ["Pipeline"]
@@ -45,7 +46,7 @@ class Pipeline:
         loss_fn: ``loss_fn(output, target)`` on the last stage, a mean over the micro-batch.
     """
 
-    def __init__(self, stage_module: torch.nn.Module, group: Any, *, microbatches: int, schedule: str = "gpipe",
+    def __init__(self, stage_module: torch.nn.Module, group: PeerComm, *, microbatches: int, schedule: str = "gpipe",
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
         if not isinstance(stage_module, torch.nn.Module):
             raise InvalidArgumentError(f"Pipeline(stage_module=...) takes a torch.nn.Module, got "

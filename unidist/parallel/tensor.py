@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 
+from unidist.comm.protocol import Comm
 from unidist.errors import InvalidArgumentError
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "copy_to_group", "gather_from_group", "reduce_from_group",
@@ -28,7 +29,7 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "copy_to_group", "gather
 # ----------------------------------------------------------------------------- the four conjugate functions
 class _CopyToGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Comm) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
@@ -39,15 +40,15 @@ class _CopyToGroup(torch.autograd.Function):
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        return group.allreduce(x.contiguous())  # type: ignore[no-any-return]
+    def forward(ctx: Any, x: torch.Tensor, group: Comm) -> torch.Tensor:
+        return group.allreduce(x.contiguous())
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
-def _gather_last(x: torch.Tensor, group: Any) -> torch.Tensor:
+def _gather_last(x: torch.Tensor, group: Comm) -> torch.Tensor:
     """Every rank's x concatenated along the last dim, in group rank order."""
     moved = x.movedim(-1, 0).contiguous()
     out = torch.empty((moved.shape[0] * group.size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
@@ -55,14 +56,14 @@ def _gather_last(x: torch.Tensor, group: Any) -> torch.Tensor:
     return out.movedim(0, -1)
 
 
-def _my_part(x: torch.Tensor, group: Any) -> torch.Tensor:
+def _my_part(x: torch.Tensor, group: Comm) -> torch.Tensor:
     width = x.shape[-1] // group.size
     return x[..., group.rank * width:(group.rank + 1) * width].contiguous()
 
 
 class _GatherFromGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Comm) -> torch.Tensor:
         ctx.group = group
         return _gather_last(x, group)
 
@@ -73,7 +74,7 @@ class _GatherFromGroup(torch.autograd.Function):
 
 class _ScatterToGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Comm) -> torch.Tensor:
         ctx.group = group
         return _my_part(x, group)
 
@@ -82,28 +83,28 @@ class _ScatterToGroup(torch.autograd.Function):
         return _gather_last(grad.contiguous(), ctx.group), None
 
 
-def copy_to_group(x: torch.Tensor, group: Any) -> torch.Tensor:
+def copy_to_group(x: torch.Tensor, group: Comm) -> torch.Tensor:
     """Identity forward; backward sums the input gradient over ``group`` (Megatron's f)."""
     return _CopyToGroup.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
 
 
-def reduce_from_group(x: torch.Tensor, group: Any) -> torch.Tensor:
+def reduce_from_group(x: torch.Tensor, group: Comm) -> torch.Tensor:
     """Sum over ``group`` forward; identity backward (Megatron's g)."""
     return _ReduceFromGroup.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
 
 
-def gather_from_group(x: torch.Tensor, group: Any) -> torch.Tensor:
+def gather_from_group(x: torch.Tensor, group: Comm) -> torch.Tensor:
     """Concatenate the ranks' last dims forward; keep this rank's part of the gradient backward."""
     return _GatherFromGroup.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
 
 
-def scatter_to_group(x: torch.Tensor, group: Any) -> torch.Tensor:
+def scatter_to_group(x: torch.Tensor, group: Comm) -> torch.Tensor:
     """Keep this rank's part of the last dim forward; gather the gradient backward."""
     return _ScatterToGroup.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
 
 
 # ----------------------------------------------------------------------------- the layers
-def _shard(features: int, group: Any, what: str) -> int:
+def _shard(features: int, group: Comm, what: str) -> int:
     if not hasattr(group, "allgather") or not hasattr(group, "size"):
         raise InvalidArgumentError(f"{what}: group must be a unidist Manager or Group, got {type(group).__name__}")
     if features <= 0 or features % group.size:
@@ -138,7 +139,7 @@ class ColumnParallelLinear(torch.nn.Module):
         dtype: of the parameters.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: Any, bias: bool = True, *,
+    def __init__(self, in_features: int, out_features: int, group: Comm, bias: bool = True, *,
                  gather_output: bool = True, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -149,7 +150,7 @@ class ColumnParallelLinear(torch.nn.Module):
                                                     in_features, device, dtype)
 
     @classmethod
-    def from_dense(cls, linear: torch.nn.Linear, group: Any, *, gather_output: bool = True) -> ColumnParallelLinear:
+    def from_dense(cls, linear: torch.nn.Linear, group: Comm, *, gather_output: bool = True) -> ColumnParallelLinear:
         """This rank's rows of ``linear`` (every rank passes the same dense layer)."""
         layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
                     gather_output=gather_output, device=linear.weight.device, dtype=linear.weight.dtype)
@@ -184,7 +185,7 @@ class RowParallelLinear(torch.nn.Module):
         dtype: of the parameters.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: Any, bias: bool = True, *,
+    def __init__(self, in_features: int, out_features: int, group: Comm, bias: bool = True, *,
                  input_is_parallel: bool = False, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -195,7 +196,7 @@ class RowParallelLinear(torch.nn.Module):
                                                     in_features, device, dtype)
 
     @classmethod
-    def from_dense(cls, linear: torch.nn.Linear, group: Any, *, input_is_parallel: bool = False
+    def from_dense(cls, linear: torch.nn.Linear, group: Comm, *, input_is_parallel: bool = False
                    ) -> RowParallelLinear:
         """This rank's columns of ``linear``, and its whole bias (every rank passes the same dense layer)."""
         layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None,

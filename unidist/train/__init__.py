@@ -1,5 +1,6 @@
-"""The training layer, written once on unidist.comm: data-parallel optimizer, state broadcast, sampler, and
-the per-engine trainers behind ``Manager.prepare`` (named in the backend table, unidist/selector.py).
+"""The training layer, written once on unidist.comm: data-parallel optimizer, ZeRO, precision, state broadcast,
+sampler, and unidist's own Trainer behind ``Manager.prepare`` (engines with a trainer of their own keep it in their
+package, unidist/engines/<name>/trainer.py, built on this one).
 Nothing below this layer imports it."""
 
 from __future__ import annotations

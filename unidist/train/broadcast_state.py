@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from unidist.train.protocol import Comm
+from unidist.comm.protocol import Comm
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
 

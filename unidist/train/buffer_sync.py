@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from unidist.comm.protocol import Comm
 from unidist.train.broadcast_state import broadcast_parameters
-from unidist.train.protocol import Comm
 
 __all__ = ["BufferSync"]
 

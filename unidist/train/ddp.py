@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unidist.checkpoint.layout import FullLayout
+from unidist.comm.protocol import world_ranks
 from unidist.errors import InvalidArgumentError
 from unidist.train.gradcore import Compression
 from unidist.train.options import SyncOptions
-from unidist.train.protocol import world_ranks
 from unidist.train.reducer import GradientReducer
 from unidist.train.step_window import WindowedOptimizer
 
 if TYPE_CHECKING:
-    from unidist.train.protocol import Comm
+    from unidist.comm.protocol import Comm
 
 __all__ = ["DistributedOptimizer"]
 
@@ -98,7 +98,7 @@ class DistributedOptimizer(WindowedOptimizer):
         finally:
             self._no_sync = previous
 
-    # ------------------------------------------------------------------ optimizer protocol (window.py)
+    # ------------------------------------------------------------------ optimizer protocol (step_window.py)
     def _clip(self, max_norm: float) -> torch.Tensor:
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm)

@@ -1,7 +1,7 @@
 """What a trainer may ask of the Manager it was made over: the Manager's public, typed accessors, no more.
 
 The trainers (unidist's own, DeepSpeed's, Horovod's) are made by their strategy over a started Manager
-(``unidist.strategy.Strategy``); they use it as the world's communicator (:class:`~unidist.train.protocol.Comm`)
+(``unidist.strategy.Strategy``); they use it as the world's communicator (:class:`~unidist.comm.protocol.Comm`)
 and read a few facts of the run from it. Naming them here keeps the seam narrow and typed: a trainer that needs
 something else of its Manager adds it here and as a public accessor there, never by reading a private name.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from unidist.checkpoint.agree import World
+from unidist.comm.protocol import Comm
 from unidist.config import Config
-from unidist.train.protocol import Comm
 
 __all__ = ["TrainingHost"]
 

@@ -12,7 +12,7 @@ numbers, so training equals no offload (bitwise on the CPU; on a GPU within what
 Where the parameters are on the CPU already there is nothing to move: offload is a no-op there, said once (by rank
 0). ``rehearse_on_cpu`` runs the host path anyway (CPU-to-CPU copies), so a machine without a GPU tests its math.
 On the deepspeed backend the same argument becomes DeepSpeed's own ``offload_optimizer`` (and ``offload_param`` at
-stage 3), in ds_config.py.
+stage 3), in engines/deepspeed/config.py.
 """
 
 from __future__ import annotations

@@ -320,5 +320,5 @@ class Precision:
 def cast_floats(data: Any, dtype: torch.dtype) -> Any:
     """Every floating tensor in ``data`` as ``dtype``, each container keeping its type (``ModelOutput``,
     namedtuples, dataclasses, nested lists and dicts: unidist/tree.py); the rest unchanged. (Also DeepSpeed's
-    output cast, train/deepspeed.py.)"""
+    output cast, engines/deepspeed/trainer.py.)"""
     return map_tensors(data, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)

@@ -1,7 +1,8 @@
 """GradientReducer: gradients averaged in fusion buckets launched from backward's hooks, over any communicator.
 
 What ``DistributedOptimizer`` reduces with, and what a DeepSpeed engine at ZeRO stage 0 can reduce with in place
-of its own (train/deepspeed.py): the buckets, the hooks and the drain, without the optimizer protocol around them.
+of its own (engines/deepspeed/trainer.py): the buckets, the hooks and the drain, without the optimizer protocol
+around them.
 The caller says which backward passes reduce (``sync_pass``: the last of an accumulation window).
 
 How a bucket is reduced depends on what the engine costs, not on a setting (``Communicator.overlaps`` and
@@ -34,8 +35,8 @@ from unidist.ops import ReduceOp
 from unidist.train.gradcore import Compressor, InOrder, pack
 
 if TYPE_CHECKING:
+    from unidist.comm.protocol import Comm
     from unidist.comm.work import Handle
-    from unidist.train.protocol import Comm
 
 __all__ = ["GradientReducer"]
 

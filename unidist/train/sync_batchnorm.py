@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 
+from unidist.comm.protocol import Comm
 from unidist.errors import InvalidArgumentError
-from unidist.train.protocol import Comm
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 

@@ -225,15 +225,19 @@ class Fetcher:
         self.hooks.clear()
 
 
+_NOTE = "unidist ZeRO-3:"  # how the note begins
+
+
 def _explain(module: torch.nn.Module) -> None:
     """A forward is failing (torch calls an ``always_call`` hook with no result only then): if it read a parameter
     nobody gathered, the error says so; the note is added once, by the innermost module."""
     err = sys.exc_info()[1]
-    if err is None or not hasattr(err, "add_note") or getattr(err, "_unidist_noted", False):
+    # the note once: an outer module's hook finds it among the error's notes (PEP 678's ``__notes__``)
+    if err is None or not hasattr(err, "add_note") or any(
+            isinstance(n, str) and n.startswith(_NOTE) for n in getattr(err, "__notes__", ())):
         return
-    err._unidist_noted = True  # type: ignore[attr-defined]
     err.add_note(
-        f"unidist ZeRO-3: if {type(module).__name__}'s forward read a parameter of another module that was not "
+        f"{_NOTE} if {type(module).__name__}'s forward read a parameter of another module that was not "
         "seen doing so during the first training step (or the first forward of its kind, eval or no_grad), that "
         "parameter was still a freed shard (an empty tensor). Declare the read with opt.add_reader(module, parameter) "
         "(opt: what prepare returned), or run that kind of forward once before it matters, or use zero_stage=2.")

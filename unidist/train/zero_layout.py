@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from unidist.checkpoint.layout import Layout, Pieces, Read, even_slice, fresh_scalars, param_names, per_element
-from unidist.train.protocol import world_ranks
+from unidist.comm.protocol import world_ranks
 
 __all__ = ["ShardUnit", "Sharded", "ZeroLayout"]
 

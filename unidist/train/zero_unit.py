@@ -18,10 +18,17 @@ from unidist.train.gradcore import Compressor
 from unidist.train.offload import host_copy, host_empty
 
 if TYPE_CHECKING:
+    from unidist.comm.protocol import Comm
     from unidist.comm.work import Handle
-    from unidist.train.protocol import Comm
 
 __all__ = ["Unit"]
+
+
+def _writes(t: torch.Tensor) -> int:
+    """How many times ``t`` was written in place: torch's version counter. It has no public getter:
+    ``Tensor._version`` is what autograd's in-place check compares (``torch.autograd.graph.increment_version`` is
+    its public writer), and only its changing matters here, never its value."""
+    return int(t._version)
 
 
 class Unit:
@@ -83,7 +90,7 @@ class Unit:
                 with trace_hooks.span("zero prefetch wait"):
                     handle.wait()
                 # the shard changed since it started (a checkpoint loaded between a forward and its gather): stale
-                if version == self.shard._version:
+                if version == _writes(self.shard):
                     self.prefetch_hits += 1
                     self._bind(full)
                     return
@@ -99,7 +106,7 @@ class Unit:
             return
         full = torch.empty(self.chunk * self.dp.size, dtype=self.dtype, device=self.device)
         with trace_hooks.span("zero prefetch", bytes=full):
-            self._pending = (self.dp.allgather_async(self._sendable(), out=full), full, self.shard._version)
+            self._pending = (self.dp.allgather_async(self._sendable(), out=full), full, _writes(self.shard))
         self.prefetches += 1
 
     def release(self) -> None:

@@ -143,7 +143,7 @@ def shutdown() -> None:
     from unidist.managers import stores
 
     if mgr is not None and mgr.started:
-        mgr.barrier()  # a rank destroying gloo pairs a peer still uses aborts that peer (managers/torch.py:258)
+        mgr.barrier()  # a rank destroying gloo pairs a peer still uses aborts that peer (engines/torch/manager.py:258)
     stores.leave_in_order(store, rank, size, mgr.config.timeout if mgr is not None else 60.0,
                           dist.destroy_process_group)
 

@@ -34,7 +34,6 @@ class ProcessSet:
     process_set_id: int | None = None
     ranks: list[int] | None = None
     mpi_comm: Any = None
-    _comm: Any = None  # the Manager or Group once registered and this rank is a member
 
     def __init__(self, ranks_or_comm: Sequence[int]) -> None:
         if isinstance(ranks_or_comm, (str, bytes)) or not hasattr(ranks_or_comm, "__iter__"):
@@ -46,11 +45,6 @@ class ProcessSet:
             raise InvalidArgumentError(
                 "ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
         self.ranks = ranks
-        self._comm: Any = None
-
-    def _invalidate(self) -> None:
-        self.process_set_id = None
-        self._comm = None
 
     def size(self) -> int | None:
         """Number of ranks, or None when not registered."""
@@ -83,7 +77,15 @@ global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
 _registered: dict[int, ProcessSet] = {}  # id -> set, the global one included
+# a registered set -> the communicator its collectives run on here (the Manager or a Group; None off the set):
+# kept beside the set, not on it, so a ProcessSet has Horovod's attributes and no more
+_comms: dict[ProcessSet, Any] = {}
 _next_id = 1
+
+
+def _invalidate(ps: ProcessSet) -> None:
+    ps.process_set_id = None
+    _comms.pop(ps, None)
 
 
 def comm_of(process_set: ProcessSet, call: str = "Allreduce") -> Any:
@@ -91,7 +93,7 @@ def comm_of(process_set: ProcessSet, call: str = "Allreduce") -> Any:
 
     Raises Horovod's ValueErrors: not initialized, an unregistered set, or this rank not a member.
     """
-    comm = process_set._comm
+    comm = _comms.get(process_set)
     if comm is not None and process_set.process_set_id is not None and state.mgr is not None and state.mgr.started:
         return comm  # (a `with unidist.init()` block's Manager may have ended without hvd.shutdown())
     mgr = manager()
@@ -105,9 +107,9 @@ def reset() -> None:
     global _next_id
     for ps in list(_registered.values()):
         if ps is not global_process_set:
-            ps._invalidate()
+            _invalidate(ps)
     _registered.clear()
-    global_process_set._comm = None
+    _comms.clear()
     _next_id = 1
 
 
@@ -131,12 +133,12 @@ def register_init_sets(mgr: Any, listed: list[ProcessSet]) -> None:
     """Register the global set and ``init``'s list, in order; a duplicate raises after the others registered
     (Horovod stays initialized then, as here)."""
     global_process_set.ranks = list(range(mgr.size))
-    global_process_set._comm = mgr
+    _comms[global_process_set] = mgr
     _registered[0] = global_process_set
     duplicate: int | None = None
     for i, ps in enumerate(listed):
         if _find(ps.ranks) is not None:
-            ps._invalidate()
+            _invalidate(ps)
             duplicate = i if duplicate is None else duplicate
             continue
         _register(mgr, ps)
@@ -159,7 +161,7 @@ def _register(mgr: Any, ps: ProcessSet) -> None:
     if bad or not ranks or len(set(ranks)) != len(ranks):
         raise InvalidArgumentError(f"process set ranks {ranks} must be distinct world ranks in 0..{mgr.size - 1} "
                                    "(at least one)")
-    ps._comm = mgr.new_group(ranks)  # collective: every rank calls it; None off the set
+    _comms[ps] = mgr.new_group(ranks)  # collective: every rank calls it; None off the set
     ps.process_set_id = _next_id
     _registered[_next_id] = ps
     _next_id += 1
@@ -188,7 +190,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     manager()
     _need_dynamic("removing")
     _registered.pop(process_set.process_set_id or 0, None)
-    process_set._invalidate()
+    _invalidate(process_set)
     return True
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from unidist.engines.torch.record import torch_like_calls, torch_like_mean
+from unidist.engines.torch.record import torch_like_calls, torch_like_mean, torch_like_p2p
 from unidist.registry import Backend, Launch, Strategy, register
 
 
@@ -31,6 +31,13 @@ def _raw_grad_mean(mgr: Any) -> Callable[[Any], None]:
     import deepspeed.comm as ds_comm
 
     return torch_like_mean(ds_comm, mgr.size)
+
+
+def _raw_p2p(mgr: Any) -> dict[str, tuple[Callable[[Any, int], Any], Callable[[Any, int], Any]]]:
+    """deepspeed.comm has no send/recv of its own worth timing: torch.distributed's, which it runs on."""
+    import torch.distributed as dist
+
+    return torch_like_p2p(dist)
 
 
 def _raw_engine(mgr: Any, model: Any, optimizer: Any, zero_stage: int, precision: str) -> Any:
@@ -62,5 +69,10 @@ BACKEND = register(Backend(
     raw_calls=_raw_calls,
     raw_grad_mean=_raw_grad_mean,
     raw_engine=_raw_engine,
+    raw_p2p=_raw_p2p,
+    raw_engine_column="ds",
+    engine_reducer="DeepSpeed engine's allreduce",
+    algorithms={"*": "gloo"},  # torch.distributed's gloo (the CPU accelerator)
+    env_prefixes=("DS_", "GLOO_", "NCCL_", "TORCH_"),
     launches=(Launch("deepspeed", "deepspeed-{n}", (2,), cpu_env={"DS_ACCELERATOR": "cpu"}, bench="deepspeed"),),
 ))

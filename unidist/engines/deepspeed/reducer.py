@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from unidist.comm.protocol import Comm
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train.gradcore import Compression
 from unidist.train.options import TrainOptions
 from unidist.train.precision import Precision
-from unidist.train.protocol import Comm
 from unidist.train.reducer import GradientReducer
 
 __all__ = ["install", "wanted"]

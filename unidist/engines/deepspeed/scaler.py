@@ -1,6 +1,6 @@
 """The GradScaler DeepSpeed's ``torch_autocast`` fp16 runs with under unidist (``AgreedGradScaler``): unidist's
-loss-scaling parameters, the skip agreed across ranks, one update per optimizer step (train/deepspeed.py installs
-it right after ``deepspeed.initialize``)."""
+loss-scaling parameters, the skip agreed across ranks, one update per optimizer step (trainer.py installs it right
+after ``deepspeed.initialize``)."""
 
 from __future__ import annotations
 

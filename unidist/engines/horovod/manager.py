@@ -184,7 +184,7 @@ class HorovodManager(Manager):
         # (common/operations.cc:1449,1456) from a binding that keeps the GIL (torch/mpi_ops_v2.cc:76,1142):
         # with a peer stopped, a rank entering a backward waits there holding the GIL, its watchdog thread cannot
         # run, and only the backstop would end it, naming nobody. The engines' timeout (UNIDIST_TIMEOUT + 10 s),
-        # before the backstop's, frees it with an error that unidist names (train/horovod.py,
+        # before the backstop's, frees it with an error that unidist names (engines/horovod/trainer.py,
         # watchdog.explaining). Never later than Horovod's default (it also bounds how far apart the ranks may
         # reach hvd.init: 8 s failed a third of the starts under load); a user's own value stays.
         seconds = int(watchdog.engine_timeout(self.config.timeout).total_seconds())

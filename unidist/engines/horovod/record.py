@@ -44,6 +44,18 @@ def _raw_grad_mean(mgr: Any) -> Callable[[Any], Any]:
     return lambda g: hvd.allreduce_(g, op=hvd.Average)
 
 
+def _raw_optimizer(mgr: Any, model: Any, optimizer: Any) -> Any:
+    """As Horovod's examples write it: rank 0's parameters and optimizer state broadcast, then
+    ``hvd.DistributedOptimizer`` (its names prefixed so they never meet those of an optimizer unidist prepared in
+    the same process)."""
+    import horovod.torch as hvd
+
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    return hvd.DistributedOptimizer(optimizer, named_parameters=[(f"native.{n}", p)
+                                                                 for n, p in model.named_parameters()])
+
+
 BACKEND = register(Backend(
     name="horovod",
     manager_name="HorovodManager",
@@ -56,6 +68,10 @@ BACKEND = register(Backend(
     engine="horovod.torch",
     raw_calls=_raw_calls,
     raw_grad_mean=_raw_grad_mean,
+    raw_optimizer=_raw_optimizer,
+    engine_reducer="hvd.DistributedOptimizer",
+    # its MPI controller under an MPI launcher (MPICH's algorithms, as the mpi backend); gloo under horovodrun --gloo
+    algorithms={"mpich": "mpich", "openmpi": "mpich", "*": "gloo"},
     launches=(Launch("horovodrun", "horovodrun-gloo-{n}", (2,), bench="horovod-gloo"),
               Launch("mpich", "horovod-under-mpiexec-{n}", (2,), {"UNIDIST_BACKEND": "horovod"}, bench="horovod-mpi")),
 ))

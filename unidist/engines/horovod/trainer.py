@@ -32,7 +32,7 @@ class HorovodTrainer(Trainer):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Horovod's hooks enqueue each gradient during the backward; an enqueue can block holding the GIL
-        while a peer is stopped (managers/horovod.py says why) until Horovod's own gloo timeout ends it, so
+        while a peer is stopped (engines/horovod/manager.py says why) until Horovod's own gloo timeout ends it, so
         the error that frees it names the peers that stopped or died."""
         with watchdog.explaining("hvd backward (gradient enqueue)"):
             super().backward(loss)
@@ -123,7 +123,7 @@ class HorovodOptimizer(OptimizerView):
     """
 
     scaler: LossScaler | None = None
-    last_grad_norm: torch.Tensor | None = None  # the norm the last clip measured (window.py: kept unsynchronized)
+    last_grad_norm: torch.Tensor | None = None  # the norm the last clip measured (step_window.py: kept unsynchronized)
     hooks: list[Any]
 
     def __init__(self, hvd_optimizer: Any, k: int, clip_grad_norm: float | None, world: Any) -> None:

@@ -389,7 +389,7 @@ class MPIEngine(Engine):
     def recv(self, t: torch.Tensor, source: int, tag: int) -> None:
         if not self._device_ok(t):
             return self._staged(lambda s, r: self.recv(r, source, tag), None, t)
-        self._guard.recv(self._spec(t), t, source, tag)  # the status's count against the buffer (mpi_checks.py)
+        self._guard.recv(self._spec(t), t, source, tag)  # the status's count against the buffer (checks.py)
 
     def pending_mismatch(self) -> Exception | None:
         return self._guard.pending()

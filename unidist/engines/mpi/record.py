@@ -60,6 +60,26 @@ def _raw_grad_mean(mgr: Any) -> Callable[[Any], None]:
     return mean
 
 
+def _raw_p2p(mgr: Any) -> dict[str, tuple[Callable[[Any, int], Any], Callable[[Any, int], Any]]]:
+    """mpi4py's blocking Send/Recv on the Manager's communicator, and Recv with the guard unidist's mpi backend
+    adds: the receive status's count checked against the buffer's size."""
+    from mpi4py import MPI
+
+    comm, status = mgr.comm, MPI.Status()
+
+    def send(t: Any, peer: int) -> None:
+        comm.Send(t.numpy(), peer, 0)
+
+    def recv(t: Any, peer: int) -> None:
+        comm.Recv(t.numpy(), peer, 0)
+
+    def counted(t: Any, peer: int) -> None:
+        comm.Recv(t.numpy(), peer, 0, status)
+        if status.Get_count(MPI.BYTE) != t.nbytes:
+            raise AssertionError("the ping-pong's sizes differ")
+    return {"engine": (send, recv), "engine+guard": (send, counted)}
+
+
 BACKEND = register(Backend(
     name="mpi",
     manager_name="MPIManager",
@@ -74,6 +94,9 @@ BACKEND = register(Backend(
     engine="mpi4py",
     raw_calls=_raw_calls,
     raw_grad_mean=_raw_grad_mean,
+    raw_p2p=_raw_p2p,
+    algorithms={"*": "mpich"},
+    distributions=("mpich",),
     launches=(Launch("mpich", "mpiexec-{n}", (2, 3), bench="mpi"),
               Launch("mpich", "mpiexec-{n}-checked", (2,), {"UNIDIST_CHECK_COLLECTIVES": "1"})),
 ))

@@ -28,7 +28,8 @@ from unidist.managers.base import Manager
 from unidist.net import listener, rendezvous_address
 from unidist.ops import ReduceOp
 
-__all__ = ["SHARED_GPU_WARNING", "HostStagedTorchEngine", "TorchEngine", "TorchManager", "shares_gpus"]
+__all__ = ["SHARED_GPU_WARNING", "HostStagedTorchEngine", "TorchEngine", "TorchManager", "shares_gpus",
+           "store_listener"]
 
 _log = logging.getLogger("unidist")
 
@@ -273,9 +274,9 @@ class TorchManager(Manager):
         if launch.master_addr and launch.master_port:
             addr, port = launch.master_addr, launch.master_port
             if launch.rank == 0 and launch.launcher != "torchrun":  # torchrun's agent hosts the store
-                self._listen = self._listener(addr, port)
+                self._listen = store_listener(addr, port)
         elif launch.size == 1:
-            self._listen = self._listener("127.0.0.1", 0)
+            self._listen = store_listener("127.0.0.1", 0)
             addr, port = "127.0.0.1", self._listen.getsockname()[1]
         else:
             fam = family(launch.launcher)
@@ -292,17 +293,6 @@ class TorchManager(Manager):
             addr, port, self._listen = shared
         self._setenv("MASTER_ADDR", addr)
         self._setenv("MASTER_PORT", str(port))
-
-    @staticmethod
-    def _listener(addr: str, port: int, fallback_any: bool = True) -> socket.socket:
-        """Rank 0's listening socket for the store, or a LaunchEnvironmentError naming the address and port;
-        ``fallback_any`` for an address the launcher gave (see ``net.listener``)."""
-        try:
-            return listener(addr, port, fallback_any=fallback_any)
-        except OSError as err:
-            raise LaunchEnvironmentError(
-                f"rank 0 cannot listen on MASTER_ADDR={addr} MASTER_PORT={port} ({err.strerror}): give an address "
-                "of this host and a port free on it (another job may hold it)") from err
 
     _shared_gpu = False  # more ranks than GPUs on this host (shares_gpus): gloo, CUDA tensors staged on the host
 
@@ -384,6 +374,17 @@ class TorchManager(Manager):
         stores.leave_in_order(store, self._rank, self._size, self.config.timeout, self._dist.destroy_process_group)
 
 
+def store_listener(addr: str, port: int, fallback_any: bool = True) -> socket.socket:
+    """Rank 0's listening socket for the store, or a LaunchEnvironmentError naming the address and port;
+    ``fallback_any`` for an address the launcher gave (see ``net.listener``)."""
+    try:
+        return listener(addr, port, fallback_any=fallback_any)
+    except OSError as err:
+        raise LaunchEnvironmentError(
+            f"rank 0 cannot listen on MASTER_ADDR={addr} MASTER_PORT={port} ({err.strerror}): give an address "
+            "of this host and a port free on it (another job may hold it)") from err
+
+
 def _share_address_over_mpi(rank: int, size: int, single_node: bool) -> tuple[str, int, socket.socket | None] | None:
     """Rank 0's address and port, broadcast with mpi4py's buffer Bcast, and on rank 0 the socket already
     listening there; None without mpi4py, or when MPI's world is not the launch's: a launcher that gives MPI no
@@ -402,7 +403,7 @@ def _share_address_over_mpi(rank: int, size: int, single_node: bool) -> tuple[st
     if rank == 0:
         addr = rendezvous_address(single_node)
         try:
-            sock = TorchManager._listener(addr, 0, fallback_any=False)  # an address of ours: it must work
+            sock = store_listener(addr, 0, fallback_any=False)  # an address of ours: it must work
         except LaunchEnvironmentError:  # the peers wait in the Bcast below: end the MPI job instead of a hang
             _abort_mpi_job()
         text = f"{addr}:{sock.getsockname()[1]}".encode()

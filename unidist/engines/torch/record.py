@@ -1,5 +1,6 @@
 """The torch backend (torch.distributed) and torch.distributed's own calls for the benchmarks; deepspeed.comm
-spells them alike, so its record reuses ``torch_like_calls``."""
+spells them alike, so its record reuses ``torch_like_calls`` (and, since DeepSpeed runs on torch.distributed,
+``torch_like_p2p``)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,22 @@ def torch_like_mean(d: Any, n: int) -> Callable[[Any], None]:
     return mean
 
 
+def torch_like_p2p(d: Any) -> dict[str, tuple[Callable[[Any, int], Any], Callable[[Any, int], Any]]]:
+    """The blocking send/recv of ``torch.distributed`` (default group), and the same with the 32-byte header frame
+    unidist's gloo path adds (``unidist.comm.mismatch.Framing``)."""
+    from unidist.comm import mismatch
+
+    def send(t: Any, peer: int) -> Any:
+        return d.send(t, peer)
+
+    def recv(t: Any, peer: int) -> Any:
+        return d.recv(t, peer)
+
+    framing = mismatch.Framing(lambda t, peer, tag: send(t, peer), lambda t, peer, tag: recv(t, peer))
+    return {"engine": (send, recv),
+            "engine+guard": (lambda t, peer: framing.send(t, peer, 0), lambda t, peer: framing.recv(t, peer, 0))}
+
+
 def _raw_calls(mgr: Any) -> dict[str, Callable[[Any], Callable[[], Any]]]:
     import torch.distributed as dist
 
@@ -62,6 +79,12 @@ def _raw_grad_mean(mgr: Any) -> Callable[[Any], None]:
     import torch.distributed as dist
 
     return torch_like_mean(dist, mgr.size)
+
+
+def _raw_p2p(mgr: Any) -> dict[str, tuple[Callable[[Any, int], Any], Callable[[Any, int], Any]]]:
+    import torch.distributed as dist
+
+    return torch_like_p2p(dist)
 
 
 BACKEND = register(Backend(
@@ -77,6 +100,9 @@ BACKEND = register(Backend(
     engine="torch.distributed",
     raw_calls=_raw_calls,
     raw_grad_mean=_raw_grad_mean,
+    raw_p2p=_raw_p2p,
+    algorithms={"*": "gloo"},
+    env_prefixes=("GLOO_", "NCCL_", "TORCH_"),
     launches=(Launch("torchrun", "torchrun-{n}", (2,), bench="torch"),
               Launch("mpich", "torch-under-mpiexec-{n}", (3,), {"UNIDIST_BACKEND": "torch"})),
 ))

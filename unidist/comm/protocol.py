@@ -1,4 +1,8 @@
-"""What the training layer needs from a communicator: the world (a Manager) or a Group, on any backend."""
+"""What the layers above need from a communicator: the world (a Manager) or a Group, on any backend.
+
+``Comm`` is what the training layer and tensor parallelism are written on; ``PeerComm`` adds the point-to-point
+calls and the blocking broadcast pipeline stages talk over. Both are met by ``Communicator`` (so by every Manager
+and Group); code written on them never reads a communicator's private state."""
 
 from __future__ import annotations
 
@@ -9,11 +13,11 @@ import torch
 from unidist.comm.work import Handle
 from unidist.ops import ReduceOp
 
-__all__ = ["Comm", "world_ranks"]
+__all__ = ["Comm", "PeerComm", "world_ranks"]
 
 
 class Comm(Protocol):
-    """The few collectives unidist.train is written on."""
+    """The few collectives unidist.train and unidist.parallel's tensor parallel layers are written on."""
 
     @property
     def rank(self) -> int: ...
@@ -45,6 +49,17 @@ class Comm(Protocol):
     def broadcast_(self, x: torch.Tensor, root: int = ...) -> torch.Tensor: ...
 
     def broadcast_object(self, obj: Any, root: int = ...) -> Any: ...
+
+
+class PeerComm(Comm, Protocol):
+    """``Comm`` and what a pipeline's stages exchange: activations and gradients between neighbours (blocking
+    send/recv, this communicator's ranks), the loss from the last stage."""
+
+    def send(self, x: torch.Tensor, dest: int, tag: int = ...) -> None: ...
+
+    def recv(self, x: torch.Tensor, source: int, tag: int = ...) -> torch.Tensor: ...
+
+    def broadcast(self, x: torch.Tensor, root: int = ...) -> torch.Tensor: ...
 
 
 def world_ranks(comm: Comm) -> tuple[int, ...]:
