@@ -4,7 +4,7 @@
 # The pages include these files as they are, so a page's figure is what the command last printed.
 #
 #   bash benchmarks/records.sh                 # all (about 20 minutes; run it on a quiet machine)
-#   bash benchmarks/records.sh check faults    # some: check, timeline, checkpoint, faults, zoo, step
+#   bash benchmarks/records.sh check faults    # some: check, timeline, checkpoint, faults, zoo, step, verify
 #
 # Python comes from BENCH_BIN (a directory with python, mpiexec and every engine; default: .tox/py/bin, whose
 # environment has mpi4py and torch; the fault table and the model zoo's need every engine (and transformers), so
@@ -16,7 +16,7 @@ export PATH="$bin:$PATH" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DS_ACCELER
 out=benchmarks/records
 record() { "$bin/python" -m unidist.bench.record "$@"; }
 want() { [ $# -eq 0 ] || [[ " $* " == *" $name "* ]]; }
-for name in check timeline checkpoint faults zoo step; do
+for name in check timeline checkpoint faults zoo step verify; do
     want "${@}" || continue
     case $name in
     check) record $out/check.md -- mpiexec -n 2 python -m unidist.bench.check --rounds 21 ;;
@@ -43,5 +43,9 @@ for name in check timeline checkpoint faults zoo step; do
         record $out/step_torchrun.md -- torchrun --standalone --nproc_per_node 2 -m unidist.bench.step --rounds 7
         record $out/step_deepspeed.md -- deepspeed --num_gpus 2 unidist/bench/step.py --rounds 7 \
             --columns plain,ds-z0,ds-z1,ds-z2,ds-z3,unidist-z0,unidist-z1,unidist-z2,unidist-z3 ;;
+    verify)  # unidist verify on the main example under every launcher here (and its picture), then what the
+             # fingerprint it compares costs a training step
+        record $out/verify_digits.md -- unidist verify --plot docs/verify.png examples/train_digits.py --epochs 3
+        record $out/fingerprint_cost.md -- mpiexec -n 2 python -m unidist.bench.fingerprint --rounds 7 ;;
     esac
 done

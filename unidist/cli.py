@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import unidist
-from unidist import registry
+from unidist import registry, verify
 from unidist.bench import OFFLINE as BENCH_OFFLINE
 from unidist.bench import SUBCOMMANDS as BENCHMARKS
 from unidist.bench.timeline import add_arguments as timeline_arguments
@@ -39,11 +39,11 @@ __all__ = ["Plan", "hosts_plan", "launch_command", "main"]
 
 
 def _packages() -> list[str]:
-    """numpy, the MPI wheel, and every package a registered backend requires."""
-    names = ["numpy", "mpich"]
-    for record in registry.records():
-        names += [pkg for pkg in record.requires if pkg not in names]
-    return names
+    """numpy, the distributions the backends' records name for the report (the MPI wheel), and every package a
+    registered backend requires."""
+    records = registry.records()
+    return list(dict.fromkeys(["numpy", *(d for rec in records for d in rec.distributions),
+                               *(pkg for rec in records for pkg in rec.requires)]))
 
 
 _EXTRA_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -70,8 +70,7 @@ def info(environ: Mapping[str, str]) -> dict[str, Any]:
     }
     names = sorted({n for fam in LAUNCHERS for n in (fam.rank, *fam.size, fam.local_rank, fam.local_size,
                                                       fam.node_rank, *fam.marker) if n} | set(_EXTRA_VARS))
-    report["backends"] = {rec.name: "usable" if not rec.missing() else f"needs {', '.join(rec.missing())}"
-                          for rec in registry.records()}
+    report["backends"] = {}  # filled below: a plugin UNIDIST_BACKEND names is registered when looked up
     report["launch_variables"] = {n: environ[n] for n in names if n in environ}
     report["unidist_variables"] = {n: environ[n] for n in sorted(environ) if n.startswith("UNIDIST_")}
     try:
@@ -86,6 +85,8 @@ def info(environ: Mapping[str, str]) -> dict[str, Any]:
         report["manager"] = record.manager_name
     except UnidistError as err:
         report["error"] = f"{type(err).__name__}: {err}"
+    report["backends"].update({rec.name: "usable" if not rec.missing() else f"needs {', '.join(rec.missing())}"
+                               for rec in registry.records()})
     return report
 
 
@@ -157,8 +158,16 @@ def _default_backend() -> str:
 
 
 # what a launcher started over ssh is given (real ssh carries no environment; mpiexec and horovodrun carry
-# their own): unidist's settings and the engines' interface, thread and import-path variables
-_FORWARD = ("UNIDIST_", "GLOO_", "NCCL_", "TORCH_", "OMP_", "MKL_", "DS_", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")
+# their own): unidist's settings, thread and import-path variables, and the engines' own (their records'
+# env_prefixes: interface, debug, accelerator)
+_FORWARD = ("UNIDIST_", "OMP_", "MKL_", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")
+
+
+def _forwarded() -> tuple[str, ...]:
+    """The prefixes of the variables carried over ssh: ``_FORWARD`` and every registered backend's."""
+    return tuple(dict.fromkeys([*_FORWARD, *(p for rec in registry.records() for p in rec.env_prefixes)]))
+
+
 # the {hostfile} of a launcher started per host: the file _remote writes on that host (no argument given on a
 # command line can equal this word: it holds a NUL)
 _REMOTE_HOSTFILE = "\0hostfile"
@@ -220,7 +229,7 @@ def hosts_plan(backend: str, hosts: list[Host], script: str, args: Sequence[str]
         plan.commands.append(cmd.hosts_argv(program, values, rest))
         return plan
     where = cwd or os.getcwd()
-    carry = {k: v for k, v in environ.items() if k.startswith((*_FORWARD, *cmd.exports))}
+    carry = {k: v for k, v in environ.items() if k.startswith((*_forwarded(), *cmd.exports))}
     carry |= _env_file(cmd, environ, where) | env
     setvars = ["env", *(f"{k}={v}" for k, v in sorted(carry.items()))] if carry else []
     hostfile = hostfile_text(hosts, cmd.hostfile) if cmd.hostfile else None
@@ -373,6 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_timeline = sub.add_parser("timeline", help="read a trace UNIDIST_TIMELINE wrote: summarize (and --plot) "
                                                  "it, or merge the per-rank parts a failed job left")
     timeline_arguments(p_timeline)
+    p_verify = sub.add_parser("verify", help="run a script under every usable launcher (or --launch ...) and check "
+                                             "that each trains as one process does, step by step")
+    verify.add_arguments(p_verify)
     argv = script_args() if argv is None else list(argv)  # without a launcher's --local_rank=N
     bench_args: list[str] = []
     if argv[:1] == ["bench"] and "--" in argv:  # the benchmark's own options (a REMAINDER would take -n too)
@@ -390,6 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns.args = [ns.benchmark, *bench_args]
     if ns.command == "timeline":
         return timeline_main(ns)
+    if ns.command == "verify":
+        return verify.main(ns, launch_command)
     if ns.command == "info":
         report = info(os.environ)
         code = 0

@@ -70,6 +70,9 @@ class Config:
     timeline_events: int = 200_000
     # the stall inspector (comm/stall.py): a wait on peers longer than this is explained (0: off)
     stall_warning: float = 60.0
+    # the training fingerprint (train/fingerprint.py): where rank 0 writes one line per optimizer step (None: off);
+    # ``unidist verify`` sets it for each launch it runs
+    fingerprint: str | None = None
     unknown: tuple[str, ...] = field(default=(), compare=False, repr=False)
     # the fields the environment set (not defaults): an explicit prepare() argument that disagrees is an error
     from_environment: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -191,6 +194,7 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "timeline": _path,
     "timeline_events": _number(int, _EVENTS_ALLOWED, lambda v: v > 0),
     "stall_warning": _number(float, _STALL_ALLOWED, lambda v: 0 <= v <= MAX_TIMEOUT),
+    "fingerprint": _path,
 }
 
 ENV_VARS: tuple[str, ...] = tuple(_env_name(n) for n in _PARSERS)

@@ -84,6 +84,9 @@ def test_recipe(nodes: Cluster, recipe: str) -> None:
         runs = sum("hello_collectives" in cmd for host, cmd in _lines(recipe) if host == "node1")
         assert sorted(ranks) == sorted([(str(r), str(r % 2), str(r // 2)) for r in range(4)] * runs), text[-8000:]
         assert text.count("7/7 collectives correct on 4 process(es)") >= runs, text[-8000:]
-    if "train_digits" in recipe:
+    if "unidist verify" in recipe:  # the 4 ranks on two hosts train as one process does
+        assert "verdict: every launch trains the same as one process" in text, text[-8000:]
+        assert re.search(r"^\| mpiexec-4 \|.* \| agrees \|$", text, flags=re.M), text[-8000:]
+    elif "train_digits" in recipe:
         m = re.search(r"ranks=(\d) final test accuracy ([\d.]+) .* max parameter difference across ranks (\S+)", text)
         assert m and m.group(1) == "4" and float(m.group(2)) >= 0.9 and float(m.group(3)) == 0.0, text[-8000:]

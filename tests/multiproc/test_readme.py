@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from docsource import commands, runnable
+from docsource import commands, output_matches, runnable
 from helpers import BIN, ROOT, require, run
 
 COMMANDS = list(dict.fromkeys(cmd for block in runnable("launch") for cmd in commands(block)))
@@ -54,7 +54,13 @@ def test_readme_command(cmd: str) -> None:
     assert proc.returncode == 0, proc.describe()
     count = re.search(r"(?:-n|-np|--nproc_per_node|--num_gpus|\.sh) (\d+)", cmd)
     n = int(count.group(1)) if count else 1
-    if "hello_collectives" in cmd:
+    if cmd.startswith("unidist verify"):  # docs/verify.md: every launch agrees with one process
+        assert "verdict: every launch trains the same as one process" in proc.stdout, proc.describe()
+        assert len(re.findall(r"^\| \S+ \|.* \| agrees \|$", proc.stdout, flags=re.M)) == cmd.count("--launch"), \
+            proc.describe()
+        shown = [b.output for b in runnable("launch") if cmd in commands(b) and b.output]
+        assert shown and output_matches(shown[0], proc.stdout) is None, output_matches(shown[0], proc.stdout)
+    elif "hello_collectives" in cmd:
         assert f"7/7 collectives correct on {n} process(es)" in proc.stdout, proc.describe()
     elif "hybrid_mlp" in cmd:
         assert re.search(r"max \|hybrid - dense\| over every rank's shards after \d+ steps: ", proc.stdout), \

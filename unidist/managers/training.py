@@ -34,7 +34,8 @@ class TrainingEntryPoints:
                 bucket_mb: float | None = None, group: Group | None = None,
                 deepspeed_config: Mapping[str, Any] | str | None = None, precision: str | None = None,
                 loss_scaling: Mapping[str, Any] | None = None, reducer: str = "auto", sync_batchnorm: bool = False,
-                offload: str | None = None, **unknown: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+                offload: str | None = None, fingerprint: str | os.PathLike[str] | None = None,
+                **unknown: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Make ``model`` and ``optimizer`` data parallel; then ``mgr.backward(loss); opt.step();
         opt.zero_grad()`` is the whole loop, the same on every backend.
 
@@ -86,12 +87,16 @@ class TrainingEntryPoints:
                 ``offload_optimizer``/``offload_param`` on the deepspeed backend): device memory for host memory and
                 copies, the same training. Needs ``zero_stage`` 1-3; a no-op, said once, where the device is the CPU.
                 Default None.
+            fingerprint: a file where rank 0 writes one JSON line per optimizer step: the loss, the gradient norm
+                before clipping, each parameter's norm and sum, learning rates, loss scale, skipped or not
+                (``unidist.train.fingerprint``; ``unidist verify`` compares them between launches). Costs one small
+                reduction per step. Default None (``UNIDIST_FINGERPRINT``).
         """
         return self._training().prepare(
             model, optimizer, zero_stage=zero_stage, clip_grad_norm=clip_grad_norm, op=op, compression=compression,
             backward_passes_per_step=backward_passes_per_step, bucket_mb=bucket_mb, group=group,
             deepspeed_config=deepspeed_config, precision=precision, loss_scaling=loss_scaling, reducer=reducer,
-            sync_batchnorm=sync_batchnorm, offload=offload, unknown=unknown)
+            sync_batchnorm=sync_batchnorm, offload=offload, fingerprint=fingerprint, unknown=unknown)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` for the prepared model (divided by ``backward_passes_per_step``; on DeepSpeed

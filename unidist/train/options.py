@@ -8,6 +8,7 @@ only one engine understands carries that engine's name (``deepspeed_config``).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -129,8 +130,9 @@ class TrainOptions:
     reducer: str = "auto"
     sync_batchnorm: bool = False  # BatchNorm over the whole batch across the data-parallel ranks (sync_batchnorm.py)
     offload: str | None = None  # "cpu": ZeRO's shards and optimizer state in host memory (offload.py)
+    fingerprint: str | None = None  # where rank 0 writes one line per optimizer step (fingerprint.py), or None
     # where each explicitly set option came from ("prepare(zero_stage=3)", "UNIDIST_ZERO_STAGE=3"); an engine
-    # config that disagrees names it (train/ds_config.py)
+    # config that disagrees names it (engines/deepspeed/config.py)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -139,7 +141,7 @@ class TrainOptions:
               bucket_mb: float | None, group: Any, deepspeed_config: Mapping[str, Any] | str | Path | None,
               precision: str | None = None, loss_scaling: Mapping[str, Any] | None = None,
               reducer: str = "auto", sync_batchnorm: bool = False, offload: str | None = None,
-              unknown: Mapping[str, Any]) -> TrainOptions:
+              fingerprint: str | os.PathLike[str] | None = None, unknown: Mapping[str, Any]) -> TrainOptions:
         """``None`` takes the UNIDIST_* default; ``unknown`` are the keywords prepare did not recognise."""
         if unknown:
             hints = {"config": "deepspeed_config", "gradient_clipping": "clip_grad_norm",
@@ -175,6 +177,11 @@ class TrainOptions:
         if deepspeed_config is not None and not isinstance(deepspeed_config, (Mapping, str, Path)):
             raise InvalidArgumentError(f"prepare(deepspeed_config=...) takes a dict or a JSON file path, got "
                                        f"{type(deepspeed_config).__name__}")
+        if fingerprint is not None and not isinstance(fingerprint, (str, os.PathLike)):
+            raise InvalidArgumentError(f"prepare(fingerprint=...) takes a file path, got {type(fingerprint).__name__}")
+        trace, where = _setting("fingerprint", None if fingerprint is None else os.fspath(fingerprint), config)
+        if where:
+            sources["fingerprint"] = where
         sync = SyncOptions.parse(
             "prepare", op=op, compression=config.compression if compression is None else compression,
             backward_passes_per_step=1 if backward_passes_per_step is None else backward_passes_per_step,
@@ -182,7 +189,7 @@ class TrainOptions:
         return cls(zero_stage=stage, clip_grad_norm=sync.clip_grad_norm, op=sync.op, compression=sync.compression,
                    backward_passes_per_step=sync.backward_passes_per_step, bucket_mb=sync.bucket_mb, group=group,
                    deepspeed_config=deepspeed_config, precision=mode, loss_scaling=scaling, reducer=reducer,
-                   sync_batchnorm=sync_batchnorm, offload=moved, sources=sources)
+                   sync_batchnorm=sync_batchnorm, offload=moved, fingerprint=trace, sources=sources)
 
     @property
     def sync(self) -> SyncOptions:

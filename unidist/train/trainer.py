@@ -2,7 +2,7 @@
 
 ``Manager.prepare``, ``backward``, ``unwrap`` and friends hand over to the Trainer of their backend:
 this one (unidist's DistributedOptimizer; local, MPI, torch, and any backend when ``group=`` is given), or a
-subclass that uses an engine's own training machinery (train/deepspeed.py, train/horovod.py).
+subclass that uses an engine's own training machinery (engines/deepspeed/trainer.py, engines/horovod/trainer.py).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from unidist.train.broadcast_state import broadcast_optimizer_state, broadcast_p
 from unidist.train.buffer_sync import BufferSync
 from unidist.train.data import Loader
 from unidist.train.ddp import DistributedOptimizer
+from unidist.train.fingerprint import Fingerprint, path_for
 from unidist.train.host import TrainingHost
 from unidist.train.memory import MemoryStats, optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import SyncOptions, TrainOptions
@@ -90,8 +91,24 @@ class Trainer:
             model = convert_sync_batchnorm(model, comm)
         prepared, opt = self._prepare_unidist(model, optimizer, opts) if own else self._prepare(model, optimizer, opts)
         opt.buffer_sync = BufferSync(comm, self.unwrap(prepared))  # type: ignore[attr-defined]  # an OptimizerView
+        if opts.fingerprint is not None:
+            opt.fingerprint = self._fingerprint(opts, comm, self.unwrap(prepared), opt)  # type: ignore[attr-defined]
         self._follow_forwards()
         return prepared, opt
+
+    def _fingerprint(self, opts: TrainOptions, comm: Any, model: torch.nn.Module, opt: Any) -> Fingerprint:
+        """The fingerprint of this prepared model (fingerprint.py): the first model's at ``opts.fingerprint``."""
+        index = sum(getattr(o, "fingerprint", None) is not None for o in self.prepared_for.values())
+        header = {"backend": self.mgr.name, "world": self.mgr.size, "dp": comm.size,
+                  "zero_stage": getattr(opt, "zero_stage", opts.zero_stage), "precision": opts.precision,
+                  "clip": opt.clipping, "accumulation": getattr(opt, "backward_passes_per_step", 1)}
+        layout: list[Any] = []  # made at the first step: the optimizer's checkpoint layout (its shards, or slices)
+
+        def parts() -> tuple[list[str], Any]:
+            if not layout:
+                layout.append(opt.checkpoint_layout(model))
+            return list(layout[0].shapes), layout[0].pieces()["model"]
+        return Fingerprint(path_for(opts.fingerprint or "", index), comm, header, parts, model)
 
     def _follow_forwards(self) -> None:
         """With two prepared models (a GAN, a teacher and a student) ``backward`` must serve the one whose loss it
@@ -156,6 +173,9 @@ class Trainer:
     # ----------------------------------------------------------------- the loop
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, divided by the accumulation passes and times the loss scale (fp16)."""
+        fingerprint = getattr(self.prepared, "fingerprint", None)
+        if fingerprint is not None:
+            fingerprint.add_loss(loss)
         k = getattr(self.prepared, "backward_passes_per_step", 1)
         loss = loss / k if k > 1 else loss
         scaler: LossScaler | None = getattr(self.prepared, "scaler", None)
@@ -247,6 +267,9 @@ class Trainer:
         Args:
             failing: the Manager is leaving on an error.
         """
+        for opt in list(self.prepared_for.values()):
+            if getattr(opt, "fingerprint", None) is not None:
+                opt.fingerprint.close()
         if self.pending is None:
             return
         if not failing:

@@ -10,12 +10,14 @@ the wrapped optimizer, even after it replaces its lists (``load_state_dict`` doe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from unidist.errors import InvalidArgumentError
+from unidist.train.fingerprint import squares
 
 __all__ = ["OptimizerView"]
 
@@ -96,13 +98,39 @@ class OptimizerView(torch.optim.Optimizer):
     # optimizer (distributed_optimizer) has none
     buffer_sync: Any = None
 
+    # the training fingerprint (fingerprint.py) when prepare was asked for one
+    fingerprint: Any = None
+
     def _sync_buffers(self) -> None:
-        """Called by every prepared optimizer at the end of each optimizer step (applied or skipped)."""
+        """Called by every prepared optimizer at the end of each optimizer step (applied or skipped): rank 0's
+        buffers everywhere, then the fingerprint's line for the step."""
         if self.buffer_sync is not None:
             self.buffer_sync.sync()
+        if self.fingerprint is not None:
+            grad_sq, partitioned = self.fingerprint_grad_sq()
+            self.fingerprint.record(grad_sq, partitioned, [g["lr"] for g in self.param_groups if "lr" in g],
+                                    self.loss_scale, self.last_step_skipped)
+
+    @property
+    def clipping(self) -> float | None:
+        """The gradient-norm clipping in effect (an engine's own included), or None."""
+        return getattr(self, "clip_grad_norm", None)
+
+    def fingerprint_grad_sq(self) -> tuple[float, bool]:
+        """(this rank's part of the squared global gradient norm before clipping, whether the ranks' parts are
+        disjoint) at the end of a step, for the fingerprint. Here: every rank holds the whole averaged gradient
+        (plain data parallelism), or the clip measured the global norm already; inf for a skipped step."""
+        if self.last_step_skipped:
+            return math.inf, False
+        norm = getattr(self, "last_grad_norm", None)
+        if self.clipping is not None and norm is not None:
+            return float(norm) ** 2, False
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return squares(grads), False
 
     # fp16's loss scale, the same report from every prepared optimizer: a LossScaler (train/precision.py) or
-    # DeepSpeed's AgreedGradScaler (train/ds_scaler.py), both with scale_value, last_step_skipped, skipped_steps
+    # DeepSpeed's AgreedGradScaler (engines/deepspeed/scaler.py), both with scale_value, last_step_skipped,
+    # skipped_steps
     scaler: Any = None
 
     @property

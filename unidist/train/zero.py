@@ -28,6 +28,7 @@ reduces them, so the update equals one k-times larger batch (stage 2/3 save grad
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ import torch
 
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
+from unidist.train.fingerprint import squares
 from unidist.train.gradcore import Compression, InOrder, pack
 from unidist.train.offload import wait_for_copies
 from unidist.train.options import SyncOptions
@@ -45,7 +47,7 @@ from unidist.train.zero_layout import ZeroLayout
 from unidist.train.zero_unit import Unit
 
 if TYPE_CHECKING:
-    from unidist.train.protocol import Comm
+    from unidist.comm.protocol import Comm
 
 __all__ = ["ZeroOptimizer"]
 
@@ -182,7 +184,7 @@ class ZeroOptimizer(WindowedOptimizer):
         if self.offload and self.units:  # the gradients came down without blocking: the host reads them next
             wait_for_copies(self.units[0].device)
 
-    # ------------------------------------------------------------------ optimizer protocol (window.py)
+    # ------------------------------------------------------------------ optimizer protocol (step_window.py)
     def _before_step(self) -> None:
         """Keep what the step must not change: the shard slices (and their per-element optimizer state) of parameters
         no rank had a gradient for. One process skips a parameter whose gradient is None; a shard is stepped whole,
@@ -235,6 +237,14 @@ class ZeroOptimizer(WindowedOptimizer):
 
     def _scaled_grads(self) -> list[torch.Tensor]:
         return [u.shard.grad for u in self.units if u.shard.grad is not None]
+
+    def fingerprint_grad_sq(self) -> tuple[float, bool]:
+        """Each rank's shards of the gradient: disjoint parts of the global norm (see OptimizerView)."""
+        if self.last_step_skipped:
+            return math.inf, False
+        if self.clip_grad_norm is not None and self.last_grad_norm is not None:
+            return float(self.last_grad_norm) ** 2, False
+        return squares(self._scaled_grads()), True
 
     def _agree_found_inf(self, found: torch.Tensor) -> torch.Tensor:
         """Each rank checked only its shards: inf anywhere skips the step everywhere."""

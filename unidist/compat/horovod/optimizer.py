@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from unidist.compat.horovod import collectives
+from unidist.compat.horovod import collectives, fingerprint
 from unidist.compat.horovod.basics import manager, size
 from unidist.compat.horovod.compression import Compression, Compressor
 from unidist.compat.horovod.exceptions import OptimizerProtocolError
@@ -48,10 +48,10 @@ class _Slot:
     """Gradients reduced by one call, in launch order: a fusion bucket (one flat allreduce, as Horovod's tensor
     fusion buffer) or one of Horovod's explicit groups (one grouped allreduce)."""
 
-    __slots__ = ("ctxs", "fused", "handle", "opt", "params", "ready", "shapes")
+    __slots__ = ("compression", "ctxs", "fused", "handle", "params", "ready", "shapes")
 
-    def __init__(self, opt: _HorovodOptimizer, params: list[torch.nn.Parameter], fused: bool) -> None:
-        self.opt, self.params, self.fused = opt, params, fused
+    def __init__(self, compression: type[Compressor], params: list[torch.nn.Parameter], fused: bool) -> None:
+        self.compression, self.params, self.fused = compression, params, fused  # the optimizer's compressor
         self.ready: set[int] = set()
         self.handle: int | None = None
         self.ctxs: list[Any] = []
@@ -74,7 +74,7 @@ class _Slot:
                 offset += n
         else:
             outputs = list(out)
-        compression = self.opt._hvd_compression
+        compression = self.compression
         for p, result, ctx in zip(self.params, outputs, self.ctxs, strict=True):
             reduced = compression.decompress(result, ctx)
             grad = p.grad
@@ -127,13 +127,14 @@ class _HorovodOptimizer(torch.optim.Optimizer):
         self._hvd_order: InOrder[_Slot] = InOrder(self._launch)
         if process_set.included() and size() > 1:
             self._hvd_register(groups)
+        self._hvd_fingerprint = fingerprint.attach(named, process_set, backward_passes_per_step)
 
     # ------------------------------------------------------------------ hooks and launches
     def _hvd_register(self, groups: int | list[list[torch.Tensor]] | None) -> None:
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         params = self._rank0_order(params)
         if groups is None:  # fusion buckets of UNIDIST_BUCKET_MB, last parameters first (what backward produces first)
-            slots = [_Slot(self, part, fused=True)
+            slots = [_Slot(self._hvd_compression, part, fused=True)
                      for part in pack(params, manager().config.bucket_mb * 2**20, lambda p: (p.dtype, p.device))]
         else:
             if isinstance(groups, list):
@@ -143,7 +144,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
                 parts = [g for g in listed if g] + [[p] for p in params if id(p) not in seen]
             else:
                 parts = [part for part in _split(params, groups) if part]
-            slots = [_Slot(self, part, fused=False) for part in reversed(parts)]
+            slots = [_Slot(self._hvd_compression, part, fused=False) for part in reversed(parts)]
         for slot in slots:
             self._hvd_order.add(slot)
         for p in params:
@@ -230,7 +231,10 @@ class _HorovodOptimizer(torch.optim.Optimizer):
                               "your code.", stacklevel=2)
             self.synchronize()
         self._hvd_synchronized = False
-        return super().step(closure)
+        result = super().step(closure)
+        if self._hvd_fingerprint is not None:
+            fingerprint.record(self._hvd_fingerprint, self.param_groups)
+        return result
 
     def step_without_reduction(self) -> Any:
         """The wrapped optimizer class's own step on the gradients as they are (``broadcast_optimizer_state``'s

@@ -2,12 +2,13 @@
 (unidist/engines/deepspeed/config.py: the engine defaults that change the math pinned, the user's config checked).
 
 The engine's adapter lives here: the optimizer view, precision, accumulation, memory accounting and consolidated
-optimizer state; beside it, each with one job, ``ds_config.py`` (the config), ``ds_scaler.py`` (fp16's agreed
-GradScaler) and ``ds_layout.py`` (the checkpoint layout). A DeepSpeed upgrade is read in these four files.
+optimizer state; beside it, each with one job, ``config.py`` (the config), ``scaler.py`` (fp16's agreed
+GradScaler) and ``layout.py`` (the checkpoint layout). A DeepSpeed upgrade is read in these four files.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +24,7 @@ from unidist.engines.deepspeed.scaler import AgreedGradScaler
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train import offload
+from unidist.train.fingerprint import squares
 from unidist.train.memory import optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import TrainOptions, one_way_to_accumulate
 from unidist.train.precision import Precision, cast_floats
@@ -50,6 +52,7 @@ class EngineOptimizer(OptimizerView):
         # by synchronize() or the step at the accumulation boundary, once (_synced)
         self.reducer: GradientReducer | None = None
         self._synced = False
+        self._grad_sq = 0.0  # the fingerprint's gradient before the engine's step (stage 0)
 
     def attach_hooks(self, hooks: list[Any]) -> None:
         """Hooks this optimizer's ``remove_hooks()`` detaches too (the precision's, the stage-0 reducer's)."""
@@ -122,6 +125,9 @@ class EngineOptimizer(OptimizerView):
             scaler.begin_step()
             if scaler.engine_unscales:  # DeepSpeed divides by its loss scale where it clips: make it this one
                 self.engine.optimizer.loss_scaler.cur_scale = scaler.scale_value
+        if self.fingerprint is not None and boundary:  # the averaged gradient before the engine clips it
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            self._grad_sq = squares(grads)
         try:
             with timeline.watching("deepspeed engine.step"):
                 self.engine.step()
@@ -134,6 +140,27 @@ class EngineOptimizer(OptimizerView):
             scaler.end_step(bool(getattr(zero, "overflow", False)) if zero is not None else False)
         if boundary:
             self._sync_buffers()
+
+    @property
+    def clipping(self) -> float | None:
+        """The engine's gradient clipping (its config's ``gradient_clipping``; 0 is none)."""
+        clip = float(self.engine.gradient_clipping())
+        return clip if clip > 0 else None
+
+    @property
+    def zero_stage(self) -> int:
+        """The engine's ZeRO stage (its config's, which a user config may set)."""
+        return int(self.engine.zero_optimization_stage())
+
+    def fingerprint_grad_sq(self) -> tuple[float, bool]:
+        """The engine's own global norm where it measured one (ZeRO, or clipping), else the averaged gradient
+        every rank held before the engine's step (stage 0)."""
+        if self.last_step_skipped:
+            return math.inf, False
+        norm = self.engine.get_global_grad_norm()
+        if norm is not None:
+            return float(norm) ** 2, False
+        return self._grad_sq, False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: the engine clears gradients itself after the step at each accumulation boundary, and
@@ -302,6 +329,8 @@ class DeepSpeedTrainer(Trainer):
         """``engine.backward`` after an engine was prepared: scales for accumulation and reduces or partitions
         gradients. After ``prepare(group=...)`` (unidist's optimizer) the plain path."""
         if isinstance(self.prepared, EngineOptimizer):
+            if self.prepared.fingerprint is not None:
+                self.prepared.fingerprint.add_loss(loss)
             with timeline.watching("deepspeed engine.backward (gradient exchange)"):
                 self.engine.backward(loss)
         else:
