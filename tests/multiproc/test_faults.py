@@ -35,10 +35,14 @@ CULPRIT = {
     # or, when the healthy rank is stuck in C holding the GIL (Horovod's enqueue), the faulthandler backstop
     "stop": r"rank 1 is not responding \(stopped|^(\[0\]<stderr>:)?Timeout \(0:00:\d\d\)!",
     "raise": r"deliberate failure on rank 1",
-    "exit0": r"rank 1 of 2: call #\d+ shutdown barrier|rank 1 is alive at call #\d+ waiting in shutdown barrier",
+    # (the stall inspector's desync, or the timeout's message; the inspector off: what the heartbeat says)
+    "exit0": r"rank 1 of 2: the barrier ranks meet in when they leave the `with` block at \S+faults\.py:\d+|"
+             r"rank 1 (on host \S+ |is alive, )?(is )?waiting in the barrier ranks meet in when they leave the `with` "
+             r"block at \S+faults\.py:\d+",
     "sum_max": r"rank 0 called allreduce\(op=sum.*rank 1 called allreduce\(op=max",
     # or, when the default one-in-K check samples that call (comm/check.py), the check's own error
-    "kind": r"rank 1 of 2: call #\d+ broadcast|rank 1 is alive at call #\d+ waiting in broadcast|"
+    "kind": r"rank 1 of 2: broadcast\(\S+ at \S+faults\.py:\d+|"
+            r"rank 1 (on host \S+ |is alive, )?(is )?waiting in broadcast\(.* at \S+faults\.py:\d+|"
             r"rank 1 called broadcast\(",
 }
 

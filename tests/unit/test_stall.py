@@ -46,7 +46,7 @@ def test_members_of_the_world_and_of_a_group() -> None:
     (_pos({"world": 5}, "world", 5), "engine"),  # the same call: inside the engine
     (_pos({"world": 6}), "desync"),  # already past this call: it skipped what this rank waits in
     (_pos({"world": 5}), "desync"),  # entered call 5 and left it while this rank still waits there
-    (_pos({"world": 5, "regions": 2}, "regions", 2, "shutdown barrier"), "desync"),  # left: its barrier is #5
+    (_pos({"world": 5, "regions": 2}, "regions", 2, watchdog.LEAVING), "desync"),  # left: its barrier is #5
     (_pos({"world": 5}, "world", 5, "broadcast", "broadcast float32 4 root=0"), "desync"),  # another call there
     (_pos({"world": 5}, "world", 5, sig="allreduce float32 4 op=max"), "desync"),  # the op differs
     (_pos({"world": 4, "group 1,2#0": 3}, "group 1,2#0", 3), "blocked"),  # waits on ranks this one does not
@@ -59,20 +59,22 @@ def test_a_rank_of_the_world_is_judged_by_where_it_is(other: dict[str, Any] | No
     mine = dict(ME, seqs={"world": 5, "regions": 1})
     verdict = classify(0, 2, mine, [_alive(1, other)])
     assert verdict.kind == kind, verdict.text()
-    assert verdict.lines[0].startswith("rank 0 is waiting in allreduce(float32[4]) (call world #5)")
+    assert verdict.lines[0] == "rank 0 is waiting in allreduce(float32[4]) (collective #5 of all ranks)"
 
 
 def test_a_gone_rank_is_named_in_the_watchdogs_words_and_outranks_a_straggler() -> None:
     dead = Seen(2, "h2", "dead", why="rank 2 has died (its process is gone: connection refused) on host h2")
     verdict = classify(0, 3, ME, [_alive(1, _pos({"world": 4})), dead])
     assert verdict.kind == "gone"
-    assert verdict.lines[1] == dead.why and "rank 1 on host h1 is computing, not yet at world #5" in verdict.text()
+    assert verdict.lines[1] == dead.why
+    assert "rank 1 on host h1 is computing, not yet at collective #5 of all ranks" in verdict.text()
 
 
 def test_desync_outranks_every_other_kind() -> None:
     stopped = Seen(1, "h1", "stopped", why="rank 1 is not responding")
     verdict = classify(0, 3, ME, [stopped, _alive(2, _pos({"world": 7}))])
-    assert verdict.kind == "desync" and "already past world #5 (it has entered 7 calls there)" in verdict.text()
+    assert verdict.kind == "desync" and ("already past collective #5 of all ranks (it has made 7 collectives "
+                                        "of all ranks)") in verdict.text()
 
 
 def test_only_the_ranks_the_call_needs_count() -> None:
@@ -155,7 +157,7 @@ def test_positions_number_each_engine_apart() -> None:
 def _heartbeat(directory: str, rank: int, pos: dict[str, Any]) -> None:
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, str(rank)), "w") as f:
-        f.write(f"{time.time():.3f} {processes.identity(os.getpid())} h1 at call #9 computing\t{json.dumps(pos)}")
+        f.write(f"{time.time():.3f} {processes.identity(os.getpid())} h1 computing\t{json.dumps(pos)}")
 
 
 class _Slow(_Pair):
@@ -198,11 +200,13 @@ def test_the_watchdog_ends_a_desync_and_warns_of_a_straggler(tmp_path: object, p
     if ends:
         assert ended == [watchdog.DESYNC_EXIT_CODE]
         assert "unidist.errors.CollectiveMismatchError: ranks are in different calls" in err
-        assert "rank 1 on host h1 is computing, already past world #1 (it has entered 3 calls there)" in err
+        assert ("rank 1 on host h1 is computing, already past collective #1 of all ranks (it has made 3 collectives of "
+                "all ranks)") in err
     else:
         assert ended == []
         assert "a rank this call needs has not arrived: it is still computing (a straggler)" in err
-        assert "rank 1 on host h1 is computing, not yet at world #1 (at #0)" in err
+        assert ("rank 1 on host h1 is computing, not yet at collective #1 of all ranks (it has made 0 collectives of "
+                "all ranks)") in err
 
 
 def test_a_rank_stopped_just_after_a_call_is_not_taken_for_one_that_never_left(

@@ -1,7 +1,7 @@
 """The stall inspector's judgement: given where every rank is, why is this rank's wait not over?
 
 Pure functions over what the watchdog gathered (watchdog.py: heartbeat files on this host, the liveness
-channel for other hosts; watched.py: what a position holds). A rank that waits longer than
+channel for other hosts; regions.py: what a position holds). A rank that waits longer than
 ``UNIDIST_STALL_WARNING`` compares its call with each rank the call needs (the members of its engine, or the
 peer of a send/recv) and finds one of:
 
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KINDS", "Seen", "Verdict", "classify", "headline", "members"]
+__all__ = ["KINDS", "Seen", "Verdict", "classify", "headline", "made", "members", "place"]
 
 # the verdicts, most telling first: the one a stall is reported as is the first any rank gets
 KINDS = ("desync", "gone", "straggler", "blocked", "engine")
@@ -34,7 +34,7 @@ POINT_TO_POINT = ("send", "recv")
 @dataclass(frozen=True)
 class Seen:
     """What the watchdog learned of one rank: ``state`` is ``alive``, ``dead``, ``stopped`` or ``unreachable``
-    (``why``: the watchdog's own words for the last three); ``position`` is watched.position()'s dict as that
+    (``why``: the watchdog's own words for the last three); ``position`` is regions.position()'s dict as that
     rank's heartbeat carried it (None when not visible)."""
 
     rank: int
@@ -57,18 +57,49 @@ class Verdict:
 
 
 def members(key: str, size: int) -> tuple[int, ...]:
-    """The world ranks of the engine a sequence ``key`` names (watched.Seq): every rank for the world and for
+    """The world ranks of the engine a sequence ``key`` names (regions.Seq): every rank for the world and for
     engine regions, the listed ranks for ``group 0,2#1``."""
     if key.startswith("group "):
         return tuple(int(r) for r in key.removeprefix("group ").partition("#")[0].split(","))
     return tuple(range(size))
 
 
+def place(key: str, n: int) -> str:
+    """Collective ``n`` of the engine ``key`` names, in the user's words: ``collective #5 of all ranks``,
+    ``collective #2 of the group of ranks 0,2``, ``exchange #1 of all ranks`` (regions.REGIONS, numbered apart:
+    DeepSpeed's and Horovod's own exchanges, the barrier ranks meet in when they leave)."""
+    return f"{_noun(key, 1)} #{n} of {_whose(key)}"
+
+
+def made(key: str, n: int) -> str:
+    """How many collectives a rank has made on the engine ``key`` names: ``7 collectives of all ranks``."""
+    return f"{n} {_noun(key, n)} of {_whose(key)}"
+
+
+def _noun(key: str, n: int) -> str:
+    noun = "exchange" if key == "regions" else "collective"
+    return noun if n == 1 else noun + "s"
+
+
+def _whose(key: str) -> str:
+    if key.startswith("group "):
+        ranks, _, k = key.removeprefix("group ").partition("#")
+        nth = int(k) + 1 if k.isdigit() else 1  # groups of the very same members are told apart by when made
+        return f"the group of ranks {ranks}" if nth == 1 else f"the {_ordinal(nth)} group of ranks {ranks}"
+    return "all ranks"
+
+
+def _ordinal(n: int) -> str:
+    last = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{last}"
+
+
 def _where(call: Mapping[str, Any] | None) -> str:
     if call is None:
         return "computing"
-    at = f" (call {call['on']} #{call['n']})" if "on" in call else ""
-    return f"waiting in {call['kind']}{call['args']}{at}"
+    at = f" at {call['at']}" if call.get("at") else ""
+    on = f" ({place(str(call['on']), int(call['n']))})" if "on" in call else ""
+    return f"waiting in {call['kind']}{call['args']}{at}{on}"
 
 
 def _kind(call: Mapping[str, Any]) -> str:
@@ -81,7 +112,7 @@ def _judge(me: int, size: int, mine: Mapping[str, Any], mycall: Mapping[str, Any
     if other.state != "alive":
         return "gone", other.why or f"rank {r} is {other.state} on host {host}"
     if other.position is None:
-        return "unseen", f"rank {r} on host {host}: position not visible"
+        return "unseen", f"rank {r} on host {host}: where it is could not be seen"
     pos, call = other.position, other.position.get("call")
     said = f"rank {r} on host {host} is {_where(call)}"
     if "on" not in mycall:  # this rank is in a send or recv with ``peer``
@@ -97,10 +128,10 @@ def _judge(me: int, size: int, mine: Mapping[str, Any], mycall: Mapping[str, Any
             return "desync", f"{said}: a different call at the same place"
         return "arrived", said
     if theirs > n:
-        return "desync", f"{said}, already past {key} #{n} (it has entered {theirs} calls there)"
+        return "desync", f"{said}, already past {place(key, n)} (it has made {made(key, theirs)})"
     if theirs == n:
-        return "desync", f"{said}: it entered {key} #{n} in another call"
-    return _not_arrived(me, size, mine, call, said + f", not yet at {key} #{n} (at #{theirs})")
+        return "desync", f"{said}: its {place(key, n)} was another call"
+    return _not_arrived(me, size, mine, call, said + f", not yet at {place(key, n)} (it has made {made(key, theirs)})")
 
 
 def _not_arrived(me: int, size: int, mine: Mapping[str, Any], call: Mapping[str, Any] | None,

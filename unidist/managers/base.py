@@ -1,11 +1,10 @@
-"""Manager: one distributed run of one engine — lifecycle, topology, groups; the training entry points are
-training.py's, inherited.
+"""Manager: one distributed run of one engine: lifecycle, topology, groups.
 
 The Manager is the world's Communicator (``unidist.comm``: every collective, written once) over the Engine its
-backend makes when it starts; managers/<engine>.py has each backend's engine and start-up/shutdown. Training
-lives in ``unidist.train``, built on the collectives: the entry points here (``prepare``, ``backward``, ...)
-only hand over to it, importing it on first use, so the collective layers below never depend on it at import
-time.
+backend makes when it starts; each engine's package (``unidist/engines/<name>/manager.py``) has its Manager
+subclass: start-up and shutdown. The training entry points (``prepare``, ``backward``, ...) are training.py's,
+inherited: typed calls into the strategy the Manager was handed when made, so the collective layers below never
+import the training layer.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from unidist.comm.work import DONE, EngineWork, Handle, Work
 from unidist.config import Config
 from unidist.errors import CollectiveMismatchError, ConfigError, InvalidArgumentError, NotInitializedError, UnidistError
 from unidist.launch import LaunchInfo, detect
+from unidist.managers import logs
 from unidist.managers.training import TrainingEntryPoints
 from unidist.net import host_address, local_only_env
 from unidist.registry import get
@@ -87,6 +87,8 @@ class Manager(TrainingEntryPoints, Communicator):
                 f"another Manager ({type(_active).__name__}) is active in this process; shut it down first"
             )
         logging.getLogger("unidist").setLevel(self.config.log_level)
+        # UNIDIST_LOG_LEVEL set: unidist's lines on stderr with the rank, unless the script configured logging
+        self._log_handler: logs.RankHandler | None = logs.attach(self.config, self.launch.rank, self.launch.size)
         try:
             if 1 < self.launch.size == self.launch.local_size:  # one node: the engines listen on loopback only
                 for name, value in local_only_env().items():
@@ -95,6 +97,7 @@ class Manager(TrainingEntryPoints, Communicator):
             self._device = self._pick_device()
         except BaseException:
             self._restore_env()
+            logs.detach(self._log_handler)
             raise
         # every call recorded when UNIDIST_TIMELINE is set (comm/timeline.py: the engine itself when not), and
         # every wait on peers bounded by UNIDIST_TIMEOUT (comm/watchdog.py): the engine is wrapped once, here
@@ -151,6 +154,8 @@ class Manager(TrainingEntryPoints, Communicator):
             if _active is self:
                 _active = None
             self._restore_env()
+            logs.detach(self._log_handler)
+            self._log_handler = None
         if refused is not None:
             raise refused
 
