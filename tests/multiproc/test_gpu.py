@@ -188,3 +188,25 @@ def test_a_horovod_script_trains_on_cuda(tmp_path: Path) -> None:
                cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.describe()
     assert "Test set: Average loss" in proc.stdout, proc.describe()
+
+
+@needs_gpu
+@pytest.mark.mpi
+def test_verify_agrees_on_the_gpu(tmp_path: Path) -> None:
+    """`unidist verify` on one GPU: the main example as one process on CUDA, under torchrun at one rank (NCCL) and
+    under mpiexec at two ranks sharing the GPU (host staging) trains the same, step by step, within float32's
+    tolerance; the fingerprints say where each ran."""
+    import subprocess
+    import sys
+
+    require("torch", "mpi4py", "sklearn")
+    out = tmp_path / "fp"
+    proc = subprocess.run([sys.executable, "-m", "unidist.cli", "verify", "--json", "--out-dir", str(out),
+                           "--launch", "torchrun --standalone --nproc_per_node 1", "--launch", "mpiexec -n 2",
+                           "examples/train_digits.py", "--epochs", "1"],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert [e["status"] for e in result["launches"]] == ["reference", "agrees", "agrees"], result
+    devices = [json.loads(f.read_text().splitlines()[0]).get("device") for f in sorted(out.glob("*.jsonl"))]
+    assert len(devices) == 3 and (REHEARSAL or all(str(d).startswith("cuda") for d in devices)), devices

@@ -99,7 +99,7 @@ class Trainer:
     def _fingerprint(self, opts: TrainOptions, comm: Any, model: torch.nn.Module, opt: Any) -> Fingerprint:
         """The fingerprint of this prepared model (fingerprint.py): the first model's at ``opts.fingerprint``."""
         index = sum(getattr(o, "fingerprint", None) is not None for o in self.prepared_for.values())
-        header = {"backend": self.mgr.name, "world": self.mgr.size, "dp": comm.size,
+        header = {"backend": self.mgr.name, "world": self.mgr.size, "dp": comm.size, "device": str(self.mgr.device),
                   "zero_stage": getattr(opt, "zero_stage", opts.zero_stage), "precision": opts.precision,
                   "clip": opt.clipping, "accumulation": getattr(opt, "backward_passes_per_step", 1)}
         layout: list[Any] = []  # made at the first step: the optimizer's checkpoint layout (its shards, or slices)
