@@ -10,10 +10,8 @@ import re
 import tokenize
 from pathlib import Path
 
-import unidist
-
-PKG = Path(unidist.__file__).parent
-ROOT = PKG.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (tox tests an installed unidist: read the sources here)
+PKG = ROOT / "unidist"
 MAP = ROOT / "docs" / "architecture.md"
 MAX_LINES = 500
 
