@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
+from unidist.checkpoint.layout import even
 from unidist.comm.protocol import Comm
 from unidist.tree import tensors
 
-__all__ = ["FORMAT", "Fingerprint", "path_for", "squares"]
+__all__ = ["FORMAT", "Fingerprint", "path_for", "slice_squares", "squares"]
 
 FORMAT = 1  # the header's "unidist_fingerprint" value: bumped when a field changes meaning
 _HEAD = 5  # loss sum, loss count, rows, input sum, gradient squares
@@ -42,6 +43,19 @@ def squares(tensors: Iterable[torch.Tensor]) -> float:
     for t in tensors:
         flat = t.detach().reshape(-1).float()
         total += float(torch.dot(flat, flat))
+    return total
+
+
+def slice_squares(tensors: Iterable[torch.Tensor], rank: int, size: int) -> float:
+    """This rank's even slice of ``squares(tensors)`` where every rank holds the same tensors whole: the ranks'
+    parts are disjoint and sum to the whole, so each reads 1/size of them."""
+    total = 0.0
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        start, end = even(flat.numel(), rank, size)
+        if end > start:
+            part = flat[start:end].float()
+            total += float(torch.dot(part, part))
     return total
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from unidist.errors import InvalidArgumentError
-from unidist.train.fingerprint import squares
+from unidist.train.fingerprint import slice_squares
 
 __all__ = ["OptimizerView"]
 
@@ -107,7 +107,7 @@ class OptimizerView(torch.optim.Optimizer):
         if self.buffer_sync is not None:
             self.buffer_sync.sync()
         if self.fingerprint is not None:
-            grad_sq, partitioned = self.fingerprint_grad_sq()
+            grad_sq, partitioned = self.fingerprint_grad_sq(self.fingerprint.comm.rank, self.fingerprint.comm.size)
             self.fingerprint.record(grad_sq, partitioned, [g["lr"] for g in self.param_groups if "lr" in g],
                                     self.loss_scale, self.last_step_skipped)
 
@@ -116,17 +116,18 @@ class OptimizerView(torch.optim.Optimizer):
         """The gradient-norm clipping in effect (an engine's own included), or None."""
         return getattr(self, "clip_grad_norm", None)
 
-    def fingerprint_grad_sq(self) -> tuple[float, bool]:
+    def fingerprint_grad_sq(self, rank: int, size: int) -> tuple[float, bool]:
         """(this rank's part of the squared global gradient norm before clipping, whether the ranks' parts are
-        disjoint) at the end of a step, for the fingerprint. Here: every rank holds the whole averaged gradient
-        (plain data parallelism), or the clip measured the global norm already; inf for a skipped step."""
+        disjoint) at the end of a step, for the fingerprint (``rank``, ``size``: its data-parallel communicator's).
+        Here: every rank holds the whole averaged gradient (plain data parallelism) and sums its even slice of it,
+        or the clip measured the global norm already; inf for a skipped step."""
         if self.last_step_skipped:
             return math.inf, False
         norm = getattr(self, "last_grad_norm", None)
         if self.clipping is not None and norm is not None:
             return float(norm) ** 2, False
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        return squares(grads), False
+        return slice_squares(grads, rank, size), True
 
     # fp16's loss scale, the same report from every prepared optimizer: a LossScaler (train/precision.py) or
     # DeepSpeed's AgreedGradScaler (engines/deepspeed/scaler.py), both with scale_value, last_step_skipped,

@@ -238,7 +238,7 @@ class ZeroOptimizer(WindowedOptimizer):
     def _scaled_grads(self) -> list[torch.Tensor]:
         return [u.shard.grad for u in self.units if u.shard.grad is not None]
 
-    def fingerprint_grad_sq(self) -> tuple[float, bool]:
+    def fingerprint_grad_sq(self, rank: int, size: int) -> tuple[float, bool]:
         """Each rank's shards of the gradient: disjoint parts of the global norm (see OptimizerView)."""
         if self.last_step_skipped:
             return math.inf, False

@@ -18,7 +18,7 @@ import torch
 from unidist.checkpoint.layout import even_slice
 from unidist.compat.horovod.basics import manager
 from unidist.compat.horovod.process_sets import ProcessSet, comm_of
-from unidist.train.fingerprint import Fingerprint, path_for, squares
+from unidist.train.fingerprint import Fingerprint, path_for, slice_squares
 
 __all__ = ["attach", "record"]
 
@@ -49,5 +49,5 @@ def attach(named: Sequence[tuple[str, torch.Tensor]], process_set: ProcessSet, p
 def record(fingerprint: Fingerprint, param_groups: Sequence[dict[str, Any]]) -> None:
     """The step's line, after the wrapped optimizer's step: the averaged gradients every rank holds whole."""
     grads = [p.grad for g in param_groups for p in g["params"] if p.grad is not None]
-    grad_sq = squares(grads)
-    fingerprint.record(grad_sq, False, [g["lr"] for g in param_groups if "lr" in g])
+    grad_sq = slice_squares(grads, fingerprint.comm.rank, fingerprint.comm.size)
+    fingerprint.record(grad_sq, True, [g["lr"] for g in param_groups if "lr" in g])

@@ -24,7 +24,7 @@ from unidist.engines.deepspeed.scaler import AgreedGradScaler
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.train import offload
-from unidist.train.fingerprint import squares
+from unidist.train.fingerprint import slice_squares
 from unidist.train.memory import optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import TrainOptions, one_way_to_accumulate
 from unidist.train.precision import Precision, cast_floats
@@ -127,7 +127,7 @@ class EngineOptimizer(OptimizerView):
                 self.engine.optimizer.loss_scaler.cur_scale = scaler.scale_value
         if self.fingerprint is not None and boundary:  # the averaged gradient before the engine clips it
             grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-            self._grad_sq = squares(grads)
+            self._grad_sq = slice_squares(grads, self.fingerprint.comm.rank, self.fingerprint.comm.size)
         try:
             with timeline.watching("deepspeed engine.step"):
                 self.engine.step()
@@ -152,7 +152,7 @@ class EngineOptimizer(OptimizerView):
         """The engine's ZeRO stage (its config's, which a user config may set)."""
         return int(self.engine.zero_optimization_stage())
 
-    def fingerprint_grad_sq(self) -> tuple[float, bool]:
+    def fingerprint_grad_sq(self, rank: int, size: int) -> tuple[float, bool]:
         """The engine's own global norm where it measured one (ZeRO, or clipping), else the averaged gradient
         every rank held before the engine's step (stage 0)."""
         if self.last_step_skipped:
@@ -160,7 +160,7 @@ class EngineOptimizer(OptimizerView):
         norm = self.engine.get_global_grad_norm()
         if norm is not None:
             return float(norm) ** 2, False
-        return self._grad_sq, False
+        return self._grad_sq, True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: the engine clears gradients itself after the step at each accumulation boundary, and
