@@ -34,11 +34,11 @@ def even(n: int, rank: int, size: int) -> tuple[int, int]:
     return min(n, rank * chunk), min(n, (rank + 1) * chunk)
 
 
-def even_slice(t: torch.Tensor, rank: int, size: int) -> tuple[int, torch.Tensor]:
-    """(start, copy) of rank's even slice of the flattened tensor."""
+def even_slice(t: torch.Tensor, rank: int, size: int, copy: bool = True) -> tuple[int, torch.Tensor]:
+    """(start, copy) of rank's even slice of the flattened tensor (``copy=False``: a view where it can be one)."""
     flat = t.detach().reshape(-1)
     s, e = even(flat.numel(), rank, size)
-    return s, flat[s:e].clone()
+    return s, flat[s:e].clone() if copy else flat[s:e]
 
 
 class Layout:

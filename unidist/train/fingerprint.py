@@ -9,9 +9,10 @@ of the model's first tensor input, summed over ranks and micro-batches) and thei
 first line is a header: backend, world size, ZeRO stage, precision and the clipping in effect (an engine's own
 included). ``unidist verify`` reads these files (``unidist.verify``).
 
-Cost: each rank reduces only what it holds (its ZeRO shards, or an even 1/N slice of state every rank holds
-whole, exactly as its checkpoint layout writes it), and everything travels in one small float64 sum-allreduce
-per step (two numbers per parameter); the loss's ``item()`` waits for the device once per step.
+Cost: each rank reads, in place, only its part (its ZeRO shards, DeepSpeed's stage-3 partitions, or an even 1/N
+slice of what every rank holds whole: the prepared optimizer's ``fingerprint_parts``), no gather, and everything
+travels in one small float64 sum-allreduce per step (two numbers per parameter); the loss's ``item()`` waits for
+the device once per step.
 """
 
 from __future__ import annotations
@@ -59,8 +60,13 @@ def slice_squares(tensors: Iterable[torch.Tensor], rank: int, size: int) -> floa
     return total
 
 
-def path_for(base: str, index: int) -> str:
-    """The file of the ``index``-th model a process prepares: ``base`` for the first, ``base.model<i>`` after."""
+_made: dict[str, int] = {}  # fingerprints made in this process, by the path asked for
+
+
+def path_for(base: str) -> str:
+    """The file of the next fingerprint at ``base`` in this process (a prepared model, an hvd optimizer): ``base``
+    for the first, ``base.model<i>`` after."""
+    index = _made[base] = _made.get(base, -1) + 1
     return base if index == 0 else f"{base}.model{index}"
 
 
@@ -73,8 +79,8 @@ class Fingerprint:
         comm: the data-parallel communicator the model is prepared over.
         header: what the run is (backend, world size, stage, precision, clipping, accumulation).
         parts: every entry's name (parameters and persistent buffers, alike on every rank), and this rank's part of
-            each, the ranks' parts disjoint and together the whole (a checkpoint layout's ``shapes`` and
-            ``pieces()["model"]``, values ``(start, flat)``; a rank may hold nothing of an entry).
+            each, the ranks' parts disjoint and together the whole (the prepared optimizer's ``fingerprint_parts``:
+            values ``(start, flat)``, views; a rank may hold nothing of an entry).
         model: the user's module, whose forward's first tensor input gives the rows and the batch's digest (None:
             not known, as for ``hvd.DistributedOptimizer``, which is given parameters only).
     """

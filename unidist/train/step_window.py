@@ -123,7 +123,7 @@ class WindowedOptimizer(OptimizerView):
             self._after_step()
         if self.scaler is not None and found is not None:
             self.scaler.update(found)
-        self._sync_buffers()
+        self._end_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients after a step; between accumulation passes it keeps them."""

@@ -98,17 +98,11 @@ class Trainer:
 
     def _fingerprint(self, opts: TrainOptions, comm: Any, model: torch.nn.Module, opt: Any) -> Fingerprint:
         """The fingerprint of this prepared model (fingerprint.py): the first model's at ``opts.fingerprint``."""
-        index = sum(getattr(o, "fingerprint", None) is not None for o in self.prepared_for.values())
         header = {"backend": self.mgr.name, "world": self.mgr.size, "dp": comm.size, "device": str(self.mgr.device),
                   "zero_stage": getattr(opt, "zero_stage", opts.zero_stage), "precision": opts.precision,
                   "clip": opt.clipping, "accumulation": getattr(opt, "backward_passes_per_step", 1)}
-        layout: list[Any] = []  # made at the first step: the optimizer's checkpoint layout (its shards, or slices)
-
-        def parts() -> tuple[list[str], Any]:
-            if not layout:
-                layout.append(opt.checkpoint_layout(model))
-            return list(layout[0].shapes), layout[0].pieces()["model"]
-        return Fingerprint(path_for(opts.fingerprint or "", index), comm, header, parts, model)
+        return Fingerprint(path_for(opts.fingerprint or ""), comm, header,
+                           lambda: opt.fingerprint_parts(model, comm.rank, comm.size), model)
 
     def _follow_forwards(self) -> None:
         """With two prepared models (a GAN, a teacher and a student) ``backward`` must serve the one whose loss it

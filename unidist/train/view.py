@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from unidist.checkpoint.layout import even_slice
 from unidist.errors import InvalidArgumentError
 from unidist.train.fingerprint import slice_squares
 
@@ -101,7 +102,7 @@ class OptimizerView(torch.optim.Optimizer):
     # the training fingerprint (fingerprint.py) when prepare was asked for one
     fingerprint: Any = None
 
-    def _sync_buffers(self) -> None:
+    def _end_step(self) -> None:
         """Called by every prepared optimizer at the end of each optimizer step (applied or skipped): rank 0's
         buffers everywhere, then the fingerprint's line for the step."""
         if self.buffer_sync is not None:
@@ -118,16 +119,27 @@ class OptimizerView(torch.optim.Optimizer):
 
     def fingerprint_grad_sq(self, rank: int, size: int) -> tuple[float, bool]:
         """(this rank's part of the squared global gradient norm before clipping, whether the ranks' parts are
-        disjoint) at the end of a step, for the fingerprint (``rank``, ``size``: its data-parallel communicator's).
-        Here: every rank holds the whole averaged gradient (plain data parallelism) and sums its even slice of it,
-        or the clip measured the global norm already; inf for a skipped step."""
+        disjoint) at the end of a step, for the fingerprint (``rank``, ``size``: its data-parallel communicator's):
+        inf for a skipped step, the clip's own measure where it clipped, else ``_fingerprint_grads``."""
         if self.last_step_skipped:
             return math.inf, False
         norm = getattr(self, "last_grad_norm", None)
         if self.clipping is not None and norm is not None:
             return float(norm) ** 2, False
+        return self._fingerprint_grads(rank, size)
+
+    def _fingerprint_grads(self, rank: int, size: int) -> tuple[float, bool]:
+        """``fingerprint_grad_sq`` where nothing measured the norm: here every rank holds the whole averaged
+        gradient, and sums the squares of its even slice (ZeRO and DeepSpeed's engine override this)."""
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         return slice_squares(grads, rank, size), True
+
+    def fingerprint_parts(self, model: torch.nn.Module, rank: int, size: int
+                          ) -> tuple[list[str], dict[str, tuple[int, torch.Tensor]]]:
+        """Every state-dict entry's name and this rank's part of it for the fingerprint: views read before the next
+        step, and no collective. Here every rank holds the model whole: even slices."""
+        state = model.state_dict(keep_vars=True)
+        return list(state), {k: even_slice(v, rank, size, copy=False) for k, v in state.items()}
 
     # fp16's loss scale, the same report from every prepared optimizer: a LossScaler (train/precision.py) or
     # DeepSpeed's AgreedGradScaler (engines/deepspeed/scaler.py), both with scale_value, last_step_skipped,

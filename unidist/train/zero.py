@@ -28,7 +28,6 @@ reduces them, so the update equals one k-times larger batch (stage 2/3 save grad
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -238,13 +237,15 @@ class ZeroOptimizer(WindowedOptimizer):
     def _scaled_grads(self) -> list[torch.Tensor]:
         return [u.shard.grad for u in self.units if u.shard.grad is not None]
 
-    def fingerprint_grad_sq(self, rank: int, size: int) -> tuple[float, bool]:
+    def _fingerprint_grads(self, rank: int, size: int) -> tuple[float, bool]:
         """Each rank's shards of the gradient: disjoint parts of the global norm (see OptimizerView)."""
-        if self.last_step_skipped:
-            return math.inf, False
-        if self.clip_grad_norm is not None and self.last_grad_norm is not None:
-            return float(self.last_grad_norm) ** 2, False
         return squares(self._scaled_grads()), True
+
+    def fingerprint_parts(self, model: torch.nn.Module, rank: int, size: int
+                          ) -> tuple[list[str], dict[str, tuple[int, torch.Tensor]]]:
+        """This rank's shards (views), as its checkpoint layout cuts them."""
+        layout = self.checkpoint_layout(model)
+        return list(layout.shapes), layout.model_pieces(copy=False)
 
     def _agree_found_inf(self, found: torch.Tensor) -> torch.Tensor:
         """Each rank checked only its shards: inf anywhere skips the step everywhere."""

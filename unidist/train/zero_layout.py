@@ -82,19 +82,27 @@ class ZeroLayout(Layout):
         own = unit.owned(i)
         return None if own is None else (unit, *own)
 
-    def pieces(self) -> Pieces:
-        model: dict[str, Any] = {}
-        optim: dict[str, dict[str, Any]] = {}
+    def model_pieces(self, copy: bool = True) -> dict[str, tuple[int, torch.Tensor]]:
+        """This rank's part of every state-dict entry: its shard's slice of a sharded parameter, an even slice of
+        anything else; copies (a background save writes them while training goes on) or, ``copy=False``, views
+        for a reader done before the next step (the training fingerprint)."""
+        model: dict[str, tuple[int, torch.Tensor]] = {}
         for k, v in self.module.state_dict(keep_vars=True).items():
             if id(v) not in self.where:
-                model[k] = even_slice(v, self.rank, self.size)
+                model[k] = even_slice(v, self.rank, self.size, copy=copy)
                 continue
             own = self._owned(v)
             if own is None:
                 model[k] = (0, torch.empty(0, dtype=v.dtype))
                 continue
             unit, s, e, at = own
-            model[k] = (s, unit.shard.detach()[at:at + e - s].clone())
+            part = unit.shard.detach()[at:at + e - s]
+            model[k] = (s, part.clone() if copy else part)
+        return model
+
+    def pieces(self) -> Pieces:
+        model = self.model_pieces()
+        optim: dict[str, dict[str, Any]] = {}
         for p, name in zip(self.params, self.opt_names, strict=True) if self.optimizer is not None else ():
             if id(p) not in self.where:  # frozen: whole on every rank, outside the shards (its state, if any, too)
                 st = self.optimizer.state.get(p, {})

@@ -9,7 +9,6 @@ the learning rates, but no loss and no rows (``unidist verify`` compares what bo
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,9 +20,6 @@ from unidist.compat.horovod.process_sets import ProcessSet, comm_of
 from unidist.train.fingerprint import Fingerprint, path_for, slice_squares
 
 __all__ = ["attach", "record"]
-
-_made = itertools.count()  # the fingerprints made in this process: the first is UNIDIST_FINGERPRINT itself
-
 
 def attach(named: Sequence[tuple[str, torch.Tensor]], process_set: ProcessSet, passes: int) -> Fingerprint | None:
     """A fingerprint for the optimizer of these named parameters, or None when none was asked for.
@@ -40,10 +36,10 @@ def attach(named: Sequence[tuple[str, torch.Tensor]], process_set: ProcessSet, p
     names = [n for n, _ in named]
 
     def parts() -> tuple[list[str], dict[str, tuple[int, torch.Tensor]]]:
-        return names, {n: even_slice(p, comm.rank, comm.size) for n, p in named}
+        return names, {n: even_slice(p, comm.rank, comm.size, copy=False) for n, p in named}
     header = {"backend": mgr.name, "world": mgr.size, "dp": comm.size, "zero_stage": 0, "precision": "32",
               "clip": None, "accumulation": passes, "api": "horovod"}
-    return Fingerprint(path_for(mgr.config.fingerprint, next(_made)), comm, header, parts)
+    return Fingerprint(path_for(mgr.config.fingerprint), comm, header, parts)
 
 
 def record(fingerprint: Fingerprint, param_groups: Sequence[dict[str, Any]]) -> None:

@@ -8,7 +8,6 @@ GradScaler) and ``layout.py`` (the checkpoint layout). A DeepSpeed upgrade is re
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -139,7 +138,7 @@ class EngineOptimizer(OptimizerView):
             zero = self.zero_optimizer
             scaler.end_step(bool(getattr(zero, "overflow", False)) if zero is not None else False)
         if boundary:
-            self._sync_buffers()
+            self._end_step()
 
     @property
     def clipping(self) -> float | None:
@@ -152,15 +151,24 @@ class EngineOptimizer(OptimizerView):
         """The engine's ZeRO stage (its config's, which a user config may set)."""
         return int(self.engine.zero_optimization_stage())
 
-    def fingerprint_grad_sq(self, rank: int, size: int) -> tuple[float, bool]:
-        """The engine's own global norm where it measured one (ZeRO, or clipping), else the averaged gradient
-        every rank held before the engine's step (stage 0)."""
-        if self.last_step_skipped:
-            return math.inf, False
+    def _fingerprint_grads(self, rank: int, size: int) -> tuple[float, bool]:
+        """The engine's own global norm before its clipping where it measured one (ZeRO, or clipping), else this
+        rank's slice of the averaged gradient every rank held before the engine's step (stage 0)."""
         norm = self.engine.get_global_grad_norm()
         if norm is not None:
             return float(norm) ** 2, False
         return self._grad_sq, True
+
+    def fingerprint_parts(self, model: torch.nn.Module, rank: int, size: int
+                          ) -> tuple[list[str], dict[str, tuple[int, torch.Tensor]]]:
+        """At stage 3 each parameter's own partition (``ds_tensor``: disjoint, zero padded), no gather; below it
+        every rank holds the module's parameters whole (the engine all-gathers them after its step)."""
+        names, parts = super().fingerprint_parts(model, rank, size)
+        for k, v in model.state_dict(keep_vars=True).items():
+            partition = getattr(v, "ds_tensor", None)
+            if partition is not None:
+                parts[k] = (0, partition.detach().reshape(-1))
+        return names, parts
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: the engine clears gradients itself after the step at each accumulation boundary, and

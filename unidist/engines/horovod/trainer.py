@@ -163,7 +163,7 @@ class HorovodOptimizer(OptimizerView):
         if self._calls % self.backward_passes_per_step:
             return None
         result = self._boundary_step()
-        self._sync_buffers()
+        self._end_step()
         return result
 
     def _boundary_step(self) -> Any:
