@@ -16,7 +16,7 @@ from typing import Any
 
 from unidist.errors import ConfigError
 
-__all__ = ["COMPRESSIONS", "ENV_VARS", "PRECISIONS", "Config"]
+__all__ = ["COMPRESSIONS", "ENV_VARS", "PRECISIONS", "RANDOM_MODES", "Config"]
 
 COMPRESSIONS = ("none", "fp16", "bf16")
 # prepare(precision=) names (Lightning's); what each means is unidist/train/precision.py
@@ -38,6 +38,10 @@ _COMMIT_SECONDS_ALLOWED = f"a number of seconds from 0 (every commit) up to {MAX
 
 
 _EVENTS_ALLOWED = "a positive whole number of events per rank"
+_SEED_ALLOWED = "a whole number: a seed, 0 for none"
+_STEP_ALLOWED = "a whole number of optimizer steps, 0 for none"
+# UNIDIST_FINGERPRINT_RANDOM: random ops as written and uncounted, counted, or dropout off (train/random_ops.py)
+RANDOM_MODES = ("keep", "count", "off")
 
 
 def _env_name(field_name: str) -> str:
@@ -73,6 +77,16 @@ class Config:
     # the training fingerprint (train/fingerprint.py): where rank 0 writes one line per optimizer step (None: off);
     # ``unidist verify`` sets it for each launch it runs
     fingerprint: str | None = None
+    # what a fingerprinting run does with random ops in the prepared model's training (train/random_ops.py): "keep"
+    # them as written, uncounted; "count" them (site and op, in the fingerprint); "off": count them and run dropout
+    # as the identity, so one process and N ranks compute the same thing (unidist verify's default)
+    fingerprint_random: str = "keep"
+    # a seed (0: off): every module output and parameter gradient moved by a rounding error of its own dtype, drawn
+    # from this seed (train/rounding.py): unidist verify's runs that measure how far rounding alone moves a script
+    fingerprint_perturb: int = 0
+    # the last step (0: off) whose lines carry per-module probes (train/probes.py): every module's output and input
+    # gradient, every parameter's gradient before the reduction; unidist verify --locate
+    fingerprint_locate: int = 0
     unknown: tuple[str, ...] = field(default=(), compare=False, repr=False)
     # the fields the environment set (not defaults): an explicit prepare() argument that disagrees is an error
     from_environment: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -104,6 +118,12 @@ class Config:
             raise bad("timeline_events", self.timeline_events, _EVENTS_ALLOWED)
         if not 0 <= self.stall_warning <= MAX_TIMEOUT:
             raise bad("stall_warning", self.stall_warning, _STALL_ALLOWED)
+        if self.fingerprint_random not in RANDOM_MODES:
+            raise bad("fingerprint_random", self.fingerprint_random, ", ".join(RANDOM_MODES))
+        if self.fingerprint_perturb < 0:
+            raise bad("fingerprint_perturb", self.fingerprint_perturb, _SEED_ALLOWED)
+        if self.fingerprint_locate < 0:
+            raise bad("fingerprint_locate", self.fingerprint_locate, _STEP_ALLOWED)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -195,6 +215,9 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "timeline_events": _number(int, _EVENTS_ALLOWED, lambda v: v > 0),
     "stall_warning": _number(float, _STALL_ALLOWED, lambda v: 0 <= v <= MAX_TIMEOUT),
     "fingerprint": _path,
+    "fingerprint_random": _choice(RANDOM_MODES),
+    "fingerprint_perturb": _number(int, _SEED_ALLOWED, lambda v: v >= 0),
+    "fingerprint_locate": _number(int, _STEP_ALLOWED, lambda v: v >= 0),
 }
 
 ENV_VARS: tuple[str, ...] = tuple(_env_name(n) for n in _PARSERS)

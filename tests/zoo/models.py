@@ -10,8 +10,9 @@ and with ``sync_batchnorm=True``), a LoRA-style model (frozen base weights besid
 a model whose branches are used on alternate steps and whose head is never used, two modules sharing one weight,
 a parent that reads its children's weights itself, and a sparse embedding (refused).
 
-Every dropout is 0, so N ranks and one process compute the same thing. Magnitudes are realistic: cross-entropy on
-random labels and inputs with standard deviation 3 give gradient norms above 1.
+Every dropout is 0, so N ranks and one process compute the same thing (``with_dropout`` builds the models that
+have dropout with it on, for ``unidist verify``, which switches it off itself). Magnitudes are realistic:
+cross-entropy on random labels and inputs with standard deviation 3 give gradient norms above 1.
 """
 
 from __future__ import annotations
@@ -84,28 +85,29 @@ def tokens(step: int, salt: int, length: int = 8) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- Hugging Face, from configs
-def _hf(kind: str) -> nn.Module:
+def _hf(kind: str, dropout: float = 0.0) -> nn.Module:
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(11)
     ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
+    p = dropout
     if kind == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, **ids))
+            n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, resid_pdrop=p, embd_pdrop=p,
+            attn_pdrop=p, **ids))
     if kind == "bert":
         return transformers.BertForSequenceClassification(transformers.BertConfig(
             hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB,
-            max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            classifier_dropout=0.0, **ids))
+            max_position_embeddings=16, num_labels=3, hidden_dropout_prob=p, attention_probs_dropout_prob=p,
+            classifier_dropout=p, **ids))
     if kind == "t5":
         return transformers.T5ForConditionalGeneration(transformers.T5Config(
             d_model=32, d_ff=64, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=2, vocab_size=VOCAB,
-            dropout_rate=0.0, decoder_start_token_id=0, tie_word_embeddings=True, **ids))
+            dropout_rate=p, decoder_start_token_id=0, tie_word_embeddings=True, **ids))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=32, attention_dropout=0.0, tie_word_embeddings=False, **ids))
+        vocab_size=VOCAB, max_position_embeddings=32, attention_dropout=p, tie_word_embeddings=False, **ids))
 
 
 def _lm_batch(step: int) -> Batch:
@@ -135,10 +137,10 @@ def _hf_loss(model: Any, rows: Batch, step: int) -> tuple[torch.Tensor, Any]:
 class Encoder(nn.Module):
     """``nn.TransformerEncoder`` and a regression head: MultiheadAttention reads ``out_proj.weight`` itself."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(12)
-        layer = nn.TransformerEncoderLayer(DIM, 4, 32, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(DIM, 4, 32, dropout=dropout, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(DIM, 4)
 
@@ -149,10 +151,10 @@ class Encoder(nn.Module):
 class Seq2Seq(nn.Module):
     """``nn.Transformer`` (encoder, decoder, cross-attention) with a causal target mask."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(13)
-        self.core = nn.Transformer(DIM, 4, 1, 1, 32, dropout=0.0, batch_first=True)
+        self.core = nn.Transformer(DIM, 4, 1, 1, 32, dropout=dropout, batch_first=True)
         self.head = nn.Linear(DIM, 4)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -351,6 +353,14 @@ ZOO: dict[str, Entry] = {
     # stage 0) allgathers sparse gradients and trains it. Plain SGD: torch's Adam family takes no sparse gradients
     "sparse_embedding": Entry(SparseEmbedding, _vector_batch, _sparse_loss, plain_sgd, refused="InvalidArgumentError"),
 }
+
+
+def with_dropout(name: str, p: float) -> nn.Module:
+    """Zoo model ``name`` built with every dropout rate at ``p`` (as the models ship: GPT-2 0.1, BERT 0.1, torch's
+    Transformer 0.1), the same weights as ``ZOO[name].build()``; for the models that have dropout."""
+    if name in ("gpt2", "bert", "t5", "llama"):
+        return _hf(name, p)
+    return {"torch_encoder": Encoder, "torch_transformer": Seq2Seq}[name](p)
 
 
 def available() -> dict[str, Entry]:

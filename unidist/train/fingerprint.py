@@ -29,12 +29,17 @@ import torch
 
 from unidist.checkpoint.layout import even
 from unidist.comm.protocol import Comm
+from unidist.config import Config
+from unidist.train.probes import Probes
+from unidist.train.random_ops import RandomOps
+from unidist.train.rounding import Rounding
 from unidist.tree import tensors
 
-__all__ = ["FORMAT", "Fingerprint", "path_for", "slice_squares", "squares"]
+__all__ = ["FORMAT", "Fingerprint", "path_for", "slice_squares", "squares", "verify_parts"]
 
-FORMAT = 1  # the header's "unidist_fingerprint" value: bumped when a field changes meaning
-_HEAD = 5  # loss sum, loss count, rows, input sum, gradient squares
+_GOLDEN = 1.6180339887498949  # the digest's multiplier: far from any ratio of small integers
+FORMAT = 2  # the header's "unidist_fingerprint" value: bumped when a field changes meaning
+_HEAD = 6  # loss sum, loss count, rows, input sum, gradient squares, input digest
 
 
 def squares(tensors: Iterable[torch.Tensor]) -> float:
@@ -58,6 +63,22 @@ def slice_squares(tensors: Iterable[torch.Tensor], rank: int, size: int) -> floa
             part = flat[start:end].float()
             total += float(torch.dot(part, part))
     return total
+
+
+def verify_parts(config: Config, model: torch.nn.Module | None, named_params: Sequence[tuple[str, torch.Tensor]],
+                 share: float) -> tuple[RandomOps | None, Rounding | None, Probes | None]:
+    """What ``config``'s ``UNIDIST_FINGERPRINT_RANDOM``, ``_PERTURB`` and ``_LOCATE`` ask of a fingerprinted model
+    (``Fingerprint.attach`` takes them): ``model`` None for an optimizer given parameters only (no module: no
+    random-op sites, no module outputs, gradients only); ``share``: what one rank's gradient counts for in the
+    average (1/N, or 1 where gradients are summed)."""
+    random = None
+    if model is not None and config.fingerprint_random != "keep":
+        random = RandomOps(model, switch_off=config.fingerprint_random == "off")
+    rounding = Rounding(model, [p for _, p in named_params], config.fingerprint_perturb) \
+        if config.fingerprint_perturb else None
+    probes = Probes(model, named_params, config.fingerprint_locate, share) \
+        if model is not None and config.fingerprint_locate else None
+    return random, rounding, probes
 
 
 _made: dict[str, int] = {}  # fingerprints made in this process, by the path asked for
@@ -94,9 +115,26 @@ class Fingerprint:
         self._losses = 0
         self._rows = 0
         self._inputs = 0.0
+        self._digest = 0.0
         self._names: list[str] = []
         self._file: Any = None
         self.hook = None if model is None else model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        # what a verify run adds (attach()): random ops counted or switched off, rounding injected, per-module probes
+        self.random: RandomOps | None = None
+        self.rounding: Rounding | None = None
+        self.probes: Probes | None = None
+
+    def attach(self, random: RandomOps | None = None, rounding: Rounding | None = None,
+               probes: Probes | None = None) -> None:
+        """What a ``unidist verify`` run asks of this fingerprint beyond the step (``UNIDIST_FINGERPRINT_RANDOM``,
+        ``_PERTURB``, ``_LOCATE``): their settings go in the header, their findings in the lines."""
+        self.random, self.rounding, self.probes = random, rounding, probes
+        if random is not None:
+            self.header["random"] = "off" if random.switch_off else "count"
+        if rounding is not None:
+            self.header["perturb"] = rounding.seed
+        if probes is not None:
+            self.header["locate"] = probes.last
 
     # ------------------------------------------------------------------ what the step saw
     def _on_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -105,7 +143,11 @@ class Fingerprint:
         first = next(iter(tensors((args, kwargs))), None)
         if first is not None and first.dim() > 0:
             self._rows += int(first.shape[0])
-            self._inputs += float(first.detach().double().sum())
+            wide = first.detach().double()
+            self._inputs += float(wide.sum())
+            # the sum alone lets other rows collide (token ids: two batches summing to 2012 were seen); each value
+            # through a sine first, it cannot in practice, and it still adds up across ranks in any row order
+            self._digest += float(torch.sin(wide * _GOLDEN + 0.5).sum())
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """The loss one backward pass was given (before any scaling), kept on its device until the step."""
@@ -124,14 +166,43 @@ class Fingerprint:
             loss_scale: the fp16 loss scale after the step (1.0 without one).
             skipped: the step was not applied (inf/nan in the gradient).
         """
-        names, pieces = self.parts()
-        if not self._names:
-            self._names = sorted(names)
         self.step += 1
         if not partitioned and self.comm.rank != 0:
             grad_sq = 0.0  # every rank holds the whole value: count it once
         loss = float(self._loss.cpu()) if self._losses else 0.0
-        head = torch.tensor([loss, float(self._losses), float(self._rows), self._inputs, grad_sq], dtype=torch.float64)
+        head = torch.tensor([loss, float(self._losses), float(self._rows), self._inputs, grad_sq, self._digest],
+                            dtype=torch.float64)
+        probed = self.probes.take(self.comm.device) if self.probes is not None else None
+        total = self._reduce(head, probed)
+        self._loss, self._losses, self._rows = torch.zeros((), dtype=torch.float64), 0, 0
+        self._inputs = self._digest = 0.0
+        randoms = self.random.take() if self.random is not None else None
+        if self.comm.rank == 0:
+            extra: dict[str, Any] = {}
+            if randoms:
+                extra["random"] = randoms
+            if probed is not None and self.probes is not None:
+                extra["probes"] = self.probes.line(total[-probed.numel():].tolist())
+            self._write(total, lrs, loss_scale, skipped, extra)
+        if self.probes is not None and self.step >= self.probes.last:
+            # verify --locate's re-run ends here, on every rank at the same step: the steps after are not needed
+            self.close()
+            raise SystemExit(0)
+
+    def start(self) -> None:
+        """The starting weights, as line ``"step": 0`` (every rank calls it once, after prepare): what two runs
+        begin from, so that verify can tell different starting weights from a different first step."""
+        total = self._reduce(torch.zeros(_HEAD, dtype=torch.float64), None)
+        if self.comm.rank == 0:
+            t = total.tolist()
+            self._line({"step": 0, "params": self._params(t)})
+
+    def _reduce(self, head: torch.Tensor, probed: torch.Tensor | None) -> torch.Tensor:
+        """``head``, then two numbers per entry (its squares and its sum over this rank's part), then ``probed``,
+        summed over the ranks in one allreduce."""
+        names, pieces = self.parts()
+        if not self._names:
+            self._names = sorted(names)
         zero = torch.zeros(2, dtype=torch.float64)
         stats = []
         for name in self._names:
@@ -143,16 +214,19 @@ class Fingerprint:
             # far inside verify's tolerances, and 8x cheaper than a float64 copy on a CPU
             flat = piece[1].detach().reshape(-1).float()
             stats.append(torch.stack((torch.dot(flat, flat), flat.sum())).to("cpu", torch.float64))
-        vec = torch.cat([head, *stats]) if stats else head
-        total = self.comm.allreduce(vec.to(self.comm.device), "sum").cpu()
-        self._loss, self._losses, self._rows, self._inputs = torch.zeros((), dtype=torch.float64), 0, 0, 0.0
-        if self.comm.rank == 0:
-            self._write(total, lrs, loss_scale, skipped)
+        vec = torch.cat([head, *stats]).to(self.comm.device)
+        if probed is not None:
+            vec = torch.cat([vec, probed])
+        return self.comm.allreduce(vec, "sum").cpu()
 
-    def _write(self, total: torch.Tensor, lrs: Sequence[float], loss_scale: float, skipped: bool) -> None:
+    def _params(self, t: Sequence[float]) -> dict[str, list[float]]:
+        return {n: [math.sqrt(max(t[_HEAD + 2 * i], 0.0)), t[_HEAD + 2 * i + 1]] for i, n in enumerate(self._names)}
+
+    def _write(self, total: torch.Tensor, lrs: Sequence[float], loss_scale: float, skipped: bool,
+               extra: Mapping[str, Any]) -> None:
         t = total.tolist()
         count = t[1] / self.comm.size  # backward passes per rank in this step
-        params = {n: [math.sqrt(max(t[_HEAD + 2 * i], 0.0)), t[_HEAD + 2 * i + 1]] for i, n in enumerate(self._names)}
+        params = self._params(t)
         line = {
             "step": self.step,
             "loss": t[0] / t[1] if t[1] else None,
@@ -164,9 +238,15 @@ class Fingerprint:
             "skipped": bool(skipped),
             "rows": int(t[2]),
             "inputs": t[3],
+            "digest": t[5],
             "passes": count,
             "params": params,
+            **extra,
         }
+        self._line(line)
+
+    def _line(self, line: Mapping[str, Any]) -> None:
+        """Write one line (rank 0), the header first."""
         if self._file is None:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "w", buffering=1)
@@ -175,10 +255,21 @@ class Fingerprint:
             self._file.write(json.dumps(head) + "\n")
         self._file.write(json.dumps(line, allow_nan=True) + "\n")
 
+    def event(self, kind: str, path: str | os.PathLike[str]) -> None:
+        """A checkpoint saved or loaded (``kind``: "save" or "load") after ``self.step`` steps: a line of its own
+        (rank 0), so that verify can tell a launch that resumed from one that trained from the start."""
+        if self.comm.rank == 0:
+            self._line({"event": kind, "path": os.path.abspath(os.fspath(path)), "after_step": self.step})
+
     def close(self) -> None:
-        """Detach the forward hook and close the file."""
+        """Detach the hooks (the forward's, and what attach() added) and close the file."""
         if self.hook is not None:
             self.hook.remove()
+            self.hook = None
+        for part in (self.random, self.rounding, self.probes):
+            if part is not None:
+                part.close()
+        self.random = self.rounding = self.probes = None
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -30,7 +30,7 @@ from unidist.train.broadcast_state import broadcast_optimizer_state, broadcast_p
 from unidist.train.buffer_sync import BufferSync
 from unidist.train.data import Loader
 from unidist.train.ddp import DistributedOptimizer
-from unidist.train.fingerprint import Fingerprint, path_for
+from unidist.train.fingerprint import Fingerprint, path_for, verify_parts
 from unidist.train.host import TrainingHost
 from unidist.train.memory import MemoryStats, optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.options import SyncOptions, TrainOptions
@@ -101,8 +101,12 @@ class Trainer:
         header = {"backend": self.mgr.name, "world": self.mgr.size, "dp": comm.size, "device": str(self.mgr.device),
                   "zero_stage": getattr(opt, "zero_stage", opts.zero_stage), "precision": opts.precision,
                   "clip": opt.clipping, "accumulation": getattr(opt, "backward_passes_per_step", 1)}
-        return Fingerprint(path_for(opts.fingerprint or ""), comm, header,
+        made = Fingerprint(path_for(opts.fingerprint or ""), comm, header,
                            lambda: opt.fingerprint_parts(model, comm.rank, comm.size), model)
+        made.attach(*verify_parts(self.mgr.config, model, list(model.named_parameters()),
+                                  1.0 / comm.size if opts.op == ReduceOp.MEAN else 1.0))
+        made.start()
+        return made
 
     def _follow_forwards(self) -> None:
         """With two prepared models (a GAN, a teacher and a student) ``backward`` must serve the one whose loss it
@@ -241,6 +245,7 @@ class Trainer:
         if scaler is not None:
             extra = {**(extra or {}), SCALER_KEY: scaler.state_dict()}
         layout = self.checkpoint_layout(model, optimizer)
+        self._event("save", model, path)
         if blocking:
             return checkpoint.save(self.mgr, path, layout, keep=keep, extra=extra)
         self.pending = save_async(self.mgr, path, layout, keep=keep, extra=extra)
@@ -277,12 +282,19 @@ class Trainer:
         """``Manager.load_checkpoint``: returns the checkpoint's ``extra`` (the loss scale restored, not returned).
         A background save in flight is published first (it may be the checkpoint asked for)."""
         self.finish_pending()
+        self._event("load", model, path)
         extra = checkpoint.load(self.mgr, path, self.checkpoint_layout(model, optimizer))
         saved = extra.pop(SCALER_KEY, None)
         scaler = getattr(optimizer, "scaler", None)
         if saved is not None and scaler is not None:
             scaler.load_state_dict(saved)
         return extra
+
+    def _event(self, kind: str, model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
+        """A checkpoint of a fingerprinted model saved or loaded: a line in its fingerprint (verify reports it)."""
+        fingerprint = getattr(self.prepared_for.get(self.unwrap(model)), "fingerprint", None)
+        if fingerprint is not None:
+            fingerprint.event(kind, path)
 
     def checkpoint_layout(self, model: torch.nn.Module, optimizer: Any = None) -> Layout:
         """What this rank holds of ``model`` (and ``optimizer``), from the optimizer that holds it: the one given,

@@ -40,6 +40,10 @@ class Launch:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
 
+    def variant(self, label: str, **env: str) -> Launch:
+        """The same launch under another label, with more variables (a rounding or locate re-run)."""
+        return Launch(label, list(self.argv), {**self.env, **env})
+
 
 @dataclass
 class Outcome:
@@ -85,6 +89,7 @@ def parse_launch(text: str, script: str, args: Sequence[str]) -> Launch:
     while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
         key, _, value = words.pop(0).partition("=")
         env[key] = value
+    given = set(env)  # the user's variables name the launch ("PLANT=lr mpiexec -n 2": mpiexec-2-PLANT-lr)
     if not words:
         raise InvalidArgumentError(f"--launch {text!r} names no launcher program; e.g. --launch 'mpiexec -n 4'")
     program = os.path.basename(words[0])
@@ -103,18 +108,21 @@ def parse_launch(text: str, script: str, args: Sequence[str]) -> Launch:
     label = program + (f"-{count.group(1)}" if count else "")
     if "UNIDIST_BACKEND" in env:
         label = f"{env['UNIDIST_BACKEND']}-under-{label}"
+    label += "".join(f"-{k}-{v}" for k, v in env.items() if k != "UNIDIST_BACKEND" and k in given)
     return Launch(_label(label), [*words, *rest], env)
 
 
-def run(launch: Launch, fingerprint: Path, environ: Mapping[str, str], timeout: float) -> Outcome:
-    """Run one launch with ``UNIDIST_FINGERPRINT`` pointing at ``fingerprint``; never raises for its failure."""
-    env = {**environ, **launch.env, "UNIDIST_FINGERPRINT": str(fingerprint)}
+def run(launch: Launch, fingerprint: Path, environ: Mapping[str, str], timeout: float, cwd: Path | None = None
+        ) -> Outcome:
+    """Run one launch with ``UNIDIST_FINGERPRINT`` pointing at ``fingerprint`` (an absolute path), in ``cwd``
+    (its own working directory: workdirs.py); never raises for its failure."""
+    env = {**environ, **launch.env, "UNIDIST_FINGERPRINT": str(fingerprint.absolute())}
     if fingerprint.exists():
         fingerprint.unlink()
     start = time.monotonic()
     try:  # its own session, so a launcher's children go with it when it is stopped
         proc = subprocess.Popen(launch.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=cwd)
     except OSError as err:
         return Outcome(launch, 127, fingerprint, f"could not start {launch.argv[0]}: {err}", 0.0)
     try:

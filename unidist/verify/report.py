@@ -1,25 +1,39 @@
 """What ``unidist verify`` says: the comparison as data (``--json``), as a table, and as a picture.
 
-The table has one row per launch and one column per sampled step (at most ``COLUMNS``, the first and the last
-always among them): each cell is the largest relative difference of the loss, the gradient norm and the
-parameters at that step against the one-process run; then the worst of each quantity over all steps, and the
-verdict. Below it, for a launch that diverged, where and why; for one that failed, its output's tail.
+``build`` reads every fingerprint, measures the envelope (envelope.py) and compares each launch with the
+one-process run (compare.py); ``explain`` adds the causes (causes.py) and the locations (locate.py) once verify has
+made the re-runs they need. The table has one row per launch and one column per sampled step (at most ``COLUMNS``,
+the first and the last always among them): each cell is the largest ratio of a difference to its bound at that
+step (below 1 agrees); then each figure at its worst step, its bound beside it, and the verdict.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from unidist.errors import InvalidArgumentError
-from unidist.verify import compare
+from unidist.verify import causes as causes_
+from unidist.verify import compare, envelope, runs
 from unidist.verify.launches import Outcome
+from unidist.verify.locate import Location
 
-__all__ = ["COLUMNS", "build", "lines", "plot"]
+__all__ = ["COLUMNS", "Comparison", "build", "explain", "lines", "plot"]
 
 COLUMNS = 8
+
+
+@dataclass
+class Comparison:
+    """The runs read, the envelope, and the result as plain data (``result``: what ``--json`` prints)."""
+
+    result: dict[str, Any]
+    runs: dict[str, runs.Run] = field(default_factory=dict)
+    env: envelope.Envelope = field(default_factory=envelope.Envelope)
+    diffs: dict[str, list[compare.StepDiff]] = field(default_factory=dict)
+    found: dict[str, compare.Divergence] = field(default_factory=dict)
 
 
 def _sampled(n: int) -> list[int]:
@@ -29,46 +43,88 @@ def _sampled(n: int) -> list[int]:
     return sorted({1 + round(i * (n - 1) / (COLUMNS - 1)) for i in range(COLUMNS)})
 
 
-def build(outcomes: Sequence[Outcome], tolerance: float | None) -> dict[str, Any]:
-    """The comparison of every launch with the first (the one-process run), as plain data."""
-    launches: list[dict[str, Any]] = []
-    runs: dict[str, compare.Run] = {}
-    for o in outcomes:
-        entry: dict[str, Any] = {"label": o.launch.label, "argv": o.launch.argv, "env": o.launch.env,
-                                 "returncode": o.returncode, "seconds": round(o.seconds, 1)}
-        if o.returncode != 0 or not o.fingerprint.exists():
-            why = "no fingerprint written (did the script call mgr.prepare?)" if o.returncode == 0 else "failed"
-            entry.update(status="failed", why=why, tail=o.tail)
-        else:
-            try:
-                runs[o.launch.label] = compare.read(o.fingerprint, o.launch.label)
-                entry["status"] = "ran"
-            except (InvalidArgumentError, ValueError) as err:
-                entry.update(status="failed", why=str(err), tail=o.tail)
-        launches.append(entry)
+def _entry(o: Outcome, read: dict[str, runs.Run]) -> dict[str, Any]:
+    entry: dict[str, Any] = {"label": o.launch.label, "argv": o.launch.argv, "env": o.launch.env,
+                             "returncode": o.returncode, "seconds": round(o.seconds, 1)}
+    if o.returncode != 0 or not o.fingerprint.exists():
+        why = "no fingerprint written (did the script call mgr.prepare?)" if o.returncode == 0 else "failed"
+        entry.update(status="failed", why=why, tail=o.tail)
+        return entry
+    try:
+        read[o.launch.label] = runs.read(o.fingerprint, o.launch.label)
+        entry["status"] = "ran"
+    except (InvalidArgumentError, ValueError) as err:
+        entry.update(status="failed", why=str(err), tail=o.tail)
+    return entry
+
+
+def build(outcomes: Sequence[Outcome], perturbed: Sequence[Outcome], tolerance: float | None,
+          factor: float = envelope.FACTOR) -> Comparison:
+    """Every launch (``outcomes[0]`` the one-process run) against the first, within the envelope that the rounding
+    re-runs ``perturbed`` measure (``tolerance``: a fixed bound instead)."""
+    read: dict[str, runs.Run] = {}
+    launches = [_entry(o, read) for o in outcomes]
+    rounding = [_entry(o, read) for o in perturbed]
     ref_label = outcomes[0].launch.label if outcomes else None
-    ref = runs.get(ref_label or "")
-    tol = compare.tolerance(ref, tolerance) if ref is not None else tolerance
+    ref = read.get(ref_label or "")
+    out = Comparison({"verdict": "failed", "reference": ref_label, "compared": max(len(launches) - 1, 0),
+                      "launches": launches, "rounding_runs": rounding}, read)
+    if ref is None:
+        out.result.update(envelope=None, tolerance=tolerance, loss={})
+        return out
+    made = [read[e["label"]] for e in rounding if e["label"] in read]
+    env = out.env = envelope.measure(ref, made, factor, tolerance)
+    launches[0].update(status="reference", steps=len(ref.steps), precision=ref.precision, loads=ref.loads())
     for entry in launches[1:]:
-        run = runs.get(entry["label"])
-        if run is None or ref is None or entry["status"] == "failed":
+        run = read.get(entry["label"])
+        if run is None or entry["status"] == "failed":
             continue
-        diffs = compare.step_diffs(run, ref)
-        entry["steps"] = len(run.steps)
-        entry["diffs"] = [asdict(d) for d in diffs]
-        entry["worst"] = compare.worst(diffs)
-        found = compare.compare(run, ref, tol or 0.0)
-        entry["status"] = "diverged" if found else "agrees"
-        entry["divergence"] = asdict(found) if found else None
-    if ref is not None:
-        launches[0].update(status="reference", steps=len(ref.steps), precision=ref.header.get("precision"))
+        diffs = out.diffs[run.label] = compare.step_diffs(run, ref, env)
+        found = compare.compare(run, ref, env)
+        entry.update(steps=len(run.steps), diffs=[asdict(d) for d in diffs], worst=compare.worst(diffs),
+                     status="diverged" if found else "agrees", loads=run.loads(),
+                     noise=sorted({n for d in diffs for n in d.noise}))
+        if found is not None:
+            out.found[run.label] = found
     statuses = [e["status"] for e in launches]
-    if ref is None or "failed" in statuses or len(launches) < 2:
-        verdict = "failed"
-    else:
-        verdict = "diverged" if "diverged" in statuses else "agree"
-    curves = {label: [s.get("loss") for s in r.steps] for label, r in runs.items()}
-    return {"verdict": verdict, "tolerance": tol, "reference": ref_label, "launches": launches, "loss": curves}
+    failed = "failed" in statuses or len(launches) < 2 or (tolerance is None and bool(perturbed) and not made)
+    out.result["verdict"] = "failed" if failed else "diverged" if "diverged" in statuses else "agree"
+    calls = ref.random_calls()
+    out.result.update(
+        tolerance=tolerance, envelope={**env.as_dict(), "labels": [e["label"] for e in rounding]},
+        random={"mode": ref.header.get("random", "keep"), "calls": calls, "summary": causes_.random_summary(calls)},
+        noise=_noise(out), loss={label: [s.get("loss") for s in r.steps] for label, r in read.items()
+                                 if label not in {e["label"] for e in rounding}})
+    return out
+
+
+def _noise(out: Comparison) -> dict[str, dict[str, Any]]:
+    """The rounding-driven parameters that went beyond their bound in some launch: where first, and why."""
+    said: dict[str, dict[str, Any]] = {}
+    for diffs in out.diffs.values():
+        for d in diffs:
+            i = d.step - 1
+            for name in d.noise:
+                if name not in said:
+                    said[name] = {"step": d.step, "envelope": out.env.envelope("params", i, name),
+                                  "moved": out.env.moved[i].get(name) if i < len(out.env.moved) else None}
+    return said
+
+
+def explain(out: Comparison, evidence: causes_.Evidence, locations: Mapping[str, Location]) -> None:
+    """The causes of each divergence, and where the re-runs located it, into ``out.result``."""
+    ref = out.runs.get(out.result["reference"] or "")
+    for entry in out.result["launches"][1:]:
+        found = out.found.get(entry["label"])
+        if found is None or ref is None:
+            continue
+        found.causes = causes_.causes(out.runs[entry["label"]], ref, found, out.env, out.diffs[entry["label"]],
+                                      evidence, locations.get(entry["label"]))
+        entry["divergence"] = asdict(found)
+        if entry["label"] in locations:
+            entry["location"] = asdict(locations[entry["label"]])
+    for entry in out.result["launches"][1:]:
+        entry.setdefault("divergence", None)
 
 
 def _fmt(v: float | None) -> str:
@@ -79,42 +135,89 @@ def _fmt(v: float | None) -> str:
     return "0" if v == 0 else f"{v:.1e}"
 
 
-def _cell(d: dict[str, Any]) -> float | None:
-    vals = [v for v in (d["loss"], d["grad_norm"], d["params"]) if v is not None]
-    return max(vals) if vals else None
+def _ratio(v: float | None) -> str:
+    if v is None:
+        return ""
+    if math.isinf(v):
+        return "inf"
+    return "0" if v == 0 else f"{v:.2g}"
 
 
-def lines(result: dict[str, Any]) -> list[str]:
-    """The report's text: the table, then what diverged or failed, then one verdict line."""
+def _figure(w: Mapping[str, Any] | None) -> str:
+    if not w:
+        return "-"
+    return f"{_fmt(w['value'])} ({_fmt(w['bound'])})" + (f" {w['param']}" if w.get("param") else "")
+
+
+def _head(result: Mapping[str, Any], ref: Mapping[str, Any]) -> list[str]:
+    env = result.get("envelope") or {}
+    out = [f"unidist verify: {result['compared']} launch{'es' if result['compared'] != 1 else ''} compared with the "
+           f"one-process run ({result['reference']}: {ref.get('steps', '?')} steps, precision "
+           f"{ref.get('precision', '?')})"]
+    if env.get("fixed") is not None:
+        out.append(f"bound: a fixed relative difference of {_fmt(env['fixed'])} (--tolerance)")
+    elif env:
+        out.append(f"bound: {env['factor']:g} x the rounding envelope (how far {env['runs']} one-process runs with "
+                   f"their rounding perturbed land from it, per step and figure), at least {_fmt(env['floor'])} each")
+    rnd = result.get("random") or {}
+    mode = rnd.get("mode", "keep")
+    if mode == "off":
+        out.append(f"random ops: the dropout family switched off in every launch; seen in the one-process run: "
+                   f"{rnd.get('summary')} (--keep-random runs them as written)")
+    elif mode == "count":
+        out.append(f"random ops: run as written (--keep-random); seen in the one-process run: {rnd.get('summary')}")
+    loads = [f"{e['label']} loaded {e['loads'][0]['path']}" for e in result["launches"] if e.get("loads")]
+    if loads:
+        out.append("checkpoints loaded: " + "; ".join(loads))
+    return out
+
+
+def lines(result: Mapping[str, Any]) -> list[str]:
+    """The report's text: what was compared and how, the table, the rounding-driven parameters, what diverged
+    (causes, location) or failed, then one verdict line."""
     entries = result["launches"]
     ref = entries[0] if entries else {}
-    n = max([e.get("steps", 0) for e in entries] or [0])
-    cols = _sampled(n)
-    out = [f"unidist verify: {len(entries)} launches against {result['reference']} ({ref.get('steps', '?')} steps, "
-           f"precision {ref.get('precision', '?')}, tolerance {_fmt(result['tolerance'])})",
-           "", "largest relative difference from the one-process run (loss, gradient norm, parameters) at step:", ""]
-    head = ["launch", *[str(c) for c in cols], "loss", "grad norm", "params", "verdict"]
-    out.append("| " + " | ".join(head) + " |")
-    out.append("|" + "---|" * len(head))
+    cols = _sampled(max([e.get("steps", 0) for e in entries] or [0]))
+    out = [*_head(result, ref), "", "difference from the one-process run over its bound (the largest of the loss, the "
+           "gradient norm and the parameters; below 1 agrees), at step:", ""]
+    head = ["launch", *[str(c) for c in cols], "loss (bound)", "grad norm (bound)", "params (bound)", "verdict"]
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in entries:
         by_step = {d["step"]: d for d in e.get("diffs", [])}
-        cells = [_fmt(_cell(by_step[c])) if c in by_step else "" for c in cols]
+        cells = [_ratio(by_step[c]["ratio"]) if c in by_step else "" for c in cols]
         worst = e.get("worst") or {}
         verdict = e["status"]
-        if e["status"] == "diverged":
-            verdict = f"diverged at step {e['divergence']['step']} ({e['divergence']['quantity']})"
-        out.append("| " + " | ".join([e["label"], *cells, _fmt(worst.get("loss")), _fmt(worst.get("grad_norm")),
-                                      _fmt(worst.get("params")), verdict]) + " |")
+        if e["status"] == "diverged" and e.get("divergence"):
+            d = e["divergence"]
+            verdict = f"diverged at step {d['step']} ({d['quantity']})" if d["step"] else \
+                f"diverged before step 1 ({d['quantity']})"
+        out.append("| " + " | ".join([e["label"], *cells, _figure(worst.get("loss")), _figure(worst.get("grad_norm")),
+                                      _figure(worst.get("params")), verdict]) + " |")
+    noise = result.get("noise") or {}
+    if noise:
+        out += ["", "rounding-driven parameters (rounding alone moves them at least a tenth as far as training does, "
+                    "so they are compared but cannot make a launch diverge by themselves):"]
+        out += [f"  - {n}: from step {v['step']}, rounding moves it {_fmt(v['envelope'])}, training moved it "
+                f"{_fmt(v['moved'])}" for n, v in sorted(noise.items())]
     for e in entries:
-        if e["status"] == "diverged":
+        if e["status"] == "diverged" and e.get("divergence"):
             d = e["divergence"]
             what = d["quantity"] + (f" (most: {d['param']})" if d.get("param") else "")
-            value = f", {_fmt(d['value'])}" if d.get("value") is not None and d["quantity"] not in ("rows", "steps") \
-                else ""
-            out += ["", f"{e['label']}: leaves the one-process run at step {d['step']}: {what}{value}"]
+            value = f", {_fmt(d['value'])} against a bound of {_fmt(d['bound'])}" \
+                if d.get("value") is not None and d.get("bound") is not None and \
+                d["quantity"] not in ("rows", "steps", "lr", "data", "skipped") else ""
+            when = f"at step {d['step']}" if d["step"] else "before the first step"
+            out += ["", f"{e['label']}: leaves the one-process run {when}: {what}{value}"]
             out += [f"  - likely: {c}" for c in d["causes"]]
+            if e.get("location"):
+                out.append(f"  - located: {e['location']['said']}")
         elif e["status"] == "failed":
             out += ["", f"{e['label']}: {e.get('why')} (exit {e['returncode']}): {' '.join(e['argv'])}"]
+            out += ["  " + line for line in (e.get("tail") or "").splitlines()]
+    for e in result.get("rounding_runs") or []:
+        if e["status"] == "failed":
+            out += ["", f"{e['label']} (the one-process run with its rounding perturbed): {e.get('why')} (exit "
+                        f"{e['returncode']})"]
             out += ["  " + line for line in (e.get("tail") or "").splitlines()]
     verdict = {"agree": "every launch trains the same as one process",
                "diverged": "a launch trains differently (above)",
@@ -125,7 +228,7 @@ def lines(result: dict[str, Any]) -> list[str]:
     return out
 
 
-def plot(result: dict[str, Any], path: str) -> str | None:
+def plot(result: Mapping[str, Any], path: str) -> str | None:
     """The launches' loss curves overlaid, written to ``path``; None where matplotlib is not installed."""
     try:
         import matplotlib

@@ -17,7 +17,7 @@ import torch
 from unidist.checkpoint.layout import even_slice
 from unidist.compat.horovod.basics import manager
 from unidist.compat.horovod.process_sets import ProcessSet, comm_of
-from unidist.train.fingerprint import Fingerprint, path_for, slice_squares
+from unidist.train.fingerprint import Fingerprint, path_for, slice_squares, verify_parts
 
 __all__ = ["attach", "record"]
 
@@ -39,7 +39,10 @@ def attach(named: Sequence[tuple[str, torch.Tensor]], process_set: ProcessSet, p
         return names, {n: even_slice(p, comm.rank, comm.size, copy=False) for n, p in named}
     header = {"backend": mgr.name, "world": mgr.size, "dp": comm.size, "zero_stage": 0, "precision": "32",
               "clip": None, "accumulation": passes, "api": "horovod"}
-    return Fingerprint(path_for(mgr.config.fingerprint), comm, header, parts)
+    made = Fingerprint(path_for(mgr.config.fingerprint), comm, header, parts)
+    # Horovod averages (op=Average, its default); no module: rounding moves the gradients only
+    made.attach(*verify_parts(mgr.config, None, list(named), 1.0 / comm.size))
+    return made
 
 
 def record(fingerprint: Fingerprint, param_groups: Sequence[dict[str, Any]]) -> None:
