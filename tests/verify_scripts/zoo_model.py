@@ -6,14 +6,15 @@ they ship), the zoo's optimizer (AdamW lr 1e-3 weight decay 0.01 for the Hugging
 of 8 rows split across the ranks (``8 // mgr.size`` each), ``--steps`` optimizer steps. Correct as written: every
 launch must agree with one process.
 
-``--plant`` (or ``PLANT`` in the environment, so that each ``verify --launch "PLANT=lr mpiexec -n 2"`` can plant its
-own) adds one mistake users make when porting:
+``--plant`` (``PLANT`` in the environment wins, so that each ``verify --launch "PLANT=lr mpiexec -n 2"`` can plant
+its own) adds one mistake users make when porting, or changes what the script asks for:
 
 - ``batch``: the per-rank batch not divided by the world size (every rank takes 8 rows);
 - ``lr``, ``wd``: the learning rate, or the weight decay, scaled by the world size;
 - ``shuffle``: the data shuffled with a seed that depends on the rank;
-- ``ds-clip``: gradient clipping only in a DeepSpeed config, passed on the deepspeed backend only (where
-  ``clip_grad_norm`` is not passed).
+- ``ds-clip``: gradient clipping only in a DeepSpeed config, passed on the deepspeed backend only, nowhere else;
+- ``noclip``: no clipping anywhere (what ``ds-clip`` does off DeepSpeed: the run it must be compared with; on
+  DeepSpeed it also shows that DeepSpeed's own default, clipping at 1.0, is neutralised).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import unidist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for the zoo
 from zoo.models import BATCH, ZOO, with_dropout
 
-PLANTS = ("none", "batch", "lr", "wd", "shuffle", "ds-clip")
+PLANTS = ("none", "batch", "lr", "wd", "shuffle", "ds-clip", "noclip")
 
 
 def main() -> None:
@@ -41,8 +42,11 @@ def main() -> None:
     parser.add_argument("--zero", type=int, default=0)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--plant", default=os.environ.get("PLANT", "none"), choices=PLANTS)
+    parser.add_argument("--plant", default="none", choices=PLANTS)
     args = parser.parse_args(unidist.script_args())
+    args.plant = os.environ.get("PLANT") or args.plant
+    if args.plant not in PLANTS:
+        parser.error(f"PLANT={args.plant!r}: one of {', '.join(PLANTS)}")
     torch.set_num_threads(1)
     entry = ZOO[args.model]
     with unidist.init() as mgr:
@@ -51,7 +55,7 @@ def main() -> None:
         scale = mgr.size if args.plant in ("lr", "wd") else 1
         for group in opt.param_groups:
             group["lr" if args.plant == "lr" else "weight_decay"] *= scale
-        clip: dict[str, Any] = {"clip_grad_norm": 1.0}
+        clip: dict[str, Any] = {} if args.plant == "noclip" else {"clip_grad_norm": 1.0}
         if args.plant == "ds-clip":
             clip = {"deepspeed_config": {"gradient_clipping": 1.0}} if mgr.backend == "deepspeed" else {}
         model, opt = mgr.prepare(model, opt, zero_stage=args.zero, precision=args.precision, **clip)

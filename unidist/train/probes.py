@@ -12,7 +12,8 @@ to what one process computes:
 
 - a forward output: the sum of its elements, of their squares, and their count; the totals give the mean and the
   mean square, which are one process's whether the tensor holds each rank's own rows or is alike on every rank (a
-  position table broadcast over the rows, a loss computed inside the model);
+  position table broadcast over the rows); a 0-dimensional output (a loss computed inside the model: each rank's
+  the mean over its own rows) is summed and counted apart, so that the ranks' values average to one process's;
 - the gradient a module's backward hands its input: a rank's loss is the mean over its own rows, N times the whole
   batch's share of them, so a *row-wise* gradient (first dimension the forward's rows: the model's first input's
   first dimension, 16 in one process, 8 on each of 2 ranks) has its sum and squares scaled by ``share`` (1/N where
@@ -36,6 +37,7 @@ from unidist.tree import map_tensors, tensors
 __all__ = ["Probes"]
 
 _PROJECTION_SEED = 7919
+_PER_MODULE = 8  # forward: sum, squares, count, 0-d sum, 0-d count; backward: row-wise sum, squares, replicated
 
 
 class Probes:
@@ -55,8 +57,8 @@ class Probes:
         modules = [(name or "(model)", m) for name, m in model.named_modules()]
         self.modules = [name for name, _ in modules]
         self.params = [name for name, p in named_params if p.requires_grad]
-        # per module: forward (sum, squares, count), backward (row-wise sum, row-wise squares, replicated sum); per
-        # parameter: sum, projection, squares
+        # per module: forward (sum, squares, count, scalars' sum, scalars' count), backward (row-wise sum, row-wise
+        # squares, replicated sum); per parameter: sum, projection, squares
         self._stats: torch.Tensor | None = None
         self._grads: torch.Tensor | None = None
         self._projections: dict[int, torch.Tensor] = {}
@@ -86,7 +88,7 @@ class Probes:
 
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._stats is None or self._grads is None:
-            self._stats = torch.zeros(len(self.modules), 6, dtype=torch.float64, device=device)
+            self._stats = torch.zeros(len(self.modules), _PER_MODULE, dtype=torch.float64, device=device)
             self._grads = torch.zeros(len(self.params), 3, dtype=torch.float64, device=device)
         return self._stats, self._grads
 
@@ -99,6 +101,10 @@ class Probes:
         stats, _ = self._tables(floats[0].device)
         for t in floats:
             wide = t.detach().to(stats.device, torch.float64)
+            if t.dim() == 0:
+                stats[i, 3] += wide
+                stats[i, 4] += 1
+                continue
             stats[i, 0] += wide.sum()
             stats[i, 1] += (wide * wide).sum()
             stats[i, 2] += wide.numel()
@@ -122,10 +128,10 @@ class Probes:
         stats, _ = self._tables(grad.device)
         wide = grad.detach().to(stats.device, torch.float64)
         if row_wise:
-            stats[i, 3] += wide.sum() * self.share
-            stats[i, 4] += (wide * wide).sum() * self.share * self.share
-        else:
             stats[i, 5] += wide.sum() * self.share
+            stats[i, 6] += (wide * wide).sum() * self.share * self.share
+        else:
+            stats[i, 7] += wide.sum() * self.share
         if i not in self.backward_order:
             self.backward_order.append(i)
 
@@ -158,19 +164,20 @@ class Probes:
 
     def line(self, flat: Sequence[float]) -> dict[str, Any]:
         """The fingerprint line's ``probes`` entry for the step ``take`` ended, from the ranks' summed vector:
-        per module in the order the step ran them, ``[mean, mean square, count]`` of its forward output's elements
-        and ``[row-wise sum, row-wise squares, replicated sum]`` of its input's gradient; per parameter ``[sum,
-        projection, squares]`` of its gradient."""
-        m = len(self.modules)
+        per module in the order the step ran them, ``[mean, mean square, count, mean of the 0-dimensional
+        outputs]`` of its forward output's elements and ``[row-wise sum, row-wise squares, replicated sum]`` of its
+        input's gradient; per parameter ``[sum, projection, squares]`` of its gradient."""
+        m, w = len(self.modules), _PER_MODULE
         forward, backward = self._orders
 
         def means(k: int) -> list[float]:
-            total, squares, count = flat[6 * k: 6 * k + 3]
-            return [total / count, squares / count, count] if count else [0.0, 0.0, 0.0]
+            total, squares, count, scalars, scalar_count = flat[w * k: w * k + 5]
+            return [total / count if count else 0.0, squares / count if count else 0.0, count,
+                    scalars / scalar_count if scalar_count else 0.0]
         return {
             "forward": {self.modules[k]: means(k) for k in forward},
-            "backward": {self.modules[k]: list(flat[6 * k + 3: 6 * k + 6]) for k in backward},
-            "grads": {n: list(flat[6 * m + 3 * j: 6 * m + 3 * j + 3]) for j, n in enumerate(self.params)},
+            "backward": {self.modules[k]: list(flat[w * k + 5: w * k + 8]) for k in backward},
+            "grads": {n: list(flat[w * m + 3 * j: w * m + 3 * j + 3]) for j, n in enumerate(self.params)},
         }
 
     def close(self) -> None:

@@ -10,9 +10,14 @@ floating output of every module and every parameter's gradient moved by one roun
 - a module output ``t`` becomes ``t + t * eps * r`` (``eps`` its dtype's machine epsilon, ``r`` uniform in [-1, 1]):
   the last bit moves, so the sums that cancel downstream (the key bias's gradient) cancel into new noise, as
   another summation order's would;
-- a parameter's gradient moves the same way, by the epsilon of the precision it was computed in: one of bfloat16
-  under bf16 autocast (the gradient of a weight cast to bfloat16 is a bfloat16 sum, every value a bfloat16 one),
-  float32 otherwise; that is the rounding a rank's partial gradient carries into the average.
+- a parameter's gradient moves by the epsilon of the precision it was computed in (bfloat16's under bf16 autocast:
+  the gradient of a weight cast to bfloat16 is a bfloat16 sum, every value a bfloat16 one; float32's otherwise)
+  times the size of what it sums, which the gradient alone does not tell: its own size, plus the root mean square
+  of the whole tensor's gradient for every element that is not exactly zero. That is the rounding a rank's partial
+  sum carries into the average: relative to the terms, not to the result, so an element whose terms cancel to
+  nearly zero can change sign (under Adam a full learning-rate step: one BERT pooler weight in 1024 did so between
+  one process and two ranks in bf16), while a gradient that is exactly zero (an embedding row no token used) stays
+  so, as it does on every rank.
 
 Its own generator per device, so the script's random numbers (data order, dropout) are unchanged.
 """
@@ -79,8 +84,13 @@ class Rounding:
         return map_tensors(out, lambda t: self._move(t, torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0))
 
     def _on_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        eps = gradient_epsilon(grad)
+        if not grad.is_floating_point() or not grad.numel() or eps == 0.0:
+            return grad
         with torch.no_grad():
-            return self._move(grad, gradient_epsilon(grad))
+            wide = grad.float() if grad.element_size() < 4 else grad
+            scale = wide.abs() + wide.square().mean().sqrt() * (wide != 0)
+            return (wide + scale * (self._uniform(grad).to(wide.dtype) * eps)).to(grad.dtype)
 
     def close(self) -> None:
         """Remove every hook."""

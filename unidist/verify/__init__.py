@@ -152,7 +152,7 @@ def main(ns: argparse.Namespace, launch_command: LaunchCommand) -> int:
                    " (the reference, its rounding perturbed)") for k in range(1, envelope.RUNS + 1)]
         outcomes = [first, *(runner(launch) for launch in launches[1:])]
         cmp = report.build(outcomes, perturbed, ns.tolerance, ns.factor)
-        evidence = _evidence(cmp, outcomes)
+        evidence = _evidence(cmp, [first, *perturbed, *outcomes[1:]])
         locations: dict[str, Location] = {}
         if cmp.found and (ns.locate or _fits(cmp, outcomes, perturbed, ns.locate_budget)):
             locations = _locate(cmp, launches, runner, evidence)
@@ -171,22 +171,23 @@ def main(ns: argparse.Namespace, launch_command: LaunchCommand) -> int:
     return {"agree": EXIT_AGREE, "diverged": EXIT_DIVERGED}.get(result["verdict"], EXIT_FAILED)
 
 
-def _evidence(cmp: report.Comparison, outcomes: Sequence[Outcome]) -> Evidence:
+def _evidence(cmp: report.Comparison, ran: Sequence[Outcome]) -> Evidence:
     """What the causes need beyond each launch's own fingerprint: the reference's random calls, who saved which
-    checkpoint before whom, whether the launches agree with one another while all leave one process at step 1."""
+    checkpoint before whom (``ran``: every run, in the order they ran), whether the launches agree with one another
+    while all leave one process at step 1."""
     ref = cmp.runs.get(cmp.result["reference"] or "")
     ev = Evidence(random=ref.random_calls() if ref else {}, random_mode=str((ref.header if ref else {}).get(
         "random", "keep")))
     saved: dict[str, str] = {}
-    for o in outcomes:  # in the order they ran: the rounding re-runs write nothing a launch would load
+    for o in ran:
         run_ = cmp.runs.get(o.launch.label)
         ev.writers[o.launch.label] = dict(saved)
         for e in run_.saves() if run_ else []:
             saved[os.path.normpath(e["path"])] = o.launch.label
-    ran = [cmp.runs[e["label"]] for e in cmp.result["launches"][1:] if e["status"] in ("agrees", "diverged")]
-    early = [cmp.found.get(r.label) for r in ran]
-    if len(ran) >= 2 and all(f is not None and f.step <= 1 for f in early):
-        ev.peers_agree = all(compare.compare(r, ran[0], cmp.env) is None for r in ran[1:])
+    compared = [cmp.runs[e["label"]] for e in cmp.result["launches"][1:] if e["status"] in ("agrees", "diverged")]
+    early = [cmp.found.get(r.label) for r in compared]
+    if len(compared) >= 2 and all(f is not None and f.step <= 1 for f in early):
+        ev.peers_agree = all(compare.compare(r, compared[0], cmp.env) is None for r in compared[1:])
     return ev
 
 
@@ -218,7 +219,7 @@ def _locate(cmp: report.Comparison, launches: Sequence[Launch], runner: _Runner,
                                               UNIDIST_FINGERPRINT_LOCATE=str(steps[launch.label])), " (locate)"))
         if again is None or base is None:
             continue
-        ev.rerun[launch.label] = _rerun_difference(cmp.runs[launch.label], again)
+        ev.rerun[launch.label] = _rerun_difference(cmp.runs[launch.label], again, cmp.env)
         found[launch.label] = locate(again, base, [p for p in perturbed if p is not None], steps[launch.label],
                                      cmp.env)
     return found
@@ -234,15 +235,19 @@ def runs_of(outcome: Outcome) -> runs.Run | None:
         return None
 
 
-def _rerun_difference(first: runs.Run, again: runs.Run) -> float:
-    """The largest relative difference between two runs of one launch over the steps both made (0: identical)."""
-    worst = 0.0
-    for a, b in zip(again.steps, first.steps, strict=False):
+def _rerun_difference(first: runs.Run, again: runs.Run, env: envelope.Envelope) -> tuple[float, float]:
+    """How far a second run of one launch lands from its first over the steps both made: the largest relative
+    difference, and the largest as a share of the rounding bound there (the re-run carries probes, whose extra
+    autograd nodes may sum a gradient in another order: a difference within rounding is not nondeterminism)."""
+    worst, ratio = 0.0, 0.0
+    for i, (a, b) in enumerate(zip(again.steps, first.steps, strict=False)):
         for q in ("loss", "grad_norm"):
-            worst = max(worst, envelope.rel(a.get(q), b.get(q)) or 0.0)
+            d = envelope.rel(a.get(q), b.get(q)) or 0.0
+            worst, ratio = max(worst, d), max(ratio, d / env.bound(q, i) if d else 0.0)
         for name, value in (b.get("params") or {}).items():
-            worst = max(worst, envelope.param_diff((a.get("params") or {}).get(name), value))
-    return worst
+            d = envelope.param_diff((a.get("params") or {}).get(name), value)
+            worst, ratio = max(worst, d), max(ratio, d / env.bound("params", i, name) if d else 0.0)
+    return worst, ratio
 
 
 def _plain(obj: Any) -> Any:

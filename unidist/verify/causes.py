@@ -33,7 +33,8 @@ class Evidence:
     random: dict[str, int] = field(default_factory=dict)  # the reference's random calls, by "site:op"
     random_mode: str = "keep"  # the reference's UNIDIST_FINGERPRINT_RANDOM: off, count (keep: not counted)
     peers_agree: bool = False  # the launches agree with one another and all leave the reference at step 1
-    rerun: dict[str, float] = field(default_factory=dict)  # label -> a second run's largest difference from its first
+    # label -> how far a second run lands from its first: (largest relative difference, largest share of the bound)
+    rerun: dict[str, tuple[float, float]] = field(default_factory=dict)
     # per launch: the checkpoint paths saved by the runs before it in this verify -> which run saved each
     writers: dict[str, dict[str, str]] = field(default_factory=dict)
 
@@ -172,8 +173,8 @@ def causes(run: Run, ref: Run, div: Divergence, env: Envelope, diffs: list[StepD
     re-runs located it (locate.py), if they did."""
     out = []
     loaded = _loaded(run, ref, ev)
-    if loaded:
-        out.append(loaded)
+    if loaded:  # a resumed run's steps are another run's later steps: what else differs follows from that
+        return [loaded]
     out += _facts(run, ref, div)
     in_model = _in_model(run.random_calls() or ev.random)
     kept = {op: w for op, w in in_model.items() if run.header.get("random") != "off" or op not in _DROPOUT}
@@ -189,9 +190,10 @@ def causes(run: Run, ref: Run, div: Divergence, env: Envelope, diffs: list[StepD
         out.insert(0, "every launch agrees with the others and all leave the one-process run at step 1: what differs "
                       "is one process against N ranks" + (f": {split}" if low and not kept else "") +
                       (": the random ops below" if kept else ""))
-    if run.label in ev.rerun and ev.rerun[run.label] > 0:
-        out.append(f"nondeterministic kernels: a second run of this launch differs from its first by "
-                   f"{ev.rerun[run.label]:.2g} (relative) over the same steps; "
+    again, share = ev.rerun.get(run.label, (0.0, 0.0))
+    if share > 1.0:
+        out.append(f"nondeterministic kernels: a second run of this launch differs from its first by {again:.2g} "
+                   f"(relative; {share:.2g} times the rounding bound) over the same steps; "
                    "torch.use_deterministic_algorithms(True) or a fixed reduction order makes it repeatable")
     phase = location.phase if location is not None else None
     if not out and phase in _PHASE_CAUSES and location is not None:
@@ -200,8 +202,9 @@ def causes(run: Run, ref: Run, div: Divergence, env: Envelope, diffs: list[StepD
     if grows:
         out.append(grows)
     if not out:
-        said = "a second run of this launch repeats its first exactly" if ev.rerun.get(run.label) == 0 else \
-            "not re-run (--locate re-runs it)"
+        said = "not re-run (--locate re-runs it)" if run.label not in ev.rerun else \
+            "a second run of this launch repeats its first exactly" if again == 0 else \
+            f"a second run of this launch repeats its first within rounding ({share:.2g} of the bound)"
         where = "where it first leaves the envelope is located below" if location is not None else \
             "--locate names the first module and phase that leaves the envelope"
         out.append(f"a computation that differs from one process's beyond rounding: the data, the learning rates, "

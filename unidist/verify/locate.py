@@ -43,14 +43,21 @@ class Location:
 
 
 def _forward_diff(a: Sequence[float] | None, b: Sequence[float] | None) -> float:
-    """A module's output ``[mean, mean square, count]`` against the reference's: the mean's difference over the
-    root mean square, and the mean square's relative difference (halved: a norm's). The counts are not compared:
-    a tensor alike on every rank is counted once per rank."""
+    """A module's output ``[mean, mean square, count, mean of the 0-dimensional outputs]`` against the
+    reference's: the mean's difference over the root mean square, the mean square's relative difference (halved: a
+    norm's), the scalars' mean's relative difference. The counts are not compared: a tensor alike on every rank is
+    counted once per rank."""
     if a is None or b is None:
         return 0.0 if a is None and b is None else math.inf
-    if b[1] <= 0:
-        return 0.0 if a[1] <= 0 else math.inf
-    return max(abs(a[0] - b[0]) / math.sqrt(b[1]), abs(a[1] - b[1]) / (2 * b[1]))
+    out = 0.0
+    if b[1] > 0:
+        out = max(abs(a[0] - b[0]) / math.sqrt(b[1]), abs(a[1] - b[1]) / (2 * b[1]))
+    elif a[1] > 0:
+        return math.inf
+    scalar_a, scalar_b = (a[3], b[3]) if len(a) > 3 and len(b) > 3 else (0.0, 0.0)
+    if scalar_a != scalar_b:
+        out = max(out, abs(scalar_a - scalar_b) / abs(scalar_b) if scalar_b else math.inf)
+    return out
 
 
 def _module_diff(a: Sequence[float] | None, b: Sequence[float] | None) -> float:
