@@ -43,9 +43,12 @@ for name in check timeline checkpoint faults zoo step verify; do
         record $out/step_torchrun.md -- torchrun --standalone --nproc_per_node 2 -m unidist.bench.step --rounds 7
         record $out/step_deepspeed.md -- deepspeed --num_gpus 2 unidist/bench/step.py --rounds 7 \
             --columns plain,ds-z0,ds-z1,ds-z2,ds-z3,unidist-z0,unidist-z1,unidist-z2,unidist-z3 ;;
-    verify)  # unidist verify on the main example under every launcher here (and its picture), then what the
-             # fingerprint it compares costs a training step
+    verify)  # unidist verify on the main example under every launcher here (and its picture), four mistakes planted
+             # on the zoo's GPT-2 caught and located, then what the fingerprint it compares costs a training step
         record $out/verify_digits.md -- unidist verify --plot docs/verify.png examples/train_digits.py --epochs 3
+        record $out/verify_planted.md --exit 1 -- unidist verify --locate --launch "mpiexec -n 2" \
+            --launch "PLANT=batch mpiexec -n 2" --launch "PLANT=lr mpiexec -n 2" --launch "PLANT=wd mpiexec -n 2" \
+            --launch "PLANT=shuffle mpiexec -n 2" tests/verify_scripts/zoo_model.py --model gpt2 --zero 3
         record $out/fingerprint_cost.md -- mpiexec -n 2 python -m unidist.bench.fingerprint --rounds 7 ;;
     esac
 done

@@ -48,6 +48,7 @@ FIGURES: dict[tuple[str, str], str] = {
     ("docs/several-hosts.md", "~15 minutes"): "why: Linux's TCP retransmission limit (tcp_retries2), not ours",
     ("docs/training.md", "4 x"): "why: a model's shape (4 layers of 1024 x 1024), not a measurement",
     ("docs/training.md", "2 x"): "why: a model's shape (2 Linear layers a block), not a measurement",
+    ("docs/verify.md", "120 s"): "=unidist.verify:LOCATE_BUDGET",
 }
 
 

@@ -41,10 +41,11 @@ def header(command: str, load_before: float, load_after: float, seconds: float, 
             f"{machine_line(info)}", ""]
 
 
-def run(command: list[str], env: dict[str, str] | None = None) -> tuple[str, float, float, float]:
+def run(command: list[str], env: dict[str, str] | None = None, expect: int = 0) -> tuple[str, float, float, float]:
     """Run ``command``, echoing its output as it comes; return (output, load before, load after, seconds).
 
-    Raises ``SystemExit`` with the command's exit code when it fails: a failed run must not become a record."""
+    Raises ``SystemExit`` when it exits with another code than ``expect``: a failed run must not become a record
+    (``unidist verify`` on planted mistakes must exit 1, its "diverged")."""
     load_before = os.getloadavg()[0]
     start = datetime.datetime.now().timestamp()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -53,8 +54,8 @@ def run(command: list[str], env: dict[str, str] | None = None) -> tuple[str, flo
         sys.stdout.write(text)
         lines.append(text)
     code = proc.wait()
-    if code:
-        raise SystemExit(f"record: {shlex.join(command)} exited {code}; no record written")
+    if code != expect:
+        raise SystemExit(f"record: {shlex.join(command)} exited {code}, not {expect}; no record written")
     return "".join(lines), load_before, os.getloadavg()[0], datetime.datetime.now().timestamp() - start
 
 
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", type=Path, help="render test_faults' UNIDIST_FAULT_TABLE JSON lines instead")
     parser.add_argument("--table", type=Path, help="render JSON lines of table/row/column/cell instead")
     parser.add_argument("--command", help="with --faults or --table: the command that collected them, for the header")
+    parser.add_argument("--exit", type=int, default=0, dest="expect",
+                        help="the exit code the command must end with (default 0)")
     parser.add_argument("--seconds", type=float, default=0.0,
                         help="with --faults or --table: how long that command took")
     ns = parser.parse_args(own)
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not command:
             parser.error("give the command to run after --, or --faults FILE")
-        output, before, after, seconds = run(command)
+        output, before, after, seconds = run(command, expect=ns.expect)
         body = [*header(shlex.join(command), before, after, seconds), "```text", output.rstrip("\n"), "```"]
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text("\n".join(body) + "\n")
