@@ -330,3 +330,25 @@ def test_workdirs_fall_back_where_the_directory_is_not_writable(tmp_path: Path) 
     assert where.is_dir() and (tmp_path / "out") in where.parents
     work.close()
     assert not where.exists()
+
+
+def test_rounding_driven_parameters_are_listed_with_why_and_where_they_went_beyond(tmp_path: Path) -> None:
+    """0.bias: the rounding runs move its norm 5e-3 while training moves it ~1e-2 a step; a launch 10% off there
+    (twenty bounds) still agrees, and the report says why."""
+    ref = _steps(3)
+    rounding, off = copy.deepcopy(ref), copy.deepcopy(ref)
+    for s in rounding:
+        s["params"]["0.bias"][0] *= 1 + 5e-3
+    off[0]["params"]["0.bias"][0] *= 1.1
+    made = report.build([_outcome(tmp_path, "python", ref), _outcome(tmp_path, "mpiexec-2", off)],
+                        [_outcome(tmp_path, f"python-rounding{k}", rounding) for k in (1, 2)], None)
+    report.explain(made, verify.Evidence(), {})
+    result = made.result
+    assert result["verdict"] == "agree" and result["launches"][1]["noise"] == ["0.bias"], result["launches"][1]
+    said = result["noise"]["0.bias"]
+    assert said["step"] == 1 and said["envelope"] == pytest.approx(5e-3) and said["beyond"] == ["mpiexec-2"]
+    assert said["moved"] == pytest.approx(0.01 / 1.01)
+    text = "\n".join(report.lines(result))
+    assert "rounding-driven parameters (rounding alone moves them at least a tenth as far as training does" in text
+    assert "  - 0.bias: from step 1, rounding moves it 5.0e-03, training moved it 9.9e-03; beyond its bound in " \
+           "mpiexec-2" in text

@@ -42,11 +42,10 @@ class Location:
     said: str
 
 
-def _forward_diff(a: Sequence[float] | None, b: Sequence[float] | None) -> float:
-    """A module's output ``[mean, mean square, count, mean of the 0-dimensional outputs]`` against the
-    reference's: the mean's difference over the root mean square, the mean square's relative difference (halved: a
-    norm's), the scalars' mean's relative difference. The counts are not compared: a tensor alike on every rank is
-    counted once per rank."""
+def _spread_diff(a: Sequence[float] | None, b: Sequence[float] | None, apart: int) -> float:
+    """Statistics ``[sum or mean, its squares, ...]`` against the reference's: the first's difference over the root
+    of the second, the second's relative difference (halved: a norm's), and entry ``apart`` (a value kept apart,
+    compared by its relative difference)."""
     if a is None or b is None:
         return 0.0 if a is None and b is None else math.inf
     out = 0.0
@@ -54,26 +53,21 @@ def _forward_diff(a: Sequence[float] | None, b: Sequence[float] | None) -> float
         out = max(abs(a[0] - b[0]) / math.sqrt(b[1]), abs(a[1] - b[1]) / (2 * b[1]))
     elif a[1] > 0:
         return math.inf
-    scalar_a, scalar_b = (a[3], b[3]) if len(a) > 3 and len(b) > 3 else (0.0, 0.0)
-    if scalar_a != scalar_b:
-        out = max(out, abs(scalar_a - scalar_b) / abs(scalar_b) if scalar_b else math.inf)
+    mine, theirs = (a[apart], b[apart]) if len(a) > apart and len(b) > apart else (0.0, 0.0)
+    if mine != theirs:
+        out = max(out, abs(mine - theirs) / abs(theirs) if theirs else math.inf)
     return out
+
+
+def _forward_diff(a: Sequence[float] | None, b: Sequence[float] | None) -> float:
+    """A module's output ``[mean, mean square, count, mean of the 0-dimensional outputs]``: the counts are not
+    compared (a tensor alike on every rank is counted once per rank)."""
+    return _spread_diff(a, b, 3)
 
 
 def _module_diff(a: Sequence[float] | None, b: Sequence[float] | None) -> float:
-    """A module's input gradient ``[row-wise sum, row-wise squares, replicated sum]`` against the reference's: the
-    sum's difference over the root of the squares, the squares' relative difference (halved: a norm's), the
-    replicated sum's relative difference."""
-    if a is None or b is None:
-        return 0.0 if a is None and b is None else math.inf
-    out = 0.0
-    if b[1] > 0:
-        out = max(abs(a[0] - b[0]) / math.sqrt(b[1]), abs(a[1] - b[1]) / (2 * b[1]))
-    elif a[1] > 0:
-        return math.inf
-    if a[2] != b[2]:
-        out = max(out, abs(a[2] - b[2]) / abs(b[2]) if b[2] else math.inf)
-    return out
+    """A module's input gradient ``[row-wise sum, row-wise squares, replicated sum]``."""
+    return _spread_diff(a, b, 2)
 
 
 def _grad_diff(a: Sequence[float] | None, b: Sequence[float] | None) -> float:

@@ -99,15 +99,18 @@ def build(outcomes: Sequence[Outcome], perturbed: Sequence[Outcome], tolerance: 
 
 
 def _noise(out: Comparison) -> dict[str, dict[str, Any]]:
-    """The rounding-driven parameters that went beyond their bound in some launch: where first, and why."""
+    """Every parameter the envelope found rounding-driven at some step: the first such step, how far rounding and
+    training had moved it by then, and the launches in which it went beyond its bound (where it was not counted)."""
+    env = out.env
     said: dict[str, dict[str, Any]] = {}
-    for diffs in out.diffs.values():
-        for d in diffs:
-            i = d.step - 1
-            for name in d.noise:
-                if name not in said:
-                    said[name] = {"step": d.step, "envelope": out.env.envelope("params", i, name),
-                                  "moved": out.env.moved[i].get(name) if i < len(out.env.moved) else None}
+    for i in range(len(env.params)):
+        for name in sorted(env.params[i]):
+            if name not in said and env.rounding_driven(name, i):
+                said[name] = {"step": i + 1, "envelope": env.envelope("params", i, name),
+                              "moved": env.moved[i].get(name) if i < len(env.moved) else None, "beyond": []}
+    for label, diffs in out.diffs.items():
+        for name in sorted({n for d in diffs for n in d.noise}):
+            said[name]["beyond"].append(label)
     return said
 
 
@@ -127,20 +130,16 @@ def explain(out: Comparison, evidence: causes_.Evidence, locations: Mapping[str,
         entry.setdefault("divergence", None)
 
 
-def _fmt(v: float | None) -> str:
+def _fmt(v: float | None, spec: str = ".1e", missing: str = "-") -> str:
     if v is None:
-        return "-"
+        return missing
     if math.isinf(v):
         return "inf"
-    return "0" if v == 0 else f"{v:.1e}"
+    return "0" if v == 0 else format(v, spec)
 
 
 def _ratio(v: float | None) -> str:
-    if v is None:
-        return ""
-    if math.isinf(v):
-        return "inf"
-    return "0" if v == 0 else f"{v:.2g}"
+    return _fmt(v, ".2g", "")
 
 
 def _figure(w: Mapping[str, Any] | None) -> str:
@@ -198,7 +197,8 @@ def lines(result: Mapping[str, Any]) -> list[str]:
         out += ["", "rounding-driven parameters (rounding alone moves them at least a tenth as far as training does, "
                     "so they are compared but cannot make a launch diverge by themselves):"]
         out += [f"  - {n}: from step {v['step']}, rounding moves it {_fmt(v['envelope'])}, training moved it "
-                f"{_fmt(v['moved'])}" for n, v in sorted(noise.items())]
+                f"{_fmt(v['moved'])}" + (f"; beyond its bound in {', '.join(v['beyond'])}" if v["beyond"] else "")
+                for n, v in sorted(noise.items())]
     for e in entries:
         if e["status"] == "diverged" and e.get("divergence"):
             d = e["divergence"]
