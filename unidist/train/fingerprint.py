@@ -4,10 +4,13 @@
 the end of each optimizer step (applied or skipped), what two runs of one script must agree on: the loss passed to
 ``mgr.backward`` (mean over ranks and over the accumulation window), the global gradient norm before clipping,
 every parameter's (and persistent buffer's) L2 norm and sum over its consolidated value, the learning rates, the
-loss scale and whether the step was skipped, and two facts about the data the step saw: the rows (first dimension
-of the model's first tensor input, summed over ranks and micro-batches) and their sum (a digest of the batch). The
-first line is a header: backend, world size, ZeRO stage, precision and the clipping in effect (an engine's own
-included). ``unidist verify`` reads these files (``unidist.verify``).
+loss scale and whether the step was skipped, and three facts about the data the step saw: the rows (first dimension
+of the model's first tensor input, summed over ranks and micro-batches), their sum, and a digest of which rows they
+were. The first line is a header: backend, world size, ZeRO stage, precision and the clipping in effect (an engine's
+own included); then a ``"step": 0`` line with the starting weights; a line is added for each checkpoint saved or
+loaded. ``unidist verify`` reads these files (``unidist.verify``), and asks of its runs more through ``attach``:
+random ops counted or switched off (random_ops.py), rounding injected (rounding.py), per-module probes
+(probes.py).
 
 Cost: each rank reads, in place, only its part (its ZeRO shards, DeepSpeed's stage-3 partitions, or an even 1/N
 slice of what every rank holds whole: the prepared optimizer's ``fingerprint_parts``), no gather, and everything
