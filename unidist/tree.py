@@ -23,11 +23,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
 __all__ = ["map_tensors", "tensors", "to_device"]
+
+T = TypeVar("T")
 
 
 def map_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -120,7 +122,7 @@ def _rebuild_dataclass(data: Any, fn: Callable[[torch.Tensor], torch.Tensor]) ->
     return out
 
 
-def to_device(data: Any, device: torch.device, non_blocking: bool | None = None) -> Any:
+def to_device(data: T, device: torch.device, non_blocking: bool | None = None) -> T:
     """``data`` with every tensor on ``device``, each container keeping its type (``map_tensors``); tensors already
     there are left as they are.
 
@@ -135,5 +137,5 @@ def to_device(data: Any, device: torch.device, non_blocking: bool | None = None)
             return t
         quick = non_blocking if non_blocking is not None else (device.type == "cuda" and t.is_pinned())
         return t.to(device, non_blocking=quick)
-    return map_tensors(data, move)
+    return cast(T, map_tensors(data, move))  # the same structure, its tensors moved
 

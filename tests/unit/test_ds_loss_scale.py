@@ -23,7 +23,8 @@ from unidist.compat.deepspeed.exceptions import DeepSpeedConfigError
 from unidist.compat.deepspeed.loss_scale import loss_scaling
 from unidist.engines.deepspeed.scaler import AgreedGradScaler
 from unidist.errors import InvalidArgumentError
-from unidist.train.precision import LossScaleFloorError, LossScaler, ScalerOptions
+from unidist.request import ScalerOptions
+from unidist.train.precision import LossScaleFloorError, LossScaler
 
 CPU = torch.device("cpu")
 SECTIONS: dict[str, dict[str, Any]] = {

@@ -13,21 +13,19 @@ import torch
 from unidist import Config
 from unidist.engines.deepspeed import config as ds_config
 from unidist.errors import ConfigError, InvalidArgumentError
-from unidist.train.options import TrainOptions
+from unidist.request import PrepareRequest
 from unidist.train.precision import Precision
 
 LAUNCH_CONFIG = "launch_scripts/ds_config.json"  # stage 2, gradient_clipping 1.0, fp16/bf16 switched off
 
 
-def opts(env: Mapping[str, str] | None = None, **given: Any) -> TrainOptions:
-    """What prepare(**given) parses to in an environment with ``env``."""
-    args: dict[str, Any] = {"zero_stage": None, "clip_grad_norm": None, "op": "mean", "compression": None,
-                            "backward_passes_per_step": None, "bucket_mb": None, "group": None,
-                            "deepspeed_config": None, "precision": None, "loss_scaling": None, **given}
-    return TrainOptions.parse(Config.from_env(dict(env or {})), unknown={}, **args)
+def opts(env: Mapping[str, str] | None = None, **given: Any) -> PrepareRequest:
+    """What prepare(**given) builds in an environment with ``env``."""
+    return PrepareRequest.build(Config.from_env(dict(env or {})), given)
 
 
-def agree(o: TrainOptions, user: Mapping[str, Any], source: Any = LAUNCH_CONFIG, env: bool = True) -> TrainOptions:
+def agree(o: PrepareRequest, user: Mapping[str, Any], source: Any = LAUNCH_CONFIG, env: bool = True
+          ) -> PrepareRequest:
     return ds_config.check_agreement(o, user, source, env=env)
 
 
@@ -168,7 +166,8 @@ def test_engine_optimizer_reports_as_unidists_optimizers() -> None:
 def test_the_scaler_state_is_loss_scalers() -> None:
     """An fp16 checkpoint's scale resumes across backends: AgreedGradScaler and LossScaler read each other's."""
     from unidist.engines.deepspeed.scaler import AgreedGradScaler
-    from unidist.train.precision import LossScaler, ScalerOptions
+    from unidist.request import ScalerOptions
+    from unidist.train.precision import LossScaler
 
     ours = AgreedGradScaler(ScalerOptions(init_scale=8.0, growth_interval=3), torch.device("cpu"), None)
     theirs = LossScaler(ScalerOptions(init_scale=32.0), torch.device("cpu"))

@@ -11,8 +11,8 @@ import torch
 
 import unidist
 from unidist import InvalidArgumentError
+from unidist.request import SyncOptions
 from unidist.train.gradcore import Compression, FP16Compressor, pack
-from unidist.train.options import SyncOptions
 
 # the models and batches here are CPU tensors: the Manager is told the CPU, so that a GPU machine runs the same tests
 ON_CPU = {"UNIDIST_DEVICE": "cpu"}

@@ -13,8 +13,8 @@ import torch
 
 import unidist
 from unidist import InvalidArgumentError
+from unidist.request import PrepareRequest, check_offload
 from unidist.train import offload
-from unidist.train.options import TrainOptions
 from unidist.train.zero import ZeroOptimizer
 
 ON_CPU = {"UNIDIST_DEVICE": "cpu"}
@@ -129,8 +129,8 @@ def test_bad_offload_is_refused_before_anything_changes(mgr: unidist.Manager, kw
 
 
 def test_none_is_no_offload() -> None:
-    assert offload.check(None, 0) is None and offload.check("none", 2) is None and offload.check("cpu", 1) == "cpu"
-    assert TrainOptions().offload is None
+    assert check_offload(None, 0) is None and check_offload("none", 2) is None and check_offload("cpu", 1) == "cpu"
+    assert PrepareRequest().offload is None
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -138,14 +138,10 @@ def test_deepspeed_config_offloads_the_optimizer_and_at_stage3_the_parameters(st
     from unidist.config import Config
     from unidist.engines.deepspeed.config import build
 
-    opts = TrainOptions.parse(Config(), zero_stage=stage, clip_grad_norm=None, op="mean", compression=None,
-                              backward_passes_per_step=None, bucket_mb=None, group=None, deepspeed_config=None,
-                              offload="cpu", unknown={})
+    opts = PrepareRequest.build(Config(), {"zero_stage": stage, "offload": "cpu"})
     zero = build(opts, 2, None)["zero_optimization"]
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert ("offload_param" in zero) == (stage == 3)
     assert build(opts, 2, None)["zero_force_ds_cpu_optimizer"] is False
-    plain = TrainOptions.parse(Config(), zero_stage=stage, clip_grad_norm=None, op="mean", compression=None,
-                               backward_passes_per_step=None, bucket_mb=None, group=None, deepspeed_config=None,
-                               unknown={})
+    plain = PrepareRequest.build(Config(), {"zero_stage": stage})
     assert "offload_optimizer" not in build(plain, 2, None)["zero_optimization"]

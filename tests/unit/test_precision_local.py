@@ -9,7 +9,8 @@ import torch
 
 import unidist
 from unidist import Config, ConfigError, LaunchInfo
-from unidist.train.precision import LossScaler, Precision, ScalerOptions
+from unidist.request import ScalerOptions
+from unidist.train.precision import LossScaler, Precision
 
 # the models and batches here are CPU tensors and the forward's autocast is the CPU's: the Manager is told the CPU,
 # so that a GPU machine runs the same tests

@@ -9,7 +9,7 @@ import torch
 
 import unidist
 from unidist import Config, InvalidArgumentError, LaunchInfo
-from unidist.train.options import PREPARE_ARGS
+from unidist.request import PrepareRequest
 
 # the models and batches here are CPU tensors: the Manager is told the CPU, so that a GPU machine runs the same tests
 ON_CPU = {"UNIDIST_DEVICE": "cpu"}
@@ -28,6 +28,9 @@ def _model() -> torch.nn.Module:
 
 BAD = [
     ({"config": {}}, "did you mean deepspeed_config=?"),
+    ({"clip_grad": 1.0}, "did you mean clip_grad_norm=?"),  # the names docs/training.md promises a hint for
+    ({"zero_stag": 2}, "did you mean zero_stage=?"),
+    ({"precison": "32"}, "did you mean precision=?"),
     ({"gradient_clipping": 1.0}, "did you mean clip_grad_norm=?"),
     ({"gradient_accumulation_steps": 2}, "did you mean backward_passes_per_step=?"),
     ({"precision": "fp16"}, "precision='fp16'); use one of '32', 'bf16-mixed', 'fp16-mixed', 'bf16-true'"),
@@ -68,7 +71,7 @@ def test_unknown_keyword_lists_the_accepted_ones(mgr: unidist.Manager) -> None:
     model = _model()
     with pytest.raises(InvalidArgumentError) as err:
         mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), warmup=3)
-    assert all(name in str(err.value) for name in PREPARE_ARGS)
+    assert all(name in str(err.value) for name in PrepareRequest.names())
 
 
 def test_model_and_optimizer_kinds(mgr: unidist.Manager) -> None:
@@ -124,3 +127,39 @@ def test_prepare_twice_on_one_model_is_refused() -> None:
             with pytest.raises(unidist.InvalidArgumentError, match="already called for this model"):
                 mgr.prepare(again, torch.optim.SGD(model.parameters(), lr=0.1), zero_stage=1)
         assert opt._hooks == []  # nothing was added (one rank: no gradient hook at all)
+
+
+def test_the_keywords_are_the_requests_fields_and_all_reach_it() -> None:
+    """Manager.prepare's keywords are PrepareRequest's fields, each handed to the request by name (a keyword left out
+    of the hand-over would be dropped without a word)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from unidist.managers.training import TrainingEntryPoints
+
+    signature = inspect.signature(TrainingEntryPoints.prepare)
+    keywords = [n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert sorted(keywords) == sorted(PrepareRequest.names())
+    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainingEntryPoints.prepare)))
+    handed = [k.arg for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "dict"
+              for k in node.keywords if k.arg]
+    assert sorted(handed) == sorted(keywords)
+
+
+def test_prepare_returns_the_prepared_optimizer_contract(mgr: unidist.Manager) -> None:
+    from unidist.prepared import PreparedOptimizer
+
+    for stage in (0, 1, 3):
+        model = _model()
+        prepared, opt = mgr.prepare(model, torch.optim.Adam(model.parameters(), lr=0.1), zero_stage=stage,
+                                    clip_grad_norm=0.5, backward_passes_per_step=2)
+        assert isinstance(opt, PreparedOptimizer) and isinstance(opt, torch.optim.Optimizer)
+        assert (opt.zero_stage, opt.clipping, opt.backward_passes_per_step) == (stage, 0.5, 2)
+        assert (opt.loss_scale, opt.last_step_skipped, opt.skipped_steps, opt.last_grad_norm) == (1.0, False, 0, None)
+        x = torch.randn(8, 4)
+        for _ in range(2):
+            mgr.backward(prepared(x).pow(2).sum() * 100)
+            opt.step()
+            opt.zero_grad()
+        assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.5  # measured before the clip

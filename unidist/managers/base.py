@@ -16,8 +16,8 @@ import sys
 import traceback
 import weakref
 from collections.abc import Mapping, Sequence
-from types import TracebackType
-from typing import Any, ClassVar, Literal
+from types import ModuleType, TracebackType
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
@@ -33,8 +33,10 @@ from unidist.managers import logs
 from unidist.managers.training import TrainingEntryPoints
 from unidist.net import host_address, local_only_env
 from unidist.registry import get
-from unidist.strategy import Strategy, TrainingStrategy
+from unidist.strategy import Loader, Strategy, TrainingStrategy
 from unidist.tree import to_device
+
+T = TypeVar("T")
 
 __all__ = ["DONE", "EngineWork", "Group", "Handle", "Manager", "Work", "get_manager"]
 
@@ -258,7 +260,7 @@ class Manager(TrainingEntryPoints, Communicator):
         return self._device
 
     @property
-    def engine_api(self) -> Any:
+    def engine_api(self) -> ModuleType | None:
         """The engine's own Python API (the ``deepspeed`` module, ``horovod.torch``) for code built on the engine,
         such as its trainer; None where the backend has none (local, mpi, torch: unidist trains)."""
         return None
@@ -271,7 +273,7 @@ class Manager(TrainingEntryPoints, Communicator):
         """
         return self._check_root(root)
 
-    def to_device(self, batch: Any, non_blocking: bool | None = None) -> Any:
+    def to_device(self, batch: T, non_blocking: bool | None = None) -> T:
         """``batch`` with every tensor on ``device``: tensors in dicts, lists, tuples, namedtuples, dataclasses and
         ``ModelOutput``-like mappings, each container keeping its type (other objects come back unchanged).
 
@@ -282,7 +284,7 @@ class Manager(TrainingEntryPoints, Communicator):
         return to_device(batch, self.device, non_blocking)
 
     def loader(self, dataset: Any, batch_size: int = 1, shuffle: bool = False, *, seed: int = 0,
-               drop_last: bool = False, **kwargs: Any) -> Any:
+               drop_last: bool = False, **kwargs: Any) -> Loader:
         """This rank's ``DataLoader`` over ``dataset``: its disjoint share (reshuffled each epoch, the same on every
         rank, with ``shuffle``), pinned memory on a GPU, each batch already on ``device``. Iterating again starts
         the next epoch; ``.set_epoch(e)`` picks one (a resume). See ``unidist.train.data.Loader``.

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sized
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal, overload
 
 import torch
 
 from unidist.comm.group import Group
+from unidist.config import Config
 from unidist.ops import ReduceOp
-from unidist.strategy import Strategy, TrainingStrategy
+from unidist.prepared import PreparedOptimizer
+from unidist.request import PrepareRequest
+from unidist.strategy import Preemption, SaveHandle, Shard, Strategy, TrainingStrategy
 
 __all__ = ["TrainingEntryPoints"]
 
@@ -24,6 +28,7 @@ class TrainingEntryPoints:
     :class:`~unidist.strategy.TrainingStrategy`, made by its strategy over the started Manager on first use."""
 
     _strategy: Strategy
+    config: Config
 
     def _training(self) -> TrainingStrategy:
         raise NotImplementedError  # the Manager's (base.py): it makes the strategy once the engine has started
@@ -35,75 +40,38 @@ class TrainingEntryPoints:
                 deepspeed_config: Mapping[str, Any] | str | None = None, precision: str | None = None,
                 loss_scaling: Mapping[str, Any] | None = None, reducer: str = "auto", sync_batchnorm: bool = False,
                 offload: str | None = None, fingerprint: str | os.PathLike[str] | None = None,
-                **unknown: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+                **unknown: Any) -> tuple[torch.nn.Module, PreparedOptimizer]:
         """Make ``model`` and ``optimizer`` data parallel; then ``mgr.backward(loss); opt.step();
         opt.zero_grad()`` is the whole loop, the same on every backend.
 
         The model moves to ``device`` with rank 0's parameters, the optimizer gets rank 0's state, and
         gradients are averaged, so N ranks on B/N rows each train exactly like one process on B rows. The
-        returned optimizer is a ``torch.optim.Optimizer`` (LR schedulers, ``param_groups``, ``state_dict``).
-        Every argument is checked before anything changes.
+        returned optimizer is a ``torch.optim.Optimizer`` (LR schedulers, ``param_groups``, ``state_dict``) and a
+        :class:`~unidist.prepared.PreparedOptimizer` (``synchronize``, ``clipping``, ``loss_scale``,
+        ``last_step_skipped``...). Every argument is checked before anything changes: the keywords are the fields
+        of :class:`~unidist.request.PrepareRequest`, where each is documented once; None takes the ``UNIDIST_*``
+        default, and an unknown keyword is refused with the nearest accepted one.
 
         Args:
             model: the user's module. ``mgr.unwrap(returned_model)`` gives it back on every backend.
-            optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
-            zero_stage: 0-3 (default ``UNIDIST_ZERO_STAGE``): 1 shards optimizer state, 2 also gradients,
-                3 also parameters; DeepSpeed's own ZeRO on the deepspeed backend, unidist's elsewhere.
-            clip_grad_norm: clip the averaged gradient to this global L2 norm, as
-                ``torch.nn.utils.clip_grad_norm_`` on one process would; None (default) never clips, on every
-                backend (DeepSpeed's own default of 1.0 is switched off).
-            op: ``"mean"`` (default) or ``"sum"`` of the ranks' gradients (DeepSpeed only averages).
-            compression: ``"none"``, ``"fp16"`` or ``"bf16"`` wire dtype for gradients (default
-                ``UNIDIST_COMPRESSION``).
-            backward_passes_per_step: k (default 1, or the DeepSpeed config's gradient_accumulation_steps):
-                ``step()``/``zero_grad()`` act on every k-th call and ``backward`` divides the loss by k, so k
-                passes make one k-times larger batch.
-            bucket_mb: gradient fusion bucket size in MiB (default ``UNIDIST_BUCKET_MB``).
-            group: data parallel over this Group only (parameters from its rank 0, gradients averaged within
-                it); None is the whole world.
-            deepspeed_config: a DeepSpeed config (dict or JSON path) merged over the generated one; the
-                deepspeed backend only (default ``UNIDIST_DEEPSPEED_CONFIG``). A setting it shares with an
-                argument above (ZeRO stage, clipping, precision, accumulation) must agree with it.
-            precision: ``"32"`` (default ``UNIDIST_PRECISION``), ``"bf16-mixed"`` or ``"fp16-mixed"`` (autocast
-                forward, float32 parameters and optimizer state; fp16 adds dynamic loss scaling: a step with
-                inf/nan gradients is skipped on every rank, see ``opt.last_step_skipped`` and ``opt.loss_scale``)
-                or ``"bf16-true"`` (a bfloat16 model). Outputs come back as float32.
-            loss_scaling: fp16's dynamic loss scaling, with ``torch.amp.GradScaler``'s parameters and defaults:
-                ``{"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}``,
-                and DeepSpeed's (``dynamic``, ``hysteresis``, ``consecutive_hysteresis``, ``min_scale``,
-                ``growth_rule``, ``raise_at_min_scale``: ``unidist.train.precision.ScalerOptions``).
-            reducer: who averages the gradients where the engine has a reducer of its own: ``"engine"``
-                (DeepSpeed's engine, ``hvd.DistributedOptimizer``), ``"unidist"`` (unidist's fusion buckets over
-                the engine's collectives; the engine's optimizer step, clipping and loss scaling unchanged) or
-                ``"auto"`` (default: unidist's where it was measured faster and keeps the engine's math, see
-                ``unidist.train.reducer``). The mpi, torch and local backends always use unidist's.
-            sync_batchnorm: replace every BatchNorm of the model with one that normalises by the statistics of the
-                whole batch across the data-parallel ranks (``unidist.train.sync_batchnorm``; CPU and GPU, every
-                backend), so N ranks train like one process on B rows with BatchNorm too. Default False: each rank's
-                own rows, as DDP without ``convert_sync_batchnorm``. Either way every rank holds rank 0's buffers
-                (running statistics) after every optimizer step.
-            offload: ``"cpu"`` keeps the optimizer state (ZeRO's shards, their gradients, and at stage 3 the parameter
-                shards between uses) in pinned host memory and steps it there (``unidist.train.offload``; DeepSpeed's
-                ``offload_optimizer``/``offload_param`` on the deepspeed backend): device memory for host memory and
-                copies, the same training. Needs ``zero_stage`` 1-3; a no-op, said once, where the device is the CPU.
-                Default None.
-            fingerprint: a file where rank 0 writes one JSON line per optimizer step: the loss, the gradient norm
-                before clipping, each parameter's norm and sum, learning rates, loss scale, skipped or not
-                (``unidist.train.fingerprint``; ``unidist verify`` compares them between launches). Costs one small
-                reduction per step. Default None (``UNIDIST_FINGERPRINT``).
+            optimizer: any ``torch.optim.Optimizer`` over the model's parameters (None on the deepspeed backend
+                when its config has an ``optimizer`` section).
+            zero_stage, clip_grad_norm, op, compression, backward_passes_per_step, bucket_mb, group,
+                deepspeed_config, precision, loss_scaling, reducer, sync_batchnorm, offload, fingerprint:
+                ``PrepareRequest``'s fields.
         """
-        return self._training().prepare(
-            model, optimizer, zero_stage=zero_stage, clip_grad_norm=clip_grad_norm, op=op, compression=compression,
+        return self._training().prepare(model, optimizer, PrepareRequest.build(self.config, dict(
+            zero_stage=zero_stage, clip_grad_norm=clip_grad_norm, op=op, compression=compression,
             backward_passes_per_step=backward_passes_per_step, bucket_mb=bucket_mb, group=group,
             deepspeed_config=deepspeed_config, precision=precision, loss_scaling=loss_scaling, reducer=reducer,
-            sync_batchnorm=sync_batchnorm, offload=offload, fingerprint=fingerprint, unknown=unknown)
+            sync_batchnorm=sync_batchnorm, offload=offload, fingerprint=fingerprint, **unknown)))
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` for the prepared model (divided by ``backward_passes_per_step``; on DeepSpeed
         ``engine.backward``)."""
         self._training().backward(loss)
 
-    def accumulate(self, model: torch.nn.Module) -> Any:
+    def accumulate(self, model: torch.nn.Module) -> AbstractContextManager[None]:
         """A block for one optimizer step's micro-batches: the backward passes inside add their gradients
         locally and communicate nothing (on ZeRO-3 the parameters stay gathered for the block, so the forwards do
         not fetch them either); leaving the block reduces everything once; then ``opt.step(); opt.zero_grad()``.
@@ -142,7 +110,7 @@ class TrainingEntryPoints:
         """Root's optimizer state (tensors and Python scalars such as Adam's step) loaded everywhere."""
         self._training().broadcast_optimizer_state(optimizer, root)
 
-    def gathered_parameters(self, module: torch.nn.Module) -> Any:
+    def gathered_parameters(self, module: torch.nn.Module) -> AbstractContextManager[None]:
         """Context manager with the module's full parameters inside (ZeRO stage 3 partitions them)."""
         return self._training().gathered_parameters(module)
 
@@ -176,14 +144,14 @@ class TrainingEntryPoints:
 
     @overload
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: Literal[False], **extra: Any) -> Any: ...
+                        keep: int | None = None, blocking: Literal[False], **extra: Any) -> SaveHandle: ...
 
     @overload
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: bool, **extra: Any) -> Any: ...
+                        keep: int | None = None, blocking: bool, **extra: Any) -> Path | SaveHandle: ...
 
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: bool = True, **extra: Any) -> Any:
+                        keep: int | None = None, blocking: bool = True, **extra: Any) -> Path | SaveHandle:
         """Save model (and optimizer) state to the directory ``path``, atomically; every rank calls it.
 
         The format depends on neither the backend, nor the world size, nor the ZeRO stage: each rank writes
@@ -238,7 +206,7 @@ class TrainingEntryPoints:
         return latest
 
     def preemption(self, signals: Iterable[str | int] = ("SIGUSR1", "SIGTERM"), every: int = 1,
-                   grace: float | None = None) -> Any:
+                   grace: float | None = None) -> Preemption:
         """Catch the signals a scheduler sends before it ends the job (Slurm: SIGUSR1 ahead of the time limit with
         ``sbatch --signal=USR1@SECONDS``, SIGTERM on preemption and ``scancel``), so the loop saves a checkpoint on
         every rank and leaves cleanly: ``if stop.requested(): save; break``. The handlers only note the signal;
@@ -252,13 +220,13 @@ class TrainingEntryPoints:
             grace: seconds, or ``math.inf`` for never; default ``UNIDIST_TIMEOUT``.
 
         Returns:
-            a ``Preemption``: ``requested()``, ``signal``, ``received_at``, ``requeue()``, ``close()`` (typed
-            ``Any`` here: managers/ imports no layer above it).
+            a ``Preemption`` (``unidist.strategy.Preemption``): ``requested()``, ``signal``, ``received_at``,
+            ``requeue()``, ``close()``.
         """
         stop = self._training().preemption(signals, every=every, grace=grace)
         self._preemption = stop
         return stop
 
-    def shard(self, data: Sized | int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> Any:
+    def shard(self, data: Sized | int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> Shard:
         """A sampler giving this rank its disjoint share, reshuffled by ``set_epoch`` (same on every rank)."""
         return self._training().shard(data, shuffle=shuffle, seed=seed, drop_last=drop_last)

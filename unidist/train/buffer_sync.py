@@ -47,6 +47,14 @@ class BufferSync:
         """The buffers that travel, as the module holds them now."""
         return [t for owner, name in self.where if isinstance(t := getattr(owner, name, None), torch.Tensor)]
 
+    # a prepared optimizer's step observer (train/prepared.py): the buffers travel at the end of every step
+    def before_step(self, opt: object) -> None:
+        """Nothing before the step."""
+
+    def after_step(self, opt: object) -> None:
+        """Rank ``root``'s buffers everywhere (``sync``)."""
+        self.sync()
+
     def sync(self) -> None:
         """One fused broadcast per dtype and device (none without buffers, or on one rank)."""
         if self.where and self.comm.size > 1:

@@ -28,8 +28,8 @@ import torch
 from unidist.checkpoint.layout import FullLayout
 from unidist.comm.protocol import world_ranks
 from unidist.errors import InvalidArgumentError
+from unidist.request import SyncOptions
 from unidist.train.gradcore import Compression
-from unidist.train.options import SyncOptions
 from unidist.train.reducer import GradientReducer
 from unidist.train.step_window import WindowedOptimizer
 
@@ -60,7 +60,7 @@ class DistributedOptimizer(WindowedOptimizer):
         self.dp = comm  # the ranks gradients are averaged over (the world or a data-parallel Group)
         self.options = options
         self.op, self.compression = options.op, options.compression
-        self.backward_passes_per_step, self.clip_grad_norm = options.backward_passes_per_step, options.clip_grad_norm
+        self._passes, self.clip_grad_norm = options.backward_passes_per_step, options.clip_grad_norm
         self._hooks: list[Any] = []
         self._calls = 0  # step() calls: the pass index within the accumulation window
         self._no_sync = False

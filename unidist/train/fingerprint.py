@@ -26,7 +26,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -82,6 +82,22 @@ def verify_parts(config: Config, model: torch.nn.Module | None, named_params: Se
     probes = Probes(model, named_params, config.fingerprint_locate, share) \
         if model is not None and config.fingerprint_locate else None
     return random, rounding, probes
+
+
+class Recorded(Protocol):
+    """What the fingerprint reads of the optimizer it observes (a prepared optimizer: train/prepared.py)."""
+
+    param_groups: list[dict[str, Any]]
+
+    @property
+    def loss_scale(self) -> float: ...
+
+    @property
+    def last_step_skipped(self) -> bool: ...
+
+    def hold_gradient_norm(self, rank: int, size: int) -> None: ...
+
+    def fingerprint_grad_sq(self, rank: int, size: int) -> tuple[float, bool]: ...
 
 
 _made: dict[str, int] = {}  # fingerprints made in this process, by the path asked for
@@ -157,7 +173,17 @@ class Fingerprint:
         self._loss = self._loss.to(loss.device) + loss.detach().double().sum()
         self._losses += 1
 
-    # ------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------ the step (a step observer: prepared.py)
+    def before_step(self, opt: Recorded) -> None:
+        """The gradient norm kept where the optimizer's step consumes the gradients (DeepSpeed's engine)."""
+        opt.hold_gradient_norm(self.comm.rank, self.comm.size)
+
+    def after_step(self, opt: Recorded) -> None:
+        """The step's line, from what ``opt`` reports (every rank, at every optimizer step)."""
+        grad_sq, partitioned = opt.fingerprint_grad_sq(self.comm.rank, self.comm.size)
+        self.record(grad_sq, partitioned, [g["lr"] for g in opt.param_groups if "lr" in g], opt.loss_scale,
+                    opt.last_step_skipped)
+
     def record(self, grad_sq: float, partitioned: bool, lrs: Sequence[float], loss_scale: float = 1.0,
                skipped: bool = False) -> None:
         """Reduce this rank's part and write the step's line (rank 0). Every rank calls it at the same step.

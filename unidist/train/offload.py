@@ -21,13 +21,9 @@ import logging
 
 import torch
 
-from unidist.errors import InvalidArgumentError
-
-__all__ = ["OFFLOADS", "check", "effective", "host_copy", "host_empty", "rehearse_on_cpu", "wait_for_copies"]
+__all__ = ["effective", "host_copy", "host_empty", "rehearse_on_cpu", "wait_for_copies"]
 
 _log = logging.getLogger("unidist")
-
-OFFLOADS = ("none", "cpu")  # prepare(offload=...): None is "none"
 
 _rehearse = False
 
@@ -40,21 +36,6 @@ def rehearse_on_cpu(on: bool = True) -> None:
     """
     global _rehearse
     _rehearse = on
-
-
-def check(offload: object, stage: int | None) -> str | None:
-    """``prepare(offload=...)`` checked: None or ``"cpu"``; the host keeps ZeRO's shards, so it needs a stage
-    (``stage`` None: not known yet)."""
-    if offload is None or offload == "none":
-        return None
-    if offload not in OFFLOADS:
-        raise InvalidArgumentError(f"prepare(offload={offload!r}); use 'cpu' (optimizer state, and at stage 3 the "
-                                   "parameter shards, in host memory) or None")
-    if stage == 0:
-        raise InvalidArgumentError("prepare(offload='cpu') moves ZeRO's shards to host memory and zero_stage is 0 "
-                                   "(every rank holds the whole optimizer); pass zero_stage=1, 2 or 3 with it (the "
-                                   "same training, as DeepSpeed's offload_optimizer needs a ZeRO stage)")
-    return "cpu"
 
 
 def effective(offload: str | None, device: torch.device, rank: int) -> str | None:

@@ -26,17 +26,17 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from unidist.config import PRECISIONS
 from unidist.errors import InvalidArgumentError, UnidistError
+from unidist.request import ScalerOptions
 from unidist.tree import map_tensors
 
-__all__ = ["GROWTH_RULES", "PRECISIONS", "LossScaleFloorError", "LossScaler", "Precision", "ScalerOptions",
-           "cast_floats", "next_scale"]
+__all__ = ["PRECISIONS", "LossScaleFloorError", "LossScaler", "Precision", "cast_floats", "next_scale"]
 
 # what each of config.PRECISIONS (the names) means: (autocast dtype, parameter dtype, loss scaling)
 _MODES: Mapping[str, tuple[torch.dtype | None, torch.dtype | None, bool]] = dict(zip(PRECISIONS, [
@@ -47,104 +47,9 @@ _MODES: Mapping[str, tuple[torch.dtype | None, torch.dtype | None, bool]] = dict
 ], strict=True))
 
 
-GROWTH_RULES = ("torch", "deepspeed")  # ScalerOptions.growth_rule
-
-
 class LossScaleFloorError(UnidistError, RuntimeError):
     """An overflow that would back off a scale already at ``min_scale``, with ``raise_at_min_scale`` (DeepSpeed's
     ZeRO optimizers stop the run there: deepspeed/runtime/fp16/loss_scaler.py:261-263)."""
-
-
-@dataclass(frozen=True)
-class ScalerOptions:
-    """Dynamic loss scaling, with ``torch.amp.GradScaler``'s parameters and defaults.
-
-    The fields after ``growth_interval`` express DeepSpeed's scalers (deepspeed/runtime/fp16/loss_scaler.py
-    ``DynamicLossScaler``); at their defaults the scale is GradScaler's bit for bit:
-
-    - ``dynamic``: False is a static scale (DeepSpeed's ``fp16.loss_scale`` > 0): it never moves, and a step with
-      inf/nan gradients is still skipped.
-    - ``hysteresis``: overflows it takes to back off (DeepSpeed's ``hysteresis``, ``delayed_shift``): each overflow
-      before that is a skipped step that only uses one up. Once used up, every overflow backs off until a growth
-      (or, with ``consecutive_hysteresis``, any good step) refills it.
-    - ``min_scale``: the back-off's floor (DeepSpeed's ``min_loss_scale``); 0 is none.
-    - ``growth_rule``: ``"torch"`` grows after ``growth_interval`` good steps in a row (GradScaler's count);
-      ``"deepspeed"`` grows when the good steps since the last overflow (or the start), minus one, are a positive
-      multiple of ``growth_interval``: the first growth after ``growth_interval + 1`` good steps, then every
-      ``growth_interval`` (loss_scaler.py:282-286 ``stable_interval``).
-    - ``raise_at_min_scale``: an overflow that would back off a scale already at ``min_scale`` raises
-      ``LossScaleFloorError`` (DeepSpeed's ZeRO optimizers raise there; its stage-0 fp16 optimizers do not).
-    """
-
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    dynamic: bool = True
-    hysteresis: int = 1
-    consecutive_hysteresis: bool = False
-    min_scale: float = 0.0
-    growth_rule: str = "torch"
-    raise_at_min_scale: bool = False
-
-    @property
-    def gradscaler(self) -> bool:
-        """Whether this is plain GradScaler (then torch's own update kernel moves the scale)."""
-        return (self.dynamic and self.hysteresis == 1 and self.min_scale == 0.0 and self.growth_rule == "torch"
-                and not self.raise_at_min_scale)
-
-    @property
-    def start_tracker(self) -> int:
-        """The growth tracker at the start and after an overflow: -1 under DeepSpeed's rule, whose first growth
-        after an overflow takes one good step more."""
-        return -1 if self.growth_rule == "deepspeed" else 0
-
-    @classmethod
-    def parse(cls, given: Mapping[str, Any] | None, where: str = "prepare") -> ScalerOptions:
-        """``prepare(loss_scaling={...})``: GradScaler's keyword names (and the DeepSpeed ones above); anything
-        else is an error."""
-        if given is None:
-            return cls()
-        if not isinstance(given, Mapping):
-            raise InvalidArgumentError(f"{where}(loss_scaling=...) takes a dict of GradScaler's parameters "
-                                       f"({', '.join(f.name for f in fields(cls))}), got {type(given).__name__}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(given) - names)
-        if unknown:
-            raise InvalidArgumentError(f"{where}(loss_scaling=...) got unknown key(s) {unknown}; it accepts "
-                                       f"{', '.join(sorted(names))} (torch.amp.GradScaler's parameters, and "
-                                       "DeepSpeed's scaler's)")
-        opts = cls(**given)
-        checks = {"init_scale": opts.init_scale > 0, "growth_factor": opts.growth_factor > 1,
-                  "backoff_factor": 0 < opts.backoff_factor < 1,
-                  "growth_interval": isinstance(opts.growth_interval, int) and opts.growth_interval >= 1}
-        for name, ok in checks.items():
-            value = getattr(opts, name)
-            if isinstance(value, bool) or not ok or (isinstance(value, float) and not math.isfinite(value)):
-                raise InvalidArgumentError(f"{where}(loss_scaling={{{name!r}: {value!r}}}): need init_scale > 0, "
-                                           "growth_factor > 1, 0 < backoff_factor < 1 and an int growth_interval "
-                                           ">= 1")
-        _check_deepspeed_fields(opts, where)
-        return opts
-
-
-def _check_deepspeed_fields(opts: ScalerOptions, where: str) -> None:
-    """The fields beyond GradScaler's, each with what it needs."""
-    h, floor = opts.hysteresis, opts.min_scale
-    needs = {
-        "dynamic": (isinstance(opts.dynamic, bool), "True or False (False: a static scale)"),
-        "hysteresis": (isinstance(h, int) and not isinstance(h, bool) and h >= 1,
-                       "an int >= 1 (the overflows it takes to back off; 1 backs off on every overflow)"),
-        "consecutive_hysteresis": (isinstance(opts.consecutive_hysteresis, bool), "True or False"),
-        "min_scale": (isinstance(floor, (int, float)) and not isinstance(floor, bool) and math.isfinite(floor)
-                      and floor >= 0, "a finite number >= 0 (the back-off's floor; 0 is none)"),
-        "growth_rule": (opts.growth_rule in GROWTH_RULES, f"one of {', '.join(map(repr, GROWTH_RULES))}"),
-        "raise_at_min_scale": (isinstance(opts.raise_at_min_scale, bool), "True or False"),
-    }
-    for name, (ok, need) in needs.items():
-        if not ok:
-            raise InvalidArgumentError(f"{where}(loss_scaling={{{name!r}: {getattr(opts, name)!r}}}): "
-                                       f"{name} must be {need}")
 
 
 def next_scale(o: ScalerOptions, scale: float, tracker: int, hysteresis: int, found_inf: bool

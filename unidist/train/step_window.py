@@ -20,22 +20,16 @@ import torch
 
 from unidist.comm import trace_hooks
 from unidist.errors import InvalidArgumentError
-from unidist.train.options import one_way_to_accumulate
 from unidist.train.precision import LossScaler
-from unidist.train.view import OptimizerView
+from unidist.train.prepared import Prepared, one_way_to_accumulate
 
 __all__ = ["WindowedOptimizer"]
 
 
-class WindowedOptimizer(OptimizerView):
+class WindowedOptimizer(Prepared):
     """Subclasses reduce gradients in ``synchronize``, clip them in ``_clip`` and may share updated
     parameters in ``_after_step``."""
 
-    backward_passes_per_step: int = 1
-    clip_grad_norm: float | None = None
-    # the global L2 norm the last clip measured (before clipping); kept as the clip returned it (a 0-d tensor on the
-    # gradients' device for DDP) so the step never waits for the device: readers convert when they need a number
-    last_grad_norm: torch.Tensor | float | None = None
     _calls = 0  # step() calls: the pass index within the accumulation window
     _synced = False  # synchronize() already ran for this step
     _no_sync = False  # inside no_sync(): nothing reduces, steps or clears
@@ -115,9 +109,10 @@ class WindowedOptimizer(OptimizerView):
             self.synchronize()
         self._synced = False
         found = None if self.scaler is None else self._agree_found_inf(self.scaler.unscale(self._scaled_grads()))
+        self._begin_step()
         if found is None or not bool(found):  # no loss scaling, or no inf/nan anywhere
             if self.clip_grad_norm is not None:
-                self.last_grad_norm = self._clip(self.clip_grad_norm)
+                self._grad_norm = self._clip(self.clip_grad_norm)
             self._before_step()
             self.optimizer.step()
             self._after_step()

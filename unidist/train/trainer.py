@@ -23,8 +23,10 @@ from unidist.checkpoint.background import SaveHandle, save_async
 from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.comm import trace_hooks
 from unidist.comm.group import Group
+from unidist.comm.protocol import Comm
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
+from unidist.request import PrepareRequest, SyncOptions
 from unidist.train import offload
 from unidist.train.broadcast_state import broadcast_optimizer_state, broadcast_parameters
 from unidist.train.buffer_sync import BufferSync
@@ -33,9 +35,9 @@ from unidist.train.ddp import DistributedOptimizer
 from unidist.train.fingerprint import Fingerprint, path_for, verify_parts
 from unidist.train.host import TrainingHost
 from unidist.train.memory import MemoryStats, optimizer_tensors, peak_bytes, storage_bytes
-from unidist.train.options import SyncOptions, TrainOptions
 from unidist.train.precision import LossScaler, Precision
 from unidist.train.preempt import Preemption
+from unidist.train.prepared import Prepared
 from unidist.train.sampler import ShardSampler
 from unidist.train.sync_batchnorm import convert_sync_batchnorm
 from unidist.train.zero import ZeroOptimizer
@@ -53,18 +55,21 @@ class Trainer:
 
     def __init__(self, manager: TrainingHost) -> None:
         self.mgr = manager
-        self.prepared: Any = None  # the optimizer prepare returned last
+        self.prepared: Prepared | None = None  # the optimizer prepare returned last
         self.model: torch.nn.Module | None = None  # the user's module prepare saw last
         # every prepared module's optimizer (ZeRO stage 3 must find its optimizer from the module alone)
-        self.prepared_for: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+        self.prepared_for: weakref.WeakKeyDictionary[torch.nn.Module, Prepared] = weakref.WeakKeyDictionary()
+        # the fingerprint of each prepared optimizer that records one (it observes the optimizer's steps)
+        self.fingerprints: weakref.WeakKeyDictionary[Prepared, Fingerprint] = weakref.WeakKeyDictionary()
         self._following: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # _follow_forwards' hooked modules
         self.pending: SaveHandle | None = None  # the background save in flight (save_checkpoint(blocking=False))
 
     # ----------------------------------------------------------------- prepare
-    def prepare(self, model: torch.nn.Module, optimizer: Any, *, unknown: Mapping[str, Any],
-                **given: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """Validate everything (see ``Manager.prepare``), then build."""
-        opts = TrainOptions.parse(self.mgr.config, unknown=unknown, **given)
+    def prepare(self, model: torch.nn.Module, optimizer: Any, request: PrepareRequest
+                ) -> tuple[torch.nn.Module, Prepared]:
+        """Check what only a started Manager can (see ``Manager.prepare``: the request is checked already), then
+        build."""
+        opts = request
         if opts.offload is not None:
             opts = dataclasses.replace(opts, offload=offload.effective(opts.offload, self.mgr.device, self.mgr.rank))
         if not isinstance(model, torch.nn.Module):
@@ -83,24 +88,25 @@ class Trainer:
                 "prepare() was already called for this model: a second call would hook its gradients twice (or "
                 "shard it again); prepare each model once, and keep using the model and optimizer it returned")
         self.model = model
-        comm = opts.group if opts.group is not None else self.mgr
+        comm: Comm = opts.group if isinstance(opts.group, Group) else self.mgr
         own = opts.group is not None or (opts.zero_stage and not self.engine_zero)
         if own or not self.takes_sparse(opts):
             refuse_sparse(model)
         if opts.sync_batchnorm:
             model = convert_sync_batchnorm(model, comm)
         prepared, opt = self._prepare_unidist(model, optimizer, opts) if own else self._prepare(model, optimizer, opts)
-        opt.buffer_sync = BufferSync(comm, self.unwrap(prepared))  # type: ignore[attr-defined]  # an OptimizerView
+        opt.observe(BufferSync(comm, self.unwrap(prepared)))  # rank 0's buffers everywhere after every step
         if opts.fingerprint is not None:
-            opt.fingerprint = self._fingerprint(opts, comm, self.unwrap(prepared), opt)  # type: ignore[attr-defined]
+            fingerprint = self.fingerprints[opt] = self._fingerprint(opts, comm, self.unwrap(prepared), opt)
+            opt.observe(fingerprint)
         self._follow_forwards()
         return prepared, opt
 
-    def _fingerprint(self, opts: TrainOptions, comm: Any, model: torch.nn.Module, opt: Any) -> Fingerprint:
+    def _fingerprint(self, opts: PrepareRequest, comm: Comm, model: torch.nn.Module, opt: Prepared) -> Fingerprint:
         """The fingerprint of this prepared model (fingerprint.py): the first model's at ``opts.fingerprint``."""
         header = {"backend": self.mgr.name, "world": self.mgr.size, "dp": comm.size, "device": str(self.mgr.device),
-                  "zero_stage": getattr(opt, "zero_stage", opts.zero_stage), "precision": opts.precision,
-                  "clip": opt.clipping, "accumulation": getattr(opt, "backward_passes_per_step", 1)}
+                  "zero_stage": opt.zero_stage, "precision": opts.precision, "clip": opt.clipping,
+                  "accumulation": opt.backward_passes_per_step}
         made = Fingerprint(path_for(opts.fingerprint or ""), comm, header,
                            lambda: opt.fingerprint_parts(model, comm.rank, comm.size), model)
         made.attach(*verify_parts(self.mgr.config, model, list(model.named_parameters()),
@@ -119,50 +125,49 @@ class Trainer:
                 self._following.add(module)
                 module.register_forward_pre_hook(lambda _m, _args, opt=opt: self._serve(opt))
 
-    def _serve(self, opt: Any) -> None:
+    def _serve(self, opt: Prepared) -> None:
         """Make ``opt`` (and its model) the one ``backward`` and the optimizer-less calls act on."""
         self.prepared = opt
 
-    def takes_sparse(self, opts: TrainOptions) -> bool:
+    def takes_sparse(self, opts: PrepareRequest) -> bool:
         """Whether the engine's own training takes sparse gradients with these options (unidist's buckets and ZeRO
         shards never do; Horovod's optimizer allgathers them)."""
         return False
 
     engine_zero = False  # True where the engine shards itself (DeepSpeed): zero_stage goes to _prepare
 
-    def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions
-                 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: PrepareRequest
+                 ) -> tuple[torch.nn.Module, Prepared]:
         """The backend's way; engines with their own training override this."""
         return self._prepare_unidist(model, optimizer, opts)
 
-    def _prepare_unidist(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions
-                         ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def _prepare_unidist(self, model: torch.nn.Module, optimizer: Any, opts: PrepareRequest
+                         ) -> tuple[torch.nn.Module, Prepared]:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidArgumentError(f"prepare(optimizer=...) takes a torch.optim.Optimizer, got "
                                        f"{type(optimizer).__name__}")
-        comm = opts.group if opts.group is not None else self.mgr
+        comm: Comm = opts.group if isinstance(opts.group, Group) else self.mgr
         model = model.to(self.mgr.device)
         hooks = self._apply_precision(model, opts)
         broadcast_parameters(comm, model)
         broadcast_optimizer_state(comm, optimizer)
         wrapped: DistributedOptimizer | ZeroOptimizer
         if opts.zero_stage:
-            wrapped = ZeroOptimizer(comm, model, optimizer, opts.zero_stage, opts.sync,
-                                    offload=opts.offload is not None)
+            wrapped = ZeroOptimizer(comm, model, optimizer, opts.zero_stage, opts, offload=opts.offload is not None)
         else:
-            wrapped = DistributedOptimizer(comm, optimizer, model.named_parameters(), opts.sync)
+            wrapped = DistributedOptimizer(comm, optimizer, model.named_parameters(), opts)
         wrapped.scaler = self._scaler(opts)
         wrapped.attach_hooks(hooks)
         self.prepared = wrapped
         self.prepared_for[model] = wrapped
         return model, wrapped
 
-    def _apply_precision(self, model: torch.nn.Module, opts: TrainOptions) -> list[Any]:
+    def _apply_precision(self, model: torch.nn.Module, opts: PrepareRequest) -> list[Any]:
         """The forward of ``model`` follows ``opts.precision`` (autocast, or a bfloat16 model; see
         train/precision.py); returns the hooks that do it."""
         return Precision.of(opts.precision).apply(model, self.mgr.device)
 
-    def _scaler(self, opts: TrainOptions) -> LossScaler | None:
+    def _scaler(self, opts: PrepareRequest) -> LossScaler | None:
         """fp16's dynamic loss scale for an optimizer prepare builds, or None."""
         if not Precision.of(opts.precision).scaled:
             return None
@@ -171,13 +176,15 @@ class Trainer:
     # ----------------------------------------------------------------- the loop
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, divided by the accumulation passes and times the loss scale (fp16)."""
-        fingerprint = getattr(self.prepared, "fingerprint", None)
-        if fingerprint is not None:
-            fingerprint.add_loss(loss)
-        k = getattr(self.prepared, "backward_passes_per_step", 1)
-        loss = loss / k if k > 1 else loss
-        scaler: LossScaler | None = getattr(self.prepared, "scaler", None)
-        loss = scaler.scale_loss(loss) if scaler is not None else loss
+        opt = self.prepared
+        if opt is not None:
+            fingerprint = self.fingerprints.get(opt)
+            if fingerprint is not None:
+                fingerprint.add_loss(loss)
+            k = opt.backward_passes_per_step
+            loss = loss / k if k > 1 else loss
+            if isinstance(opt.scaler, LossScaler):  # unidist's and Horovod's (DeepSpeed's engine scales itself)
+                loss = opt.scaler.scale_loss(loss)
         if trace_hooks.active:  # the timeline: what bucket launches overlap (off, this bool test is all it costs)
             with trace_hooks.span("backward"):
                 loss.backward()  # type: ignore[no-untyped-call]
@@ -190,7 +197,7 @@ class Trainer:
     def accumulate(self, model: torch.nn.Module) -> Any:
         """``Manager.accumulate``: the block of the optimizer prepare returned for ``model``."""
         opt = self.prepared_for.get(self.unwrap(model))
-        if opt is None or not hasattr(opt, "accumulate"):
+        if opt is None:
             raise InvalidArgumentError("accumulate(model) takes a model prepare() returned (its optimizer holds "
                                        "the accumulated gradients); call mgr.prepare(model, opt) first")
         return opt.accumulate()
@@ -227,7 +234,7 @@ class Trainer:
         """The optimizer's state dict as one process would hold it, on every rank."""
         if isinstance(optimizer, ZeroOptimizer):
             return optimizer.full_state_dict()
-        inner = getattr(optimizer, "optimizer", optimizer)
+        inner = optimizer.optimizer if isinstance(optimizer, Prepared) else optimizer
         return copy.deepcopy(inner.state_dict())  # type: ignore[no-any-return]
 
     # ----------------------------------------------------------------- checkpoints (unidist.checkpoint)
@@ -241,7 +248,7 @@ class Trainer:
         if not isinstance(blocking, bool):
             raise InvalidArgumentError(f"save_checkpoint(blocking={blocking!r}) takes True or False")
         self.finish_pending()
-        scaler = getattr(optimizer, "scaler", None)
+        scaler = optimizer.scaler if isinstance(optimizer, Prepared) else None
         if scaler is not None:
             extra = {**(extra or {}), SCALER_KEY: scaler.state_dict()}
         layout = self.checkpoint_layout(model, optimizer)
@@ -266,9 +273,8 @@ class Trainer:
         Args:
             failing: the Manager is leaving on an error.
         """
-        for opt in list(self.prepared_for.values()):
-            if getattr(opt, "fingerprint", None) is not None:
-                opt.fingerprint.close()
+        for fingerprint in list(self.fingerprints.values()):
+            fingerprint.close()
         if self.pending is None:
             return
         if not failing:
@@ -285,14 +291,15 @@ class Trainer:
         self._event("load", model, path)
         extra = checkpoint.load(self.mgr, path, self.checkpoint_layout(model, optimizer))
         saved = extra.pop(SCALER_KEY, None)
-        scaler = getattr(optimizer, "scaler", None)
+        scaler = optimizer.scaler if isinstance(optimizer, Prepared) else None
         if saved is not None and scaler is not None:
             scaler.load_state_dict(saved)
         return extra
 
     def _event(self, kind: str, model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
         """A checkpoint of a fingerprinted model saved or loaded: a line in its fingerprint (verify reports it)."""
-        fingerprint = getattr(self.prepared_for.get(self.unwrap(model)), "fingerprint", None)
+        opt = self.prepared_for.get(self.unwrap(model))
+        fingerprint = self.fingerprints.get(opt) if opt is not None else None
         if fingerprint is not None:
             fingerprint.event(kind, path)
 
@@ -302,9 +309,8 @@ class Trainer:
         themselves). An optimizer prepare did not make is whole on every rank."""
         module = self.unwrap(model)
         holder = optimizer if optimizer is not None else self.prepared_for.get(module)
-        make = getattr(holder, "checkpoint_layout", None)
-        if make is not None:
-            layout: Layout = make(module)
+        if isinstance(holder, Prepared):
+            layout: Layout = holder.checkpoint_layout(module)
         else:
             layout = FullLayout(self.mgr.rank, self.mgr.size, module, holder)
         return layout if optimizer is not None else layout.without_optimizer()

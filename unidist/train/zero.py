@@ -36,10 +36,10 @@ import torch
 
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
+from unidist.request import SyncOptions
 from unidist.train.fingerprint import squares
 from unidist.train.gradcore import Compression, InOrder, pack
 from unidist.train.offload import wait_for_copies
-from unidist.train.options import SyncOptions
 from unidist.train.step_window import WindowedOptimizer
 from unidist.train.zero_fetch import Fetcher
 from unidist.train.zero_layout import ZeroLayout
@@ -66,7 +66,7 @@ class ZeroOptimizer(WindowedOptimizer):
             raise InvalidArgumentError(f"ZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.options = options
         self.op, self.compression = options.op, options.compression
-        self.backward_passes_per_step, self.clip_grad_norm = options.backward_passes_per_step, options.clip_grad_norm
+        self._passes, self.clip_grad_norm = options.backward_passes_per_step, options.clip_grad_norm
         # nothing travels on one rank: keep full precision there
         self._compressor = Compression.of(options.compression) if dp.size > 1 else Compression.none
         super().__init__(optimizer)
@@ -130,6 +130,10 @@ class ZeroOptimizer(WindowedOptimizer):
             if block_module is not None:
                 self._block_units.setdefault(block_module, []).append(units[-1])
         return units
+
+    @property
+    def zero_stage(self) -> int:
+        return self.stage
 
     def add_reader(self, module: torch.nn.Module, param: torch.Tensor) -> None:
         """Stage 3: declare that ``module``'s forward reads ``param`` although the first training step did not show

@@ -21,6 +21,7 @@ from unidist.compat.deepspeed import checkpoint
 from unidist.compat.deepspeed.config import DSConfig
 from unidist.compat.deepspeed.exceptions import DeepSpeedUnsupportedError
 from unidist.errors import InvalidArgumentError
+from unidist.prepared import PreparedOptimizer
 
 __all__ = ["DeepSpeedEngine"]
 
@@ -185,8 +186,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def get_global_grad_norm(self) -> float | None:
         """The global L2 norm of the averaged gradients at the last step, before clipping; None when nothing
         measured it (clipping off, as DeepSpeed's fp32 stage 0 reports None)."""
-        norm = getattr(self.optimizer, "last_grad_norm", None)
-        return None if norm is None else float(norm)
+        return self.optimizer.last_grad_norm if isinstance(self.optimizer, PreparedOptimizer) else None
 
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` updated the weights (False between boundaries and on fp16 overflow)."""

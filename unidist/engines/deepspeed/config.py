@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from unidist.errors import ConfigError
-from unidist.train.options import TrainOptions
+from unidist.request import PrepareRequest
 
 __all__ = ["NEUTRAL_CONFIG", "build", "check_agreement", "config_precision", "load", "precision_section", "validate"]
 
@@ -85,10 +85,11 @@ def _name(source: Source, env: bool) -> str:
     return f"UNIDIST_DEEPSPEED_CONFIG {str(source)!r}" if env else f"prepare(deepspeed_config={str(source)!r})"
 
 
-def check_agreement(opts: TrainOptions, user: Mapping[str, Any], source: Source, *, env: bool = False) -> TrainOptions:
+def check_agreement(opts: PrepareRequest, user: Mapping[str, Any], source: Source, *, env: bool = False
+                    ) -> PrepareRequest:
     """A setting both ``user`` (the DeepSpeed config) and ``prepare`` set explicitly (an argument or a
     ``UNIDIST_*`` variable: ``opts.sources``) must agree: a ConfigError names both sources and values. A setting
-    prepare left at its default takes the config's value; the returned TrainOptions carries it (so the unidist
+    prepare left at its default takes the config's value; the returned PrepareRequest carries it (so the unidist
     side, loss scaling and output casts, follows what the engine runs).
 
     Args:
@@ -135,7 +136,7 @@ def check_agreement(opts: TrainOptions, user: Mapping[str, Any], source: Source,
     return dataclasses.replace(opts, **follow) if follow else opts
 
 
-def build(opts: TrainOptions, world_size: int, user: Mapping[str, Any] | None) -> dict[str, Any]:
+def build(opts: PrepareRequest, world_size: int, user: Mapping[str, Any] | None) -> dict[str, Any]:
     """``NEUTRAL_CONFIG``, then ``prepare``'s arguments mapped to DeepSpeed's keys, then ``user`` on top.
 
     Args:

@@ -46,11 +46,9 @@ def _raw_engine(mgr: Any, model: Any, optimizer: Any, zero_stage: int, precision
 
     from unidist.config import Config
     from unidist.engines.deepspeed.config import build
-    from unidist.train.options import TrainOptions
+    from unidist.request import PrepareRequest
 
-    opts = TrainOptions.parse(Config(), zero_stage=zero_stage, clip_grad_norm=None, op="mean", compression=None,
-                              backward_passes_per_step=None, bucket_mb=None, group=None, deepspeed_config=None,
-                              precision=precision, unknown={})
+    opts = PrepareRequest.build(Config(), {"zero_stage": zero_stage, "precision": precision})
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=build(opts, mgr.size, None))
     return engine
 

@@ -18,15 +18,15 @@ from typing import Any
 from unidist.comm.protocol import Comm
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
+from unidist.request import PrepareRequest
 from unidist.train.gradcore import Compression
-from unidist.train.options import TrainOptions
 from unidist.train.precision import Precision
 from unidist.train.reducer import GradientReducer
 
 __all__ = ["install", "wanted"]
 
 
-def wanted(opts: TrainOptions, config: Mapping[str, Any], stage: int, user_config: object = None) -> bool:
+def wanted(opts: PrepareRequest, config: Mapping[str, Any], stage: int, user_config: object = None) -> bool:
     """Whether unidist's buckets reduce for this engine. ``auto`` says yes only where nothing of the engine's own
     reduction is asked for: stage 0, no user DeepSpeed config (whose predivide factors, fp16 sections or
     communication dtype the engine's reducer implements), no wire compression, float32 parameters.

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from unidist.train.precision import ScalerOptions, next_scale
+from unidist.request import ScalerOptions
+from unidist.train.precision import next_scale
 
 __all__ = ["AgreedGradScaler"]
 

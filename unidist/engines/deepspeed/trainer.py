@@ -22,22 +22,23 @@ from unidist.engines.deepspeed.layout import DeepSpeedLayout
 from unidist.engines.deepspeed.scaler import AgreedGradScaler
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
-from unidist.train import offload
+from unidist.request import PrepareRequest, check_offload
 from unidist.train.fingerprint import slice_squares
 from unidist.train.memory import optimizer_tensors, peak_bytes, storage_bytes
-from unidist.train.options import TrainOptions, one_way_to_accumulate
 from unidist.train.precision import Precision, cast_floats
+from unidist.train.prepared import Prepared, one_way_to_accumulate
 from unidist.train.reducer import GradientReducer
 from unidist.train.trainer import Trainer
-from unidist.train.view import OptimizerView
 
 __all__ = ["AgreedGradScaler", "DeepSpeedLayout", "DeepSpeedTrainer", "EngineOptimizer"]  # the first two re-exported
 
 
-class EngineOptimizer(OptimizerView):
+class EngineOptimizer(Prepared):
     """The engine's optimizer as a torch Optimizer: ``step()`` steps the engine (which knows the accumulation
     boundary and clears gradients after it); ``param_groups`` and ``state`` are the engine optimizer's, so LR
     schedulers drive what the engine steps."""
+
+    scaler: AgreedGradScaler | None = None
 
     def __init__(self, engine: Any, full_optimizer: Any, full_groups: list[list[torch.nn.Parameter]], world: Any
                  ) -> None:
@@ -45,7 +46,7 @@ class EngineOptimizer(OptimizerView):
         self.engine, self.world = engine, world
         self.full_optimizer = full_optimizer  # the user's optimizer, and its groups as one process holds them
         self.full_groups = full_groups
-        self.scaler: AgreedGradScaler | None = None  # fp16-mixed's loss scale (installed by DeepSpeedTrainer)
+        self.scaler = None  # fp16-mixed's loss scale (installed by DeepSpeedTrainer)
         self._hooks: list[Any] = []  # the precision's forward hooks on the user's module
         # unidist's buckets in place of the engine's allreduce at stage 0 (prepare(reducer=...)), or None; drained
         # by synchronize() or the step at the accumulation boundary, once (_synced)
@@ -124,9 +125,8 @@ class EngineOptimizer(OptimizerView):
             scaler.begin_step()
             if scaler.engine_unscales:  # DeepSpeed divides by its loss scale where it clips: make it this one
                 self.engine.optimizer.loss_scaler.cur_scale = scaler.scale_value
-        if self.fingerprint is not None and boundary:  # the averaged gradient before the engine clips it
-            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-            self._grad_sq = slice_squares(grads, self.fingerprint.comm.rank, self.fingerprint.comm.size)
+        if boundary:
+            self._begin_step()  # the averaged gradient, before the engine clips and steps it
         try:
             with timeline.watching("deepspeed engine.step"):
                 self.engine.step()
@@ -212,6 +212,12 @@ class EngineOptimizer(OptimizerView):
             self.reducer.synchronize()
             self._synced = True
 
+    def hold_gradient_norm(self, rank: int, size: int) -> None:
+        """The engine clears its gradients in its step: this rank's even slice of the averaged gradient's squares,
+        taken before (read at stage 0; under ZeRO the engine measures the norm itself)."""
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        self._grad_sq = slice_squares(grads, rank, size)
+
     def __getattr__(self, name: str) -> Any:  # engine-specific attributes such as loss_scale
         if name.startswith("_"):
             raise AttributeError(name)
@@ -226,19 +232,17 @@ class DeepSpeedTrainer(Trainer):
     full_groups: list[list[torch.nn.Parameter]]
     engine_zero = True  # zero_stage is the engine's own ZeRO
 
-    def deepspeed_config(self, opts: TrainOptions | None = None) -> dict[str, Any]:
+    def deepspeed_config(self, opts: PrepareRequest | None = None) -> dict[str, Any]:
         """The DeepSpeed config ``prepare`` uses for ``opts``: engine defaults that change the math pinned
         (``NEUTRAL_CONFIG``), ``prepare``'s arguments mapped, then the user's config merged on top and checked
         (an unknown key is named, not ignored; a setting both set differently is a ConfigError)."""
         return self._resolve(opts)[1]
 
-    def _resolve(self, opts: TrainOptions | None) -> tuple[TrainOptions, dict[str, Any]]:
+    def _resolve(self, opts: PrepareRequest | None) -> tuple[PrepareRequest, dict[str, Any]]:
         """(the options the engine runs: ``opts`` with what the user's config set where prepare kept a default,
         the config)."""
-        from unidist.train.options import TrainOptions
-
-        opts = opts if opts is not None else TrainOptions(zero_stage=self.mgr.config.zero_stage,
-                                                          bucket_mb=self.mgr.config.bucket_mb)
+        opts = opts if opts is not None else PrepareRequest(zero_stage=self.mgr.config.zero_stage,
+                                                            bucket_mb=self.mgr.config.bucket_mb)
         from_env = opts.deepspeed_config is None
         source = opts.deepspeed_config if not from_env else self.mgr.config.deepspeed_config
         user = ds_config.load(source) if source is not None else None
@@ -249,7 +253,7 @@ class DeepSpeedTrainer(Trainer):
             ds_config.validate(cfg, user, source)
         return opts, cfg
 
-    def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions) -> tuple[Any, EngineOptimizer]:
+    def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: PrepareRequest) -> tuple[Any, EngineOptimizer]:
         """Build the DeepSpeed engine from ``deepspeed_config(opts)``: returns (engine, optimizer).
 
         ``backward_passes_per_step`` is DeepSpeed's gradient_accumulation_steps, ``compression`` its
@@ -264,7 +268,7 @@ class DeepSpeedTrainer(Trainer):
                                        f"{type(optimizer).__name__}")
         opts, config = self._resolve(opts)
         stage = int(config["zero_optimization"].get("stage", 0))
-        offload.check(opts.offload, stage)  # the stage a DeepSpeed config set is known now
+        check_offload(opts.offload, stage)  # the stage a DeepSpeed config set is known now
         precision = Precision.of(opts.precision)
         self._check_precision(precision, stage)
         if stage == 3 and any(
@@ -312,7 +316,7 @@ class DeepSpeedTrainer(Trainer):
                 "'bf16' section's meaning, not bf16-true's). Use precision='bf16-mixed', or zero_stage=0, or "
                 "prepare(group=...) (unidist's ZeRO, which runs bf16-true)")
 
-    def _install_scaler(self, prepared: EngineOptimizer, precision: Precision, opts: TrainOptions) -> None:
+    def _install_scaler(self, prepared: EngineOptimizer, precision: Precision, opts: PrepareRequest) -> None:
         """fp16-mixed: DeepSpeed's default GradScaler replaced by ``AgreedGradScaler`` with ``opts.loss_scaling``;
         otherwise none (a GradScaler a previous engine's autocast state left behind is removed)."""
         engine = prepared.engine
@@ -333,7 +337,7 @@ class DeepSpeedTrainer(Trainer):
         engine_cls = self.mgr.engine_api.DeepSpeedEngine
         return model.module if isinstance(model, engine_cls) else model  # type: ignore[no-any-return]
 
-    def _serve(self, opt: Any) -> None:
+    def _serve(self, opt: Prepared) -> None:
         super()._serve(opt)
         if isinstance(opt, EngineOptimizer):  # its engine's backward, then
             self.engine = opt.engine
@@ -342,8 +346,9 @@ class DeepSpeedTrainer(Trainer):
         """``engine.backward`` after an engine was prepared: scales for accumulation and reduces or partitions
         gradients. After ``prepare(group=...)`` (unidist's optimizer) the plain path."""
         if isinstance(self.prepared, EngineOptimizer):
-            if self.prepared.fingerprint is not None:
-                self.prepared.fingerprint.add_loss(loss)
+            fingerprint = self.fingerprints.get(self.prepared)
+            if fingerprint is not None:
+                fingerprint.add_loss(loss)
             with timeline.watching("deepspeed engine.backward (gradient exchange)"):
                 self.engine.backward(loss)
         else:

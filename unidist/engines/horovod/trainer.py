@@ -19,10 +19,10 @@ from unidist.checkpoint.layout import FullLayout
 from unidist.comm import timeline, watchdog
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
-from unidist.train.options import SyncOptions, TrainOptions, one_way_to_accumulate
+from unidist.request import PrepareRequest, SyncOptions
 from unidist.train.precision import LossScaler
+from unidist.train.prepared import Prepared, one_way_to_accumulate
 from unidist.train.trainer import Trainer
-from unidist.train.view import OptimizerView
 
 __all__ = ["HorovodOptimizer", "HorovodTrainer"]
 
@@ -53,7 +53,7 @@ class HorovodTrainer(Trainer):
 
     def _distributed_optimizer(self, optimizer: torch.optim.Optimizer,
                                named_parameters: Iterable[tuple[str, torch.Tensor]] | None, sync: SyncOptions,
-                               bf16_params: bool = False) -> Any:
+                               bf16_params: bool = False) -> HorovodOptimizer:
         """``hvd.DistributedOptimizer`` with the contract's arguments, behind the uniform loop (``step`` and
         ``zero_grad`` after every backward act on every k-th). Horovod fuses by its own
         HOROVOD_FUSION_THRESHOLD (read at init), so ``bucket_mb`` is checked and otherwise unused.
@@ -83,13 +83,13 @@ class HorovodTrainer(Trainer):
                                        "unavailable on the horovod backend; use compression='fp16'")
         raise InvalidArgumentError(f"compression={name!r}; use none or fp16")
 
-    def takes_sparse(self, opts: TrainOptions) -> bool:
+    def takes_sparse(self, opts: PrepareRequest) -> bool:
         """``hvd.DistributedOptimizer`` allgathers sparse gradients (an ``nn.Embedding(sparse=True)``); unidist's
         reducer (``reducer='unidist'``) does not."""
         return opts.reducer != "unidist"
 
-    def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: TrainOptions
-                 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: PrepareRequest
+                 ) -> tuple[torch.nn.Module, Prepared]:
         """Model on ``device``, rank 0's parameters and optimizer state everywhere, Horovod's optimizer behind
         the uniform loop; with ``reducer='unidist'`` unidist's DistributedOptimizer over Horovod's collectives
         (its buckets are one ``hvd.allreduce_async_`` each; the same sum, divided by the ranks)."""
@@ -104,14 +104,14 @@ class HorovodTrainer(Trainer):
         self.broadcast_parameters(model)
         self.broadcast_optimizer_state(optimizer)
         bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
-        self.prepared = self._distributed_optimizer(optimizer, model.named_parameters(), opts.sync, bf16_params=bf16)
+        self.prepared = self._distributed_optimizer(optimizer, model.named_parameters(), opts, bf16_params=bf16)
         self.prepared.scaler = self._scaler(opts)
-        self.prepared.hooks = hooks
+        self.prepared.attach_hooks(hooks)
         self.prepared_for[model] = self.prepared  # a second prepare of this model is refused
         return model, self.prepared
 
 
-class HorovodOptimizer(OptimizerView):
+class HorovodOptimizer(Prepared):
     """``hvd.DistributedOptimizer`` as a torch Optimizer for the uniform loop.
 
     Horovod expects ``step()`` once per k backward passes; the uniform loop calls it after every pass (as
@@ -123,16 +123,14 @@ class HorovodOptimizer(OptimizerView):
     """
 
     scaler: LossScaler | None = None
-    last_grad_norm: torch.Tensor | None = None  # the norm the last clip measured (step_window.py: kept unsynchronized)
-    hooks: list[Any]
 
     def __init__(self, hvd_optimizer: Any, k: int, clip_grad_norm: float | None, world: Any) -> None:
         super().__init__(hvd_optimizer)
         self.world = world  # the ranks Horovod averages over (checkpoint_layout)
-        self.backward_passes_per_step, self.clip_grad_norm = k, clip_grad_norm
+        self._passes, self.clip_grad_norm = k, clip_grad_norm
         self._calls = 0
         self._synced = False
-        self.hooks = []
+        self._hooks: list[Any] = []
 
     def checkpoint_layout(self, model: torch.nn.Module) -> FullLayout:
         """Every rank holds the whole state: each writes an even slice of it."""
@@ -175,10 +173,11 @@ class HorovodOptimizer(OptimizerView):
             if self.scaler is not None:
                 found = self.scaler.unscale([p.grad for p in params])
                 self.scaler.update(found)
-                if self.scaler.last_step_skipped:
-                    return None
+            self._begin_step()
+            if self.scaler is not None and self.scaler.last_step_skipped:
+                return None
             if self.clip_grad_norm is not None:
-                self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+                self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
             with self.optimizer.skip_synchronize():
                 return self.optimizer.step()
         finally:
@@ -206,11 +205,15 @@ class HorovodOptimizer(OptimizerView):
         if self._calls % self.backward_passes_per_step == 0:
             self.optimizer.zero_grad()  # Horovod's zero_grad takes no set_to_none
 
+    def attach_hooks(self, hooks: list[Any]) -> None:
+        """Hooks ``remove_hooks()`` detaches too (the precision's forward hooks on the user's module)."""
+        self._hooks += hooks
+
     def remove_hooks(self) -> None:
         """Detach the precision hooks prepare put on the model (Horovod's own gradient hooks stay)."""
-        for h in self.hooks:
+        for h in self._hooks:
             h.remove()
-        self.hooks.clear()
+        self._hooks.clear()
 
 
 def _upcast_bf16(compression: Any) -> Any:
