@@ -399,6 +399,28 @@ def plan(size: int) -> list[Case]:
                     want = np.concatenate([f64(data(name, r, (r * 2 + 1, 2), dtype, kind)) for r in range(mgr.size)])
                     expect(got, want, dtype, kind, name)
 
+    # --- reduce: onto the first or last rank, the result there and None elsewhere (the engine's own reduce, or the
+    # default written on allreduce)
+    for op, dtype in (("sum", "float32"), ("mean", "float32"), ("max", "int32"), ("sum", "float16"), ("min", "bool"),
+                      ("product", "int64")):
+        for kind in kinds(dtype):
+            for root_pick in ("first", "last"):
+                name = f"reduce[{op}-{dtype}-{kind}-{root_pick}]"
+
+                @add(name)
+                def _(mgr: Any, name: str = name, op: str = op, dtype: str = dtype, kind: str = kind,
+                      root_pick: str = root_pick) -> None:
+                    root = 0 if root_pick == "first" else mgr.size - 1
+                    x = data(name, mgr.rank, (6, 2), dtype, kind)
+                    before = f64(x).copy()
+                    got = mgr.reduce(x, root=root, op=op)
+                    assert np.array_equal(f64(x), before), f"{name}: input was modified"
+                    if mgr.rank != root:
+                        assert got is None, f"{name}: non-root got {type(got).__name__}, expected None"
+                        return
+                    stack = np.stack([f64(data(name, r, (6, 2), dtype, kind)) for r in range(mgr.size)])
+                    expect(got, reference(op, stack, dtype), dtype, kind, name)
+
     @add("gather[big]")
     def _(mgr: Any) -> None:
         got = mgr.gather(data("gather[big]", mgr.rank, (BIG,), "float32"), root=0)

@@ -8,7 +8,7 @@ themselves are ``Collectives``' (collectives.py) and ``Communicator``'s (communi
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ from unidist.comm import check
 from unidist.comm.dtypes import SUPPORTED_DTYPES, inplace_tensor, output, to_tensor
 from unidist.comm.engine import Engine
 from unidist.comm.plans import Plans
+from unidist.comm.primitives import PRIMITIVES
 from unidist.comm.reduction import reduce_with
 from unidist.comm.work import Work
 from unidist.config import Config
@@ -33,6 +34,30 @@ class EngineBinding(abc.ABC):
     _device: torch.device
     _rank: int
     _size: int
+    # the engine's primitives as bound methods, ``_<name>`` for every one comm/primitives.py declares (``_bind`` sets
+    # them from the declaration; test_primitives checks that each has its type here)
+    _barrier: Callable[[], None]
+    _broadcast: Callable[[torch.Tensor, int], None]
+    _allreduce: Callable[[torch.Tensor, torch.Tensor, ReduceOp], None]
+    _allgather: Callable[[torch.Tensor, torch.Tensor, Sequence[int]], None]
+    _gather: Callable[[torch.Tensor, torch.Tensor | None, Sequence[int], int], None]
+    _scatter: Callable[[torch.Tensor | None, torch.Tensor, Sequence[int], int], None]
+    _reduce_scatter: Callable[[torch.Tensor, torch.Tensor, Sequence[int], ReduceOp], None]
+    _alltoall: Callable[[torch.Tensor, torch.Tensor, Sequence[int], Sequence[int]], None]
+    _send: Callable[[torch.Tensor, int, int], None]
+    _recv: Callable[[torch.Tensor, int, int], None]
+    _reduce: Callable[[torch.Tensor, torch.Tensor, int, ReduceOp], None]
+    _grouped_allreduce: Callable[[Sequence[Any], ReduceOp, bool], list[Any] | None]
+    _allreduce_prepared: Callable[[torch.Tensor, Any, ReduceOp], None]
+    _broadcast_prepared: Callable[[torch.Tensor, Any, int], None]
+    _allgather_prepared: Callable[[torch.Tensor, torch.Tensor, Any], None]
+    _alltoall_prepared: Callable[[torch.Tensor, torch.Tensor, Any], None]
+    _reduce_scatter_prepared: Callable[[torch.Tensor, torch.Tensor, Any, ReduceOp], None]
+    _allreduce_async: Callable[[torch.Tensor, torch.Tensor, ReduceOp], Work]
+    _reduce_scatter_async: Callable[[torch.Tensor, torch.Tensor, Sequence[int], ReduceOp], Work]
+    _broadcast_async: Callable[[torch.Tensor, int], Work]
+    _allgather_async: Callable[[torch.Tensor, torch.Tensor, Sequence[int]], Work]
+    _check_exchange: Callable[..., None]
 
     def _init_collectives(self) -> None:
         # the desync check (check.py) owns its mode, K, call count and cost; this communicator keeps its own copy of
@@ -53,18 +78,11 @@ class EngineBinding(abc.ABC):
         self._engine = engine
         self._rank, self._size = engine.rank, engine.size
         self._upcast_reduce, self._wire_dtypes = engine.upcast_reduce, engine.wire_dtypes
-        self._barrier, self._broadcast, self._allreduce = engine.barrier, engine.broadcast, engine.allreduce
-        self._allgather, self._alltoall = engine.allgather, engine.alltoall
-        self._send, self._recv = engine.send, engine.recv
-        self._gather, self._scatter, self._reduce_scatter = engine.gather, engine.scatter, engine.reduce_scatter
-        self._allreduce_async, self._broadcast_async = engine.allreduce_async, engine.broadcast_async
-        self._allgather_async, self._reduce_scatter_async = engine.allgather_async, engine.reduce_scatter_async
+        for primitive in PRIMITIVES:  # every declared primitive (comm/primitives.py), as the engine gives it
+            setattr(self, "_" + primitive.name, getattr(engine, primitive.name))
         self._desync.bind(engine)
-        self._prepared_sum, self._allreduce_prepared = engine.prepared_sum, engine.allreduce_prepared
-        self._prepared_blocks, self._allgather_prepared = engine.prepared_blocks, engine.allgather_prepared
-        self._prepared_buffer, self._broadcast_prepared = engine.prepared_buffer, engine.broadcast_prepared
-        self._alltoall_prepared = engine.alltoall_prepared
-        self._reduce_scatter_prepared = engine.reduce_scatter_prepared
+        self._prepared_sum, self._prepared_blocks = engine.prepared_sum, engine.prepared_blocks
+        self._prepared_buffer = engine.prepared_buffer
         self._plans.clear()
         self._pending_mismatch = engine.pending_mismatch
 

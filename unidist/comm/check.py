@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unidist.comm.dtypes import DTYPE_ID, SUPPORTED_DTYPES
+from unidist.comm.primitives import CALLS  # the collectives a signature names (declared there)
 from unidist.errors import CollectiveMismatchError, InvalidArgumentError, MessageMismatchError
 from unidist.ops import ReduceOp
 
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["CALLS", "K_MAX", "NEVER", "DesyncCheck", "check_rank", "check_tag", "next_every", "p2p_header",
            "p2p_mismatch"]
 
-CALLS = ("barrier", "broadcast", "allreduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
-         "send", "recv")
 NEVER = 1 << 62  # the countdown of a communicator that never checks (one rank, or UNIDIST_CHECK_COLLECTIVES=0)
 _CALL_ID = {n: i for i, n in enumerate(CALLS)}
 _OP_ID = {op: i for i, op in enumerate(ReduceOp)}

@@ -263,6 +263,20 @@ class Collectives(EngineBinding):
         work = self._allgather_async(self._wired(t), self._wired(gathered), [r * row for r in rows])
         return Handle(work, lambda: self._output(gathered, as_np))
 
+    def reduce(self, x: Array, root: int = 0, op: ReduceOp | str = ReduceOp.SUM) -> Array | None:
+        """Elementwise reduction over ranks into ``root``: a new tensor/array there, None on the other ranks (the
+        engine's own reduce where it has one, so only the root receives)."""
+        root = self._check_root(root)
+        rop = resolve_op(op)
+        t, as_np = self._input(x)
+        self._signature("reduce", t, rop, root=root)
+        out = torch.empty_like(t)
+        work, post = self._reduce_with(self._reduce, t, out, rop, root)
+        work.wait()
+        if post is not None:
+            post()
+        return self._output(out, as_np) if self._rank == root else None  # type: ignore[no-any-return]
+
     def gather(self, x: Array, root: int = 0) -> Array | None:
         """Every rank's x concatenated along dim 0 at root; None on the other ranks."""
         root = self._check_root(root)

@@ -81,6 +81,12 @@ class Engine(abc.ABC):
     def recv(self, t: torch.Tensor, source: int, tag: int) -> None: ...
 
     # ------------------------------------------------------------ derived primitives (native calls override)
+    def reduce(self, send: torch.Tensor, recv: torch.Tensor, root: int, op: ReduceOp) -> None:
+        """Every rank's ``send`` reduced elementwise into root's ``recv`` (scratch on the other ranks). Written here
+        on ``allreduce`` (every rank receives the result, the others drop it); an engine with a reduce of its own
+        overrides it (MPI's Reduce, torch.distributed's reduce), so that only the root receives."""
+        self.allreduce(send, recv, op)
+
     def gather(self, send: torch.Tensor, recv: torch.Tensor | None, counts: Sequence[int], root: int) -> None:
         zeros = [0] * self.size
         send_counts = list(zeros)

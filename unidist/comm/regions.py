@@ -37,17 +37,12 @@ import torch
 
 from unidist.comm import mismatch
 from unidist.comm.engine import Engine
+from unidist.comm.primitives import ASYNC, POINT_TO_POINT, WATCHED, declared
 from unidist.errors import UnidistError
 
 __all__ = ["Seq", "Waiting", "calls", "describe_args", "explaining", "failure_hook", "position", "user_line", "waiter",
            "waiting", "watch", "watching"]
 
-# the engine primitives of comm/engine.py: every wait on peers goes through one of them
-PRIMITIVES = ("barrier", "broadcast", "allreduce", "allgather", "alltoall", "send", "recv", "gather", "scatter",
-              "reduce_scatter", "check_exchange", "grouped_allreduce", "allreduce_prepared", "allgather_prepared",
-              "alltoall_prepared", "reduce_scatter_prepared", "broadcast_prepared")
-ASYNC_PRIMITIVES = ("allreduce_async", "reduce_scatter_async", "broadcast_async", "allgather_async")
-POINT_TO_POINT = ("send", "recv")
 # engine regions (DeepSpeed's and Horovod's own exchanges, an engine's start) are numbered on one sequence
 # of all ranks: every rank enters them in the same order, as it does the world's collectives
 REGIONS = "regions"
@@ -279,12 +274,14 @@ class _WatchedEngine:
         self._inner, self._where, self._seq = engine, where, seq
         self._made: dict[tuple[int, ...], int] = {}  # groups of these members made so far (their keys' #k)
         _seqs.add(seq)
-        for name in PRIMITIVES:  # instance attributes: a call costs what the engine's own method does, plus ~0.1 us
-            # (allreduce_prepared is the same collective as allreduce for the heartbeat and the stall inspector)
-            setattr(self, name, _watched(getattr(engine, name), where + name.removesuffix("_prepared"), seq,
+        # every primitive that moves data (comm/primitives.py), as instance attributes: a call costs what the engine's
+        # own method does, plus ~0.1 us; each named by the collective it serves (allreduce_prepared is allreduce for
+        # the heartbeat and the stall inspector)
+        for name in WATCHED:
+            setattr(self, name, _watched(getattr(engine, name), where + declared(name).serves, seq,
                                          name not in POINT_TO_POINT))
-        for name in ASYNC_PRIMITIVES:
-            setattr(self, name, _watched_async(getattr(engine, name), where + name.removesuffix("_async"), seq))
+        for name in ASYNC:
+            setattr(self, name, _watched_async(getattr(engine, name), where + declared(name).serves, seq))
         self.check_exchange = _watched_check(engine.check_exchange, where, seq)
 
     def __getattr__(self, name: str) -> Any:

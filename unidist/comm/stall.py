@@ -28,7 +28,6 @@ __all__ = ["KINDS", "Seen", "Verdict", "classify", "headline", "made", "members"
 
 # the verdicts, most telling first: the one a stall is reported as is the first any rank gets
 KINDS = ("desync", "gone", "straggler", "blocked", "engine")
-POINT_TO_POINT = ("send", "recv")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The timeline (``UNIDIST_TIMELINE=path``): every engine call of every rank, on one Chrome/Perfetto trace.
 
 When the variable is set, the Manager wraps its engine in a *recording engine* before the watchdog wraps it
-(so the watchdog's timing and counting see the same calls): every primitive of :data:`regions.PRIMITIVES`
+(so the watchdog's timing and counting see the same calls): every primitive comm/primitives.py declares
 becomes one complete event with its start, duration, bytes, dtype, op, group and peer, each async start a
 ``<call> launch`` event and its handle's ``wait()`` a ``<call> wait`` event with the same ``id``. Sub-engines
 (groups) are recorded alike, named by their ranks. The layers above add spans through comm/trace_hooks.py
@@ -27,6 +27,7 @@ import torch
 
 from unidist.comm import processes, regions, trace_files, trace_hooks
 from unidist.comm.engine import Engine
+from unidist.comm.primitives import ASYNC, EXCHANGES, TIMELINE, WATCHED, serves
 from unidist.ops import ReduceOp
 
 __all__ = ["Recorder", "abandon", "active", "align", "current", "describe", "finish", "recorded_call", "recording",
@@ -48,8 +49,8 @@ def describe(name: str, args: Sequence[Any], group: str, n: int) -> dict[str, An
     """An engine call's event arguments: bytes (nccl-tests' size), dtype, op, group, its size n, peer/root.
     The common primitives by :data:`_FAST`'s positions; gather and scatter take the larger buffer (root 4th),
     grouped_allreduce sums its list, the desync check moves three int64."""
-    base = name.removesuffix("_async")
-    if base in _FAST:
+    base = serves(name)
+    if name in _FAST:
         return trace_files.call_args(_summarizer(name, group, n)(tuple(args), -1))
     out: dict[str, Any] = {"group": group, "n": n, "bytes": 0}
     t = None
@@ -119,21 +120,15 @@ class Recorder:
         return trace_files.write_part(self)
 
 
-# the common primitives' arguments by position: (size tensor, op, peer), and the peer's name; their events keep
-# a tuple (trace_files.call_args turns it into the arguments when the part is written), ~1 us less a call than
-# describe's dict; the rest (gather, scatter, grouped_allreduce, check_exchange) are described at once
-_FAST: dict[str, tuple[int | None, int | None, int | None, str]] = {
-    "barrier": (None, None, None, ""), "broadcast": (0, None, 1, "root"), "allreduce": (0, 2, None, ""),
-    "allgather": (1, None, None, ""), "alltoall": (0, None, None, ""), "send": (0, None, 1, "peer"),
-    "recv": (0, None, 1, "peer"), "reduce_scatter": (0, 3, None, ""),
-    # the same calls with the engine's prepared arguments (comm/plans.py), recorded under their plain names
-    "allreduce_prepared": (0, 2, None, ""), "broadcast_prepared": (0, None, 2, "root"),
-    "allgather_prepared": (1, None, None, ""), "alltoall_prepared": (0, None, None, ""),
-    "reduce_scatter_prepared": (0, 3, None, "")}
+# the primitives' arguments by position: (size tensor, op, peer), and the peer's name (comm/primitives.py declares
+# them); their events keep a tuple (trace_files.call_args turns it into the arguments when the part is written),
+# ~1 us less a call than describe's dict; the rest (gather, scatter, grouped_allreduce, check_exchange) are
+# described at once
+_FAST = TIMELINE
 
 
 def _summarizer(name: str, group: str, n: int) -> Callable[[tuple[Any, ...], int], Any]:
-    spec = _FAST.get(name.removesuffix("_async"))
+    spec = _FAST.get(name)
     if spec is None:
         def slow(args: tuple[Any, ...], ident: int) -> dict[str, Any]:
             out = describe(name, args, group, n)
@@ -154,7 +149,7 @@ def _summarizer(name: str, group: str, n: int) -> Callable[[tuple[Any, ...], int
 def recorded_call(fn: Callable[..., Any], name: str, rec: Recorder, group: str, n: int) -> Callable[..., Any]:
     """``fn``, the primitive ``name`` of a communicator of ``n`` ranks, recording each call into ``rec``."""
     add, summary = rec.add, _summarizer(name, group, n)
-    shown = name.removesuffix("_prepared")  # a prepared call is the same collective (comm/plans.py)
+    shown = serves(name)  # a prepared call is the same collective (comm/plans.py)
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
@@ -190,7 +185,7 @@ class _RecordedWork:
 
 
 def _recorded_async(fn: Callable[..., Any], name: str, rec: Recorder, group: str, n: int) -> Callable[..., Any]:
-    base, summary = name.removesuffix("_async"), _summarizer(name, group, n)
+    base, summary = serves(name), _summarizer(name, group, n)
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
@@ -208,9 +203,9 @@ class _RecordingEngine:
 
     def __init__(self, engine: Any, rec: Recorder, group: str) -> None:
         self._inner, self._rec, self._group = engine, rec, group
-        for name in regions.PRIMITIVES:
+        for name in (*WATCHED, *EXCHANGES):  # every primitive that moves data (comm/primitives.py)
             setattr(self, name, recorded_call(getattr(engine, name), name, rec, group, engine.size))
-        for name in regions.ASYNC_PRIMITIVES:
+        for name in ASYNC:
             setattr(self, name, _recorded_async(getattr(engine, name), name, rec, group, engine.size))
 
     def __getattr__(self, name: str) -> Any:

@@ -381,6 +381,11 @@ class MPIEngine(Engine):
         return _request(self._comm.Ireduce_scatter(sspec, rspec, list(counts), self._ops[op]), send, recv, sspec,
                         rspec)
 
+    def reduce(self, send: torch.Tensor, recv: torch.Tensor, root: int, op: ReduceOp) -> None:
+        if not self._device_ok(send, recv):
+            return self._staged(self.reduce, send, recv, root, op)
+        self._comm.Reduce(self._spec(send), self._spec(recv), self._ops[op], root)
+
     def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         if not self._device_ok(t):
             t = t.cpu()

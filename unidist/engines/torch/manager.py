@@ -98,6 +98,11 @@ class TorchEngine(SortedOrder, Engine):
             recv.copy_(send)
         self._dist.all_reduce(recv, self._ops[op], group=self._pg)
 
+    def reduce(self, send: torch.Tensor, recv: torch.Tensor, root: int, op: ReduceOp) -> None:
+        if send is not recv:
+            recv.copy_(send)
+        self._dist.reduce(recv, self._world(root), self._ops[op], group=self._pg)
+
     def allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
         if send is not recv:
             recv.copy_(send)
@@ -206,6 +211,9 @@ class HostStagedTorchEngine(TorchEngine):
     def allreduce_async(self, send: torch.Tensor, recv: torch.Tensor, op: ReduceOp) -> Work:
         self.allreduce(send, recv, op)
         return EngineWork(lambda: None, lambda: True, send, recv)
+
+    def reduce(self, send: torch.Tensor, recv: torch.Tensor, root: int, op: ReduceOp) -> None:
+        self._staged(super().reduce, send, recv, root, op)
 
     def allgather(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> None:
         self._staged(super().allgather, send, recv, counts)
