@@ -3,8 +3,9 @@
 A record says everything the rest of the code needs to know about a backend: the Manager class and the
 training strategy behind ``prepare`` (both handed over as calls that import them when called, so that
 ``import unidist`` imports no engine), the packages it needs and how to install them, the launcher family that
-starts it and the ones that imply it, the engine's own calls the benchmarks compare with, the algorithms the cost
-model assumes for it, and the launches the tests use. The selector, ``unidist launch``, ``unidist info``, the
+starts it and the ones that imply it, and the launches the tests use; beside it, optional, the engine's own calls the
+benchmarks compare with and the algorithms the cost model assumes for it (a :class:`RawEngine`). The selector,
+``unidist launch``, ``unidist info``, the
 benchmarks, the cost model and the multi-process tests read it, and keep no table of their own. unidist's own
 five records live in ``unidist/engines/``; a backend written outside the package registers with one call,
 :func:`register`, and is then chosen with ``UNIDIST_BACKEND``.
@@ -24,8 +25,8 @@ from unidist.errors import ConfigError
 from unidist.launch import LAUNCHERS, NO_LAUNCHER, family, find_program
 from unidist.strategy import Strategy
 
-__all__ = ["ENTRY_POINTS", "Backend", "Launch", "Strategy", "first_launchable", "for_launcher", "get", "names",
-           "records", "register", "unregister"]
+__all__ = ["ENTRY_POINTS", "NO_RAW", "Backend", "Launch", "RawEngine", "Strategy", "first_launchable", "for_launcher",
+           "get", "names", "records", "register", "unregister"]
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,51 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class RawEngine:
+    """The engine's own API as its users call it: what the benchmarks put beside unidist (their raw columns) and
+    the algorithms the cost model assumes. Optional in a record: a backend without one is benchmarked through unidist
+    alone. It lives in the engine's package (``engines/<name>/raw.py``) and imports the engine only when called.
+
+    Attributes:
+        api: what the benchmarks call the engine's own API (``"mpi4py"``).
+        calls: given a started Manager, the engine's own collective calls by name (``bench collectives``' raw
+            column): ``{"allreduce": builder, ...}``, a builder taking the input tensor and returning a call.
+        grad_mean: given a started Manager, the engine's in-place average of one gradient.
+        trainer: the engine's own training engine (``bench step``'s raw column): given a started Manager, a model,
+            its optimizer, a ZeRO stage and a precision mode, an object that is called as the model is and has
+            ``backward(loss)`` and ``step()``, made with the config ``prepare`` would use.
+        trainer_column: what ``bench step`` calls the columns of ``trainer`` (``"ds"``: ``ds-z2``); no ``-`` in it.
+        p2p: given a started Manager, the engine's own blocking send and recv on the world, each called with a tensor
+            and the peer's rank: ``{"engine": (send, recv), "engine+guard": (send, recv)}``, the second with the
+            size guard unidist adds (MPI: the receive status's count; gloo: a header frame).
+        optimizer: the engine's own data parallelism as its examples write it (``bench train``'s column named after
+            the backend): given a started Manager, a model and its optimizer, makes the model's state equal on every
+            rank and returns an optimizer whose ``step()`` averages the gradients first.
+        reducer: what ``prepare(reducer='engine')`` averages the gradients with, as the benchmarks print it
+            (``"hvd.DistributedOptimizer"``); None: no reducer of its own, and ``bench gradsync`` compares nothing
+            more.
+        algorithms: the collective library whose documented algorithm choices run underneath, by the launcher family
+            that starts it (``"*"``: any other), for the cost model (``unidist.bench.costmodel.KNOWN``: ``"mpich"``
+            or ``"gloo"``). Empty: not documented; the cost model refuses to model the engine as if it were another.
+    """
+
+    api: str = "none"
+    calls: Callable[[Any], Mapping[str, Callable[[Any], Callable[[], Any]]]] | None = None
+    grad_mean: Callable[[Any], Callable[[Any], Any]] | None = None
+    trainer: Callable[[Any, Any, Any, int, str], Any] | None = None
+    trainer_column: str = "engine"
+    p2p: Callable[[Any], Mapping[str, tuple[Callable[[Any, int], Any], Callable[[Any, int], Any]]]] | None = None
+    optimizer: Callable[[Any, Any, Any], Any] | None = None
+    reducer: str | None = None
+    algorithms: Mapping[str, str] = field(default_factory=dict)
+
+
+NO_RAW = RawEngine()  # a record without the benchmarks' part
+
+
+@dataclass(frozen=True)
 class Backend:
-    """One engine's registration.
+    """One engine's registration: what selecting, starting, installing and training it needs.
 
     Attributes:
         name: the value of ``UNIDIST_BACKEND`` that selects it.
@@ -70,35 +114,12 @@ class Backend:
         implied_by: launcher families that pick this backend when ``UNIDIST_BACKEND`` is unset.
         needs_pmi: its processes meet through an MPI world, so under Slurm srun must give them PMI
             (``unidist launch`` passes ``--mpi=pmi2`` for it, ``--mpi=none`` for the others).
-        engine: what the benchmarks call the engine's own API (``"mpi4py"``).
-        raw_calls: given a started Manager, the engine's own collective calls by name (the benchmarks' raw
-            column): ``{"allreduce": builder, ...}``, a builder taking the input tensor and returning a call.
-        raw_grad_mean: given a started Manager, the engine's in-place average of one gradient.
-        raw_engine: the engine's own training engine (the benchmarks' raw training column): given a started
-            Manager, a model, its optimizer, a ZeRO stage and a precision mode, an object that is called as the
-            model is and has ``backward(loss)`` and ``step()``, made with the config ``prepare`` would use.
-        raw_p2p: given a started Manager, the engine's own blocking send and recv on the world, each called with
-            a tensor and the peer's rank (the benchmarks' point-to-point column): ``{"engine": (send, recv),
-            "engine+guard": (send, recv)}``, the second with the size guard unidist adds (MPI: the receive
-            status's count; gloo: a header frame). None: no calls of its own to compare with.
-        raw_optimizer: the engine's own data parallelism as its examples write it (``bench train``'s column
-            named after the backend): given a started Manager, a model and its optimizer, makes the model's state
-            equal on every rank and returns an optimizer whose ``step()`` averages the gradients first (Horovod:
-            ``hvd.broadcast_parameters`` and ``hvd.DistributedOptimizer``). None: the engine has none.
-        raw_engine_column: what ``bench step`` calls the columns of ``raw_engine`` (``"ds"``: ``ds-z2``); no
-            ``-`` in it.
-        engine_reducer: what ``prepare(reducer='engine')`` averages the gradients with, named as the benchmarks
-            print it (``"hvd.DistributedOptimizer"``); None (the default): the engine has no reducer of its own,
-            prepare's reducer is unidist's, and ``bench gradsync`` compares nothing more.
-        algorithms: the collective library whose documented algorithm choices run underneath, by the launcher
-            family that starts it (``"*"``: any other), for the cost model (``unidist.bench.costmodel.KNOWN``:
-            ``"mpich"`` or ``"gloo"``). Empty (the default): not documented; the cost model refuses to model the
-            engine as if it were another, and models it only on request with the fastest formula at each size.
         distributions: installed distributions beyond ``requires`` whose versions ``unidist info`` reports (the
             ``mpich`` wheel that provides mpiexec).
         env_prefixes: the prefixes of the variables the engine reads (``"NCCL_"``): ``unidist launch`` carries them
             to the processes it starts on other hosts over ssh (a launcher started per host gets no environment).
         launches: how the tests start it; the first one is its main launch.
+        raw: the engine's own API for the benchmarks (:class:`RawEngine`), optional.
     """
 
     name: str
@@ -110,18 +131,10 @@ class Backend:
     launcher: str | None = None
     implied_by: tuple[str, ...] = ()
     needs_pmi: bool = False
-    engine: str = "none"
-    raw_calls: Callable[[Any], Mapping[str, Callable[[Any], Callable[[], Any]]]] | None = None
-    raw_grad_mean: Callable[[Any], Callable[[Any], Any]] | None = None
-    raw_engine: Callable[[Any, Any, Any, int, str], Any] | None = None
-    raw_p2p: Callable[[Any], Mapping[str, tuple[Callable[[Any, int], Any], Callable[[Any, int], Any]]]] | None = None
-    raw_optimizer: Callable[[Any, Any, Any], Any] | None = None
-    raw_engine_column: str = "engine"
-    engine_reducer: str | None = None
-    algorithms: Mapping[str, str] = field(default_factory=dict)
     distributions: tuple[str, ...] = ()
     env_prefixes: tuple[str, ...] = ()
     launches: tuple[Launch, ...] = ()
+    raw: RawEngine = NO_RAW
 
     def missing(self) -> list[str]:
         """The required packages that are not installed."""
@@ -152,12 +165,12 @@ def register(backend: Backend, *, replace: bool = False) -> Backend:
                           "replace=True to replace it")
     known = {fam.name for fam in LAUNCHERS} | {NO_LAUNCHER}
     for fam in (*backend.implied_by, *([backend.launcher] if backend.launcher else []),
-                *(lch.launcher for lch in backend.launches), *(f for f in backend.algorithms if f != "*")):
+                *(lch.launcher for lch in backend.launches), *(f for f in backend.raw.algorithms if f != "*")):
         if fam not in known:
             raise ConfigError(f"backend {name!r} names launcher family {fam!r}, which unidist.launch does not "
                               f"know; use one of {', '.join(sorted(known))}")
-    if not backend.raw_engine_column or "-" in backend.raw_engine_column:
-        raise ConfigError(f"backend {name!r}: raw_engine_column {backend.raw_engine_column!r} must be a non-empty "
+    if not backend.raw.trainer_column or "-" in backend.raw.trainer_column:
+        raise ConfigError(f"backend {name!r}: raw.trainer_column {backend.raw.trainer_column!r} must be a non-empty "
                           "word without '-' (bench step names its columns '<it>-z<stage>')")
     for fam in backend.implied_by:
         other = next((b.name for b in _TABLE.values() if fam in b.implied_by and b.name != name), None)

@@ -2,7 +2,9 @@
 ``unidist.backends`` entry point and found by a fresh process, it is selected by ``UNIDIST_BACKEND``, listed and
 judged by ``unidist info [--check]``, refused by name by the cost model until its record documents algorithms
 (then modelled from them), and started by the multi-process suites from its record's launches. No file under
-``unidist/`` names it: every tool reads the record (bench/, doctor/ and cli.py keep no per-engine table).
+``unidist/`` names it: every tool reads the record (bench/, doctor/ and cli.py keep no per-engine table). Its record
+holds what registration needs and nothing more (the benchmarks' part, ``raw``, is optional and left out); what a new
+engine touches is unidist/engines/README.md.
 
 The engine is the local one under another name (a subclass of LocalManager), its one package a stand-in written
 to a temporary directory, so everything here runs in seconds.
@@ -184,13 +186,13 @@ def test_cost_model_refuses_it_until_its_record_documents_algorithms(
         main(["model", *files])
     assert main(["model", *files, "--policy", "min"]) == 0  # asked for: the fastest formula, said so
     assert f"| {NAME} (mpich) | unknown | allreduce |" in capsys.readouterr().out
-    registry.register(dataclasses.replace(sixth, algorithms={"mpich": "mpich"}), replace=True)
+    registry.register(dataclasses.replace(sixth, raw=registry.RawEngine(algorithms={"mpich": "mpich"})), replace=True)
     assert costmodel.engine_kind(NAME, "mpich") == "mpich" and costmodel.engine_kind(NAME, "torchrun") is None
     assert main(["model", *files, "--fit-ranks", "2"]) == 0
     text = capsys.readouterr().out
     assert f"| {NAME} (mpich) | mpich | allreduce |" in text
     assert f"| {NAME} (mpich) | 3 | 8 of 8 | 0% |" in text  # fitted on 2 ranks, 3 predicted from its algorithms
-    registry.register(dataclasses.replace(sixth, algorithms={"*": "nccl"}), replace=True)
+    registry.register(dataclasses.replace(sixth, raw=registry.RawEngine(algorithms={"*": "nccl"})), replace=True)
     with pytest.raises(InvalidArgumentError, match="does not know"):
         costmodel.engine_kind(NAME, "mpich")
 
@@ -215,3 +217,14 @@ def test_a_fresh_process_finds_it_through_its_entry_point(tmp_path: Path) -> Non
     report = json.loads(out)
     assert report["backend"] == NAME and report["manager"] == "SixthManager"
     assert report["backends"][NAME] == "usable"
+
+
+def test_a_record_holds_what_registration_needs() -> None:
+    """The registration's fields are what selecting, starting, installing and training an engine need; what only the
+    benchmarks read is one optional object (``raw``), which the sixth engine leaves out."""
+    fields = [f.name for f in dataclasses.fields(registry.Backend)]
+    assert fields == ["name", "manager_name", "manager", "strategy", "requires", "install", "launcher", "implied_by",
+                      "needs_pmi", "distributions", "env_prefixes", "launches", "raw"]
+    built_in = {"mpi", "torch", "deepspeed", "horovod"}
+    assert all(rec.raw.api != "none" for rec in registry.records() if rec.name in built_in)
+    assert "raw" not in PLUGIN

@@ -9,7 +9,7 @@ rounds, per call. A check is one three-word MAX allreduce (comm/check.py); by de
 checked, K adapting so checks take about 1% of the time (the ``K`` column: the distance the ranks agreed on at
 the end). The point-to-point guard is the receive status's count on MPI, a 32-byte header frame on gloo engines
 (comm/mismatch.py): the second table times a ping-pong between ranks 0 and 1 through unidist, through the engine's
-own calls (mpi4py, torch.distributed: its record's ``raw_p2p``), and through the engine's calls with the guard
+own calls (mpi4py, torch.distributed: its record's ``raw.p2p``), and through the engine's calls with the guard
 added, whose ratio is the guard's cost.
 """
 
@@ -78,9 +78,9 @@ P2P = Callable[[torch.Tensor, int], Any]
 
 def _engine_p2p(mgr: Manager) -> Mapping[str, tuple[P2P, P2P]]:
     """The engine's own blocking send/recv on the world, without and with the guard unidist adds, as its record
-    gives them (``unidist.registry.Backend.raw_p2p``); nothing where it has none (Horovod's are unidist's side
+    gives them (``unidist.registry.RawEngine.p2p``); nothing where it has none (Horovod's are unidist's side
     group)."""
-    raw = registry.get(mgr.backend).raw_p2p
+    raw = registry.get(mgr.backend).raw.p2p
     return {} if raw is None else raw(mgr)
 
 

@@ -145,12 +145,12 @@ KNOWN: dict[str, Callable[[str, int, float], str | None]] = {"mpich": _mpich, "g
 
 def engine_kind(backend: str, launcher: str) -> str | None:
     """Which library's documented algorithms run under ``backend`` started by launcher family ``launcher``: what its
-    registration record says (``unidist.registry.Backend.algorithms``: that family's entry, else ``"*"``'s). None
+    registration record says (``unidist.registry.RawEngine.algorithms``: that family's entry, else ``"*"``'s). None
     where the record names none, or no backend of that name is registered here (a JSON file from a plugin that is
     not installed): an engine nobody documented is not modelled as if it were another (``choose`` then takes the
     fastest formula, and ``model`` refuses it under ``--policy known``)."""
     try:
-        algorithms = registry.get(backend).algorithms
+        algorithms = registry.get(backend).raw.algorithms
     except ConfigError:
         return None
     kind = algorithms.get(launcher, algorithms.get("*"))

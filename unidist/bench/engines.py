@@ -28,16 +28,16 @@ Builder = Callable[[torch.Tensor], Callable[[], Any]]
 
 def engine_name(backend: str) -> str:
     """What the tables call ``backend``'s own API (``"mpi4py"``)."""
-    return registry.get(backend).engine
+    return registry.get(backend).raw.api
 
 
 def collective_table(mgr: Manager) -> Mapping[str, Builder]:
     """The raw calls of ``mgr``'s engine by collective name; empty where the record has none."""
-    raw = registry.get(mgr.backend).raw_calls
+    raw = registry.get(mgr.backend).raw.calls
     return {} if raw is None else raw(mgr)
 
 
 def grad_mean(mgr: Manager) -> Callable[[torch.Tensor], Any] | None:
     """The engine's in-place average of one gradient over the ranks (None where the record has none)."""
-    raw = registry.get(mgr.backend).raw_grad_mean
+    raw = registry.get(mgr.backend).raw.grad_mean
     return None if raw is None else raw(mgr)

@@ -11,7 +11,7 @@ cannot be left out of the unit):
 - ``per_tensor``: ``mgr.allreduce_(p.grad, op="mean")`` on every gradient after backward;
 - ``raw_per_tensor``: the engine's own in-place allreduce (and divide) on every gradient (``engines.py``);
 - ``fused``: ``mgr.prepare(model, SGD)``, ``mgr.backward(loss)`` and ``opt.synchronize()``: what prepare gives
-  by default (``reducer='auto'``); where the backend's record names an ``engine_reducer`` (deepspeed, horovod)
+  by default (``reducer='auto'``); where the backend's record names an ``raw.reducer`` (deepspeed, horovod)
   also ``fused_engine`` and ``fused_unidist``, the engine's own reducer (a DeepSpeed engine's allreduce,
   ``hvd.DistributedOptimizer``) and unidist's buckets over the engine's collectives, side by side;
 - ``ddp``: torch's ``DistributedDataParallel`` reducer (gloo), where torch.distributed is initialised.
@@ -64,7 +64,7 @@ def _nothing() -> None:
 def engine_reducer(backend: str) -> str | None:
     """The engine's own gradient reducer behind ``prepare(reducer='engine')``, as its record names it (None: the
     engine has none; prepare's reducer is unidist's)."""
-    return registry.get(backend).engine_reducer
+    return registry.get(backend).raw.reducer
 
 
 def fused_label(backend: str) -> str:

@@ -125,7 +125,7 @@ def fit_all(data: Samples, kinds: dict[str, str | None], ranks: set[int], policy
     if unknown and policy == "known":
         raise InvalidArgumentError(
             f"model: {', '.join(unknown)}: no documented collective algorithms (the backend's registration record, "
-            "unidist.registry.Backend.algorithms, names none for that launcher, or the backend is not registered "
+            "unidist.registry.RawEngine.algorithms, names none for that launcher, or the backend is not registered "
             "here); model it with --policy min (the fastest formula at each size), or leave its files out")
     out = {}
     for name, rows in data.items():

@@ -14,7 +14,7 @@ Columns, each the same model, optimizer and batch, where this launch can run the
 - ``ddp``: ``DistributedDataParallel`` (torch.distributed: the torch or deepspeed backend);
 - ``fsdp2``: ``fully_shard`` on every block and the root (torch.distributed);
 - ``ds-zS``: the engine's own training engine at stage S, where the backend's record has one (``raw_engine``, in
-  columns its ``raw_engine_column`` names): DeepSpeed's ``deepspeed.initialize`` with the config unidist generates;
+  columns its ``raw.trainer_column`` names): DeepSpeed's ``deepspeed.initialize`` with the config unidist generates;
 - ``unidist-zS``: ``mgr.prepare(model, opt, zero_stage=S)``, ``mgr.backward``, ``opt.step``, ``opt.zero_grad``;
 - ``unidist-zS-offload`` (``--offload``, on a GPU): the same with ``offload="cpu"`` (the optimizer on the host).
 
@@ -156,7 +156,7 @@ def _mmap_threshold(nbytes: int) -> None:
 def _own(mgr: Manager) -> str | None:
     """The name of the engine's own training engine's columns (``ds``), None where its record has no such engine."""
     record = registry.get(mgr.backend)
-    return record.raw_engine_column if record.raw_engine is not None else None
+    return record.raw.trainer_column if record.raw.trainer is not None else None
 
 
 def _columns(mgr: Manager, args: argparse.Namespace) -> list[str]:
@@ -231,7 +231,7 @@ def _engine_own(mgr: Manager, model: torch.nn.Module, opt: torch.optim.Optimizer
                ids: torch.Tensor) -> Step:
     """The engine's own training engine, made as its record says (DeepSpeed: ``deepspeed.initialize`` with the
     config ``prepare`` would give it for this stage)."""
-    make = registry.get(mgr.backend).raw_engine
+    make = registry.get(mgr.backend).raw.trainer
     if make is None:
         raise InvalidArgumentError(f"the {mgr.backend} backend has no engine of its own to compare with")
     engine = make(mgr, model, opt, stage, args.precision)

@@ -11,7 +11,7 @@ Implementations (``--impl``; ``all``, the default, runs those this launch suppor
   backend the launch gives;
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (gloo), where torch.distributed is initialised
   (the torch backend under torchrun or ``UNIDIST_BACKEND=torch mpiexec``; deepspeed);
-- the backend's own name (``horovod``), where its record has a ``raw_optimizer``: the engine's own data
+- the backend's own name (``horovod``), where its record has a ``raw.optimizer``: the engine's own data
   parallelism as its examples write it (Horovod: ``hvd.broadcast_parameters`` and ``hvd.DistributedOptimizer``;
   horovodrun, or ``UNIDIST_BACKEND=horovod mpiexec``).
 
@@ -42,9 +42,9 @@ _CLASSES = 1000
 
 
 def impls() -> tuple[str, ...]:
-    """The implementations: unidist's, DDP's, and each registered backend's own (its record's ``raw_optimizer``),
+    """The implementations: unidist's, DDP's, and each registered backend's own (its record's ``raw.optimizer``),
     named after the backend."""
-    return ("unidist", "ddp", *(rec.name for rec in registry.records() if rec.raw_optimizer is not None))
+    return ("unidist", "ddp", *(rec.name for rec in registry.records() if rec.raw.optimizer is not None))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +81,7 @@ def _step_fn(mgr: Manager, impl: str, scale: float, x: torch.Tensor, y: torch.Te
             torch.nn.functional.cross_entropy(ddp(x), y).backward()  # type: ignore[no-untyped-call]
             opt.step()
         return ddp_step
-    own = registry.get(mgr.backend).raw_optimizer
+    own = registry.get(mgr.backend).raw.optimizer
     if impl == mgr.backend and own is not None:
         engine_opt = own(mgr, model, opt)
 

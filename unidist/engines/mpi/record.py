@@ -1,13 +1,10 @@
-"""The mpi backend (mpi4py) and mpi4py's own calls, as its users write them, for the benchmarks.
-
-The raw calls use mpi4py's buffer (uppercase) API on the Manager's own communicator: the fastest ordinary form.
-"""
+"""The mpi backend (mpi4py): its registration (its own calls for the benchmarks are raw.py's)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+from unidist.engines.mpi.raw import RAW
 from unidist.engines.training import unidist_training
 from unidist.launch import LAUNCHERS
 from unidist.registry import Backend, Launch, register
@@ -17,67 +14,6 @@ def _manager() -> type[Any]:
     from unidist.engines.mpi.manager import MPIManager
 
     return MPIManager
-
-
-def _raw_calls(mgr: Any) -> dict[str, Callable[[Any], Callable[[], Any]]]:
-    from mpi4py import MPI
-
-    comm, n = mgr.comm, mgr.size
-
-    def allreduce(x: Any) -> Callable[[], Any]:
-        a = x.numpy()
-        return lambda: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM)
-
-    def allgather(x: Any) -> Callable[[], Any]:
-        a, out = x.numpy(), x.new_empty(n * x.numel()).numpy()
-        return lambda: comm.Allgather(a, out)
-
-    def broadcast(x: Any) -> Callable[[], Any]:
-        a = x.numpy()
-        return lambda: comm.Bcast(a, 0)
-
-    def reduce_scatter(x: Any) -> Callable[[], Any]:
-        a, out = x.numpy(), x.new_empty(x.numel() // n).numpy()
-        return lambda: comm.Reduce_scatter_block(a, out, MPI.SUM)
-
-    def alltoall(x: Any) -> Callable[[], Any]:
-        a, out = x.numpy(), x.new_empty(x.shape).numpy()
-        return lambda: comm.Alltoall(a, out)
-
-    return {"allreduce": allreduce, "allgather": allgather, "broadcast": broadcast,
-            "reduce_scatter": reduce_scatter, "alltoall": alltoall}
-
-
-def _raw_grad_mean(mgr: Any) -> Callable[[Any], None]:
-    """MPI has no average op: sum, then divide, as hand-written loops do."""
-    from mpi4py import MPI
-
-    comm, n = mgr.comm, mgr.size
-
-    def mean(g: Any) -> None:
-        comm.Allreduce(MPI.IN_PLACE, g.numpy(), MPI.SUM)
-        g.div_(n)
-    return mean
-
-
-def _raw_p2p(mgr: Any) -> dict[str, tuple[Callable[[Any, int], Any], Callable[[Any, int], Any]]]:
-    """mpi4py's blocking Send/Recv on the Manager's communicator, and Recv with the guard unidist's mpi backend
-    adds: the receive status's count checked against the buffer's size."""
-    from mpi4py import MPI
-
-    comm, status = mgr.comm, MPI.Status()
-
-    def send(t: Any, peer: int) -> None:
-        comm.Send(t.numpy(), peer, 0)
-
-    def recv(t: Any, peer: int) -> None:
-        comm.Recv(t.numpy(), peer, 0)
-
-    def counted(t: Any, peer: int) -> None:
-        comm.Recv(t.numpy(), peer, 0, status)
-        if status.Get_count(MPI.BYTE) != t.nbytes:
-            raise AssertionError("the ping-pong's sizes differ")
-    return {"engine": (send, recv), "engine+guard": (send, counted)}
 
 
 BACKEND = register(Backend(
@@ -91,12 +27,8 @@ BACKEND = register(Backend(
     launcher="mpich",
     implied_by=tuple(fam.name for fam in LAUNCHERS if fam.mpi_like),
     needs_pmi=True,
-    engine="mpi4py",
-    raw_calls=_raw_calls,
-    raw_grad_mean=_raw_grad_mean,
-    raw_p2p=_raw_p2p,
-    algorithms={"*": "mpich"},
     distributions=("mpich",),
+    raw=RAW,
     launches=(Launch("mpich", "mpiexec-{n}", (2, 3), bench="mpi"),
               Launch("mpich", "mpiexec-{n}-checked", (2,), {"UNIDIST_CHECK_COLLECTIVES": "1"})),
 ))
