@@ -105,7 +105,7 @@ class Family:
     command: Command | None = None
 
 
-# Order is the detection order of DESIGN.md: torchrun, horovodrun, deepspeed, MPI launchers, SLURM, plain.
+# Order is the detection order (docs/launchers/index.md): torchrun, horovodrun, deepspeed, MPI launchers, SLURM, plain.
 LAUNCHERS: tuple[Family, ...] = (
     Family("torchrun", "RANK", ("WORLD_SIZE",), "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
            marker=("TORCHELASTIC_RUN_ID",), master_addr="MASTER_ADDR", master_port="MASTER_PORT",

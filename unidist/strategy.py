@@ -5,7 +5,7 @@ training layer: ``Manager.prepare``, ``backward``, the checkpoints and friends a
 strategy makes over the started Manager. This module says, as Protocols, what that object answers
 (:class:`TrainingStrategy`) and how it is made (:class:`Strategy`), so mypy follows ``prepare`` from the Manager
 to the engine's trainer. It sits in the base layer and imports nothing at run time (``import unidist`` stays
-light). What a trainer may ask of its Manager is ``unidist.train.host.TrainingHost``, on the training side.
+light). What a trainer may ask of its Manager is ``unidist.train.world.TrainingWorld``, on the training side.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class TrainingStrategy(Protocol):
 class Strategy(Protocol):
     """A backend's training strategy: called with the started Manager (``Strategy(mgr)``), it makes that
     Manager's :class:`TrainingStrategy`; ``latest_checkpoint`` needs no Manager. The Manager is typed ``Any``
-    here because the base layer cannot name it; the trainer types it as ``unidist.train.host.TrainingHost``."""
+    here because the base layer cannot name it; the trainer types it as ``unidist.train.world.TrainingWorld``."""
 
     def __call__(self, manager: Any) -> TrainingStrategy: ...
 

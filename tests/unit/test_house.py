@@ -1,6 +1,7 @@
 """The house keeps its own rules: every module is on the map (docs/architecture.md) with its job, the Engine
 contract there names every method and setting of ``Engine``, no file of the package is over 500 lines, and no
-comment or docstring cites a file that does not exist. Fast: reads files, imports only ``unidist.comm.engine``."""
+comment or docstring of the package or the tests cites a file (a module, a page) that does not exist. Fast: reads
+files, imports only ``unidist.comm.engine``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (tox tests an installed unidist: read the sources here)
 PKG = ROOT / "unidist"
+TESTS = ROOT / "tests"
 MAP = ROOT / "docs" / "architecture.md"
 MAX_LINES = 500
 
@@ -74,23 +76,27 @@ _UPSTREAM = {"c10d_rendezvous_backend.py": "torch.distributed.elastic", "loss_sc
 def _exists(cited: str, where: Path) -> bool:
     """A cited path of ours resolves from the repository root, the package, or the citing file's folder or any
     folder above it inside the package (``trainer.py`` beside the citing module, ``comm/check.py`` anywhere)."""
-    bases = [ROOT, PKG, *[p for p in where.parents if p == PKG or PKG in p.parents]]
+    bases = [ROOT, PKG, *[p for p in where.parents if p.is_relative_to(ROOT) and p != ROOT]]
     if any((b / cited).exists() for b in bases):
         return True
-    return "/" not in cited and any(PKG.rglob(cited))  # a module named by its file name alone
+    # a module or page named by its file name alone
+    tops = (PKG, TESTS, ROOT / "docs", ROOT / "examples", ROOT / "benchmarks")
+    return "/" not in cited and any(any(top.rglob(cited)) for top in tops)
 
 
 def _ours(cited: str, where: Path) -> bool:
+    if where.is_relative_to(TESTS / "data"):  # engines' own files, kept as they are (they cite their repository)
+        return False
     first = cited.split("/", 1)[0]
     if "/" in cited:
         return first in _OURS and not (where.is_relative_to(PKG / "compat") and first not in ("unidist", "tests",
                                                                                               "docs", "examples"))
-    return cited.endswith(".py") and cited not in _UPSTREAM and not where.is_relative_to(PKG / "compat")
+    return cited.endswith((".py", ".md")) and cited not in _UPSTREAM and not where.is_relative_to(PKG / "compat")
 
 
 def test_no_comment_cites_a_file_that_does_not_exist() -> None:
     wrong = []
-    for path in sorted(PKG.rglob("*.py")):
+    for path in sorted([*PKG.rglob("*.py"), *TESTS.rglob("*.py")]):
         for line, text in _texts(path):
             for cited in _CITED.findall(text):
                 if _ours(cited, path) and not _exists(cited, path):

@@ -71,7 +71,7 @@ def test_host_path_trains_bitwise_like_no_offload(mgr: unidist.Manager, rehearse
     # what moved: each shard, its gradient buffer and its optimizer state are host tensors of their own, never
     # views of the flat buffer the parameters live in
     for unit in opt.units:
-        assert unit.host and unit.shard.device.type == "cpu"
+        assert unit.offloaded and unit.shard.device.type == "cpu"
         if unit.full is not None:
             full = unit.full.untyped_storage().data_ptr()
             assert unit.shard.untyped_storage().data_ptr() != full

@@ -1,4 +1,4 @@
-"""No module of unidist reads another object's private attribute (DESIGN.md: seams between layers are typed
+"""No module of unidist reads another object's private attribute (docs/architecture.md: seams between layers are typed
 Protocols and public accessors).
 
 An ast walk over every module under unidist/ finds each ``X._name`` (not a dunder) whose ``X`` is not ``self``,

@@ -170,7 +170,7 @@ Plan = tuple[list[dict[str, Any]] | None, int]
 def _main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
           plans: dict[str, Plan], *flags: str, launches: tuple[str, ...] = ("mpiexec -n 2",)
           ) -> tuple[int, str, list[tuple[str, dict[str, str], Path | None]]]:
-    """``unidist verify [flags] --launch ... s.py`` with each run replaced by writing the fingerprint planned for
+    """``unidist verify [flags] --launch ... SCRIPT`` with each run replaced by writing the fingerprint planned for
     its label (a rounding or locate re-run: its launch's plan, unless planned itself); the exit status, stdout, and
     every run made: (label, its variables, its working directory)."""
     parser = argparse.ArgumentParser()

@@ -5,7 +5,7 @@ run: on every backend each model at ZeRO-3 in float32 (where the defects were), 
 cell per model that rotates with the model and the backend, so that over the five backends every model meets most
 cells. ``ZOO_MATRIX=all`` in the environment of the test run runs every cell on every backend:
 
-    ZOO_MATRIX=all python -m pytest -m "mpi or local" tests/multiproc/test_zoo.py   # one tox env's backends
+    ZOO_MATRIX=all python -m pytest -m "mpi or local" tests/multiproc/test_model_zoo.py   # one tox env's backends
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Argument checks, desync fingerprints and bounded waits, shared by every collective.
+"""Argument checks, desync signatures and bounded waits, shared by every collective.
 
-With ``UNIDIST_CHECK_COLLECTIVES`` every rank of a communicator compares a fingerprint of the call it is
+With ``UNIDIST_CHECK_COLLECTIVES`` every rank of a communicator compares a signature of the call it is
 about to make (sequence number, call, op, dtype, size, root): a rank that took another code path is named
 instead of leaving the others waiting or, worse, reducing mismatched data (sum on one rank, max on another
 returns a plausible wrong answer). ``DesyncCheck`` is that check's state and exchange, one per communicator. A
@@ -89,7 +89,7 @@ class DesyncCheck:
         self._words: Any = None
 
     def bind(self, engine: Engine) -> None:
-        """Check over ``engine``: its three words (``check_np``: fingerprint, its negation, the wished K) and
+        """Check over ``engine``: its three words (``check_np``: signature, its negation, the wished K) and
         the exchanges of them (``check_exchange``, ``check_exchange_async``, ``check_rows``)."""
         self._rank, self._size = engine.rank, engine.size
         self._words = engine.check_np
@@ -146,10 +146,10 @@ class DesyncCheck:
                   numel: int | None) -> None:
         """Every rank compares what it is about to call, before any data moves.
 
-        One in-place MAX allreduce of three int64 words: a fingerprint ``f`` of (call number, call, op, dtype,
+        One in-place MAX allreduce of three int64 words: a signature ``f`` of (call number, call, op, dtype,
         size, root), ``-f``, and this rank's wish for the distance to the next check (``_propose``); the ranks
         hold the same ``f`` exactly when ``max(f) == -max(-f)``, and all take the largest wish. Only when the
-        fingerprints differ do they exchange the full rows to say who called what (every rank sees the same
+        signatures differ do they exchange the full rows to say who called what (every rank sees the same
         result, so all of them take that path together).
         """
         self._countdown = 1  # due until the ranks agree on the next distance
@@ -206,13 +206,13 @@ class DesyncCheck:
         self._cost, self._end = cost, _clock()
 
     def _compare(self, row: tuple[int, ...]) -> None:
-        """After the exchange: ``max(f) + max(-f)`` is 0 exactly when every rank sent the same fingerprint."""
+        """After the exchange: ``max(f) + max(-f)`` is 0 exactly when every rank sent the same signature."""
         if self._words[0] + self._words[1]:
             self._explain(row)
 
     def _row(self, call: str, t: torch.Tensor | None, op: ReduceOp | None, root: int,
              numel: int | None) -> tuple[int, ...]:
-        """This call's row, its fingerprint and its negation written into the words."""
+        """This call's row, its signature and its negation written into the words."""
         self._seq += self._every  # the call number: the calls since the last check are this many
         if t is None:
             row = (self._seq, _CALL_ID[call], -1 if op is None else _OP_ID[op], -1, -1 if numel is None else numel,
@@ -220,10 +220,10 @@ class DesyncCheck:
         else:
             row = (self._seq, _CALL_ID[call], -1 if op is None else _OP_ID[op], DTYPE_ID.get(t.dtype, -1),
                    t.numel() if numel is None else numel, root)
-        fp = hash(row) & _MASK  # a tuple of ints hashes the same in every process (no hash randomisation)
+        sig = hash(row) & _MASK  # a tuple of ints hashes the same in every process (no hash randomisation)
         words = self._words  # two item writes: a slice write from a tuple costs 0.3 us more
-        words[0] = fp
-        words[1] = -fp
+        words[0] = sig
+        words[1] = -sig
         return row
 
     def _explain(self, row: tuple[int, ...]) -> None:

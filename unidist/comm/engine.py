@@ -48,7 +48,7 @@ class Engine(abc.ABC):
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
-        # the desync check's three int64 words (comm/check.py: fingerprint, its negation, the next check's
+        # the desync check's three int64 words (comm/check.py: signature, its negation, the next check's
         # distance); engines that check on a channel of their own keep a persistent request on this very buffer
         self.check_buf = torch.zeros(3, dtype=_INT64)
         self.check_np = self.check_buf.numpy()

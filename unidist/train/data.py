@@ -2,7 +2,7 @@
 
 What Accelerate's ``prepare(dataloader)`` and Fabric's ``setup_dataloaders`` give their users, on every backend:
 the rank's disjoint share of the dataset (``ShardSampler``: the same permutation on every rank, a new one each
-epoch), pinned host memory when the device is a GPU, and each batch moved there (``unidist.tree.to_device``:
+epoch), pinned CPU memory when the device is a GPU, and each batch moved there (``unidist.tree.to_device``:
 dicts, tuples, dataclasses and ``ModelOutput``-like batches keep their type). Iterating again starts the next epoch;
 ``set_epoch`` sets it (a resumed run).
 """

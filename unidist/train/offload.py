@@ -1,8 +1,8 @@
-"""``prepare(offload="cpu")``: ZeRO's optimizer shards in host memory, stepped there (ZeRO-Offload, Ren et al. 2021;
+"""``prepare(offload="cpu")``: ZeRO's optimizer shards in CPU memory, stepped there (ZeRO-Offload, Ren et al. 2021;
 FSDP2's ``CPUOffloadPolicy``).
 
 What moves: each ZeRO unit's shard (the float32 parameters the optimizer steps), its gradient and so the whole
-optimizer state live in pinned host memory; at stage 3 the shard is also all the parameter a rank keeps between
+optimizer state live in pinned CPU memory; at stage 3 the shard is also all the parameter a rank keeps between
 uses (the gather copies it to the device first). The device keeps the full parameters of stages 1-2, activations and
 the gradients until they are reduced. The copies: each unit's reduced gradient goes down as it arrives
 (non-blocking, into a pinned buffer the unit reuses), one device synchronisation before the step reads them, the
@@ -10,7 +10,7 @@ updated shard goes up before the all-gather that refreshes the parameters. The m
 numbers, so training equals no offload (bitwise on the CPU; on a GPU within what the CPU's and GPU's kernels differ).
 
 Where the parameters are on the CPU already there is nothing to move: offload is a no-op there, said once (by rank
-0). ``rehearse_on_cpu`` runs the host path anyway (CPU-to-CPU copies), so a machine without a GPU tests its math.
+0). ``rehearse_on_cpu`` runs the CPU path anyway (CPU-to-CPU copies), so a machine without a GPU tests its math.
 On the deepspeed backend the same argument becomes DeepSpeed's own ``offload_optimizer`` (and ``offload_param`` at
 stage 3), in engines/deepspeed/config.py.
 """
@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-__all__ = ["effective", "host_copy", "host_empty", "rehearse_on_cpu", "wait_for_copies"]
+__all__ = ["cpu_copy", "cpu_empty", "effective", "rehearse_on_cpu", "wait_for_copies"]
 
 _log = logging.getLogger("unidist")
 
@@ -29,7 +29,7 @@ _rehearse = False
 
 
 def rehearse_on_cpu(on: bool = True) -> None:
-    """Run the host path even where the parameters are on the CPU (the tests' way to check its math without a GPU).
+    """Run the CPU path even where the parameters are on the CPU (the tests' way to check its math without a GPU).
 
     Args:
         on: True to rehearse, False for the default (offload is a no-op on a CPU device).
@@ -54,20 +54,20 @@ def effective(offload: str | None, device: torch.device, rank: int) -> str | Non
     return None
 
 
-def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host buffer for tensors of ``device``: pinned where that is a GPU (its copies then skip a staging copy and
+def cpu_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A CPU buffer for tensors of ``device``: pinned where that is a GPU (its copies then skip a staging copy and
     need not block)."""
     return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
 
 
-def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in (pinned) host memory, never sharing its storage (the shard and the flat buffer stay two)."""
-    out = host_empty(t.numel(), t.dtype, t.device)
+def cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in (pinned) CPU memory, never sharing its storage (the shard and the flat buffer stay two)."""
+    out = cpu_empty(t.numel(), t.dtype, t.device)
     out.copy_(t.detach().reshape(-1))
     return out
 
 
 def wait_for_copies(device: torch.device) -> None:
-    """The non-blocking device-to-host copies done: the host may read the gradients."""
+    """The non-blocking device-to-CPU copies done: the CPU may read the gradients."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()

@@ -254,7 +254,7 @@ class GradientReducer:
             self.dp.allreduce_(flags, ReduceOp.SUM)
         else:
             flags = carrier.buffer[-carrier.extra:]
-        used = (flags > 0).tolist()  # one host read per step
+        used = (flags > 0).tolist()  # one CPU read per step
         if not all(used):
             for p, u in zip(self._params, used, strict=True):
                 if not u:

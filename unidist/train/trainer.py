@@ -33,13 +33,13 @@ from unidist.train.buffer_sync import BufferSync
 from unidist.train.data import Loader
 from unidist.train.ddp import DistributedOptimizer
 from unidist.train.fingerprint import Fingerprint, path_for, verify_parts
-from unidist.train.host import TrainingHost
 from unidist.train.memory import MemoryStats, optimizer_tensors, peak_bytes, storage_bytes
 from unidist.train.precision import LossScaler, Precision
 from unidist.train.preempt import Preemption
 from unidist.train.prepared import Prepared
 from unidist.train.sampler import ShardSampler
 from unidist.train.sync_batchnorm import convert_sync_batchnorm
+from unidist.train.world import TrainingWorld
 from unidist.train.zero import ZeroOptimizer
 
 __all__ = ["ENGINE_OPTIONS", "SCALER_KEY", "Trainer"]
@@ -53,7 +53,7 @@ ENGINE_OPTIONS: Mapping[str, str] = {"deepspeed_config": "deepspeed"}
 class Trainer:
     """unidist's own data-parallel training over a Manager (or one of its Groups)."""
 
-    def __init__(self, manager: TrainingHost) -> None:
+    def __init__(self, manager: TrainingWorld) -> None:
         self.mgr = manager
         self.prepared: Prepared | None = None  # the optimizer prepare returned last
         self.model: torch.nn.Module | None = None  # the user's module prepare saw last

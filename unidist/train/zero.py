@@ -19,7 +19,7 @@ shards) steps. So every rank keeps optimizer state for 1/N of the parameters.
   Outside forward/backward, use ``gathered_parameters``.
 
 With ``offload=True`` (``prepare(offload="cpu")``) the shards, their gradients and the optimizer state live in
-host memory and the step runs there (offload.py, zero_unit.py).
+CPU memory and the step runs there (offload.py, zero_unit.py).
 
 With ``backward_passes_per_step=k`` the first k-1 passes accumulate full gradients locally and the k-th
 reduces them, so the update equals one k-times larger batch (stage 2/3 save gradient memory on that pass).
@@ -82,7 +82,7 @@ class ZeroOptimizer(WindowedOptimizer):
             self._order.add(unit)
         self.units = self._order.slots
         for gi, group in enumerate(optimizer.param_groups):
-            group["params"] = [u.shard for u in self.units if u.group == gi] + \
+            group["params"] = [u.shard for u in self.units if u.param_group == gi] + \
                 [p for p in group["params"] if id(p) not in trainable]
         optimizer.state.clear()
         if full_state:
@@ -126,7 +126,7 @@ class ZeroOptimizer(WindowedOptimizer):
                 order, limit, lambda p: (group_of[id(p)], p.dtype, p.device))]
         units = []
         for gi, ps, block_module in chunks:
-            units.append(Unit(self.dp, ps, gi, keep_full=self.stage < 3, host=self.offload))
+            units.append(Unit(self.dp, ps, gi, keep_full=self.stage < 3, offloaded=self.offload))
             if block_module is not None:
                 self._block_units.setdefault(block_module, []).append(units[-1])
         return units
@@ -184,14 +184,14 @@ class ZeroOptimizer(WindowedOptimizer):
         # the same hooks, so every rank drops the same gathers here.
         for unit in self.units:
             unit.drop_prefetch()
-        if self.offload and self.units:  # the gradients came down without blocking: the host reads them next
+        if self.offload and self.units:  # the gradients came down without blocking: the CPU reads them next
             wait_for_copies(self.units[0].device)
 
     # ------------------------------------------------------------------ optimizer protocol (step_window.py)
     def _before_step(self) -> None:
         """Keep what the step must not change: the shard slices (and their per-element optimizer state) of parameters
         no rank had a gradient for. One process skips a parameter whose gradient is None; a shard is stepped whole,
-        so those slices are put back after the step (Adam's step count, one per unit, still advances). One host
+        so those slices are put back after the step (Adam's step count, one per unit, still advances). One CPU
         read of the flags per step decides whether there is anything to keep."""
         self._kept: list[tuple[torch.Tensor, int, int, dict[str, torch.Tensor], torch.Tensor]] = []
         flags = [u.used for u in self.units if u.used is not None]
@@ -224,7 +224,7 @@ class ZeroOptimizer(WindowedOptimizer):
         """torch.nn.utils.clip_grad_norm_ over the whole model: the shards' squared norms summed over ranks."""
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
         local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-        at = self.units[0].device if self.units else local.device  # the communication's (offload: grads on host)
+        at = self.units[0].device if self.units else local.device  # the communication's (offload: grads on the CPU)
         total = float(self.dp.allreduce(local.reshape(1).double().to(at), "sum").sqrt())
         coef = min(max_norm / (total + 1e-6), 1.0)
         if coef < 1.0:

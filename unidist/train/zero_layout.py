@@ -163,7 +163,7 @@ class ZeroLayout(Layout):
         keys = list(dict.fromkeys(k for n in names for k in state_keys.get(n, [])))
         target: dict[str, Any] = {}
         for key in keys:
-            flat = torch.zeros(unit.chunk, dtype=unit.dtype, device=unit.shard.device)  # offload: the host's
+            flat = torch.zeros(unit.chunk, dtype=unit.dtype, device=unit.shard.device)  # offload: the CPU's
             for p, name in zip(unit.params, names, strict=True):
                 own = self._owned(p)
                 if own is not None and key in state_keys.get(name, []):

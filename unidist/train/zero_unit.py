@@ -15,7 +15,7 @@ import torch
 from unidist.comm import buffers, trace_hooks
 from unidist.ops import ReduceOp
 from unidist.train.gradcore import Compressor
-from unidist.train.offload import host_copy, host_empty
+from unidist.train.offload import cpu_copy, cpu_empty
 
 if TYPE_CHECKING:
     from unidist.comm.protocol import Comm
@@ -32,13 +32,13 @@ def _writes(t: torch.Tensor) -> int:
 
 
 class Unit:
-    """Parameters flattened together and split into ``dp.size`` equal chunks; this rank owns one. With ``host``
-    the shard (and so its gradient and optimizer state) lives in host memory (offload.py); ``device`` stays where
+    """Parameters flattened together and split into ``dp.size`` equal chunks; this rank owns one. With ``offloaded``
+    the shard (and so its gradient and optimizer state) lives in CPU memory (offload.py); ``device`` stays where
     the parameters and the communication are."""
 
-    def __init__(self, dp: Comm, params: list[torch.nn.Parameter], group: int, keep_full: bool,
-                 host: bool = False) -> None:
-        self.dp, self.params, self.group = dp, params, group
+    def __init__(self, dp: Comm, params: list[torch.nn.Parameter], param_group: int, keep_full: bool,
+                 offloaded: bool = False) -> None:
+        self.dp, self.params, self.param_group = dp, params, param_group
         self.shapes = [p.shape for p in params]  # stage 3 empties the parameters themselves
         self.numels = [p.numel() for p in params]
         self.numel = sum(self.numels)
@@ -54,17 +54,17 @@ class Unit:
         self._pending: tuple[Handle[torch.Tensor], torch.Tensor, int] | None = None
         self.prefetches = 0  # prefetches started (and how many of them were used: ``prefetch_hits``)
         self.prefetch_hits = 0
-        self.host = host
-        self._host_grad: torch.Tensor | None = None  # offload: the pinned buffer the reduced gradient comes down to
+        self.offloaded = offloaded
+        self._cpu_grad: torch.Tensor | None = None  # offload: the pinned buffer the reduced gradient comes down to
         own = full[self.lo:self.lo + self.chunk]
         if keep_full:  # stages 1-2: parameters are views into the flat buffer; the shard is a view of it too
             self._bind(full)
-            self.shard = torch.nn.Parameter(host_copy(own) if host else own)
+            self.shard = torch.nn.Parameter(cpu_copy(own) if offloaded else own)
         else:
-            self.shard = torch.nn.Parameter(host_copy(own) if host else own.clone())
+            self.shard = torch.nn.Parameter(cpu_copy(own) if offloaded else own.clone())
             self.release()
         # one rank, the shard on the device: nothing to exchange, and the shard is the whole flat unit
-        self.alone = dp.size == 1 and not host
+        self.alone = dp.size == 1 and not offloaded
         self.ready: set[int] = set()
         self.handle: Handle[torch.Tensor] | None = None
         self.used: torch.Tensor | None = None  # after a reduction: which parameters some rank had a gradient for
@@ -133,13 +133,13 @@ class Unit:
         if self.full is not None and not self.alone:  # the shard is a view of ``full``: send a copy (MPI forbids
             # aliased buffers); alone, the shard is ``full``
             with torch.no_grad(), trace_hooks.span("zero refresh", bytes=self.full):
-                self.dp.allgather(self._sendable(copy=not self.host), out=self.full)
+                self.dp.allgather(self._sendable(copy=not self.offloaded), out=self.full)
 
     def _sendable(self, copy: bool = False) -> torch.Tensor:
-        """The shard on the communication's device: a host shard goes up (non-blocking from pinned memory; the host
+        """The shard on the communication's device: an offloaded shard goes up (non-blocking from pinned memory; the CPU
         changes it again only after the device synchronisation before the next step), else the shard itself."""
         shard = self.shard.detach()
-        if self.host:
+        if self.offloaded:
             return shard.to(self.device, non_blocking=True, copy=True)
         return shard.clone() if copy else shard
 
@@ -179,7 +179,7 @@ class Unit:
 
     def _launch_alone(self, free_grads: bool) -> None:
         """One rank: the unit's gradient is its parameters' gradients side by side (zeros for a missing one), and
-        which were used is known on the host, so the step's check of the flags waits for no device."""
+        which were used is known on the CPU, so the step's check of the flags waits for no device."""
         grads = [p.grad for p in self.params]
         if all(g is not None for g in grads):
             flat = torch.empty(self.chunk, dtype=self.dtype, device=self.device)
@@ -208,10 +208,10 @@ class Unit:
             got = self.handle.wait()
         self.handle = None
         grad = got[:self.chunk]
-        if self.host:  # down as it arrives; ZeroOptimizer.synchronize waits once for all the copies
-            if self._host_grad is None:
-                self._host_grad = host_empty(self.chunk, self.dtype, self.device)
-            self.shard.grad = self._host_grad.copy_(grad, non_blocking=True)
+        if self.offloaded:  # down as it arrives; ZeroOptimizer.synchronize waits once for all the copies
+            if self._cpu_grad is None:
+                self._cpu_grad = cpu_empty(self.chunk, self.dtype, self.device)
+            self.shard.grad = self._cpu_grad.copy_(grad, non_blocking=True)
         else:
             self.shard.grad = grad if grad.dtype == self.dtype else grad.to(self.dtype)
         self.used = got[self.chunk:] > 0  # per parameter: some rank had a gradient for it

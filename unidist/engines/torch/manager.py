@@ -306,7 +306,7 @@ class TorchManager(Manager):
 
     def _process_group_backend(self) -> str:
         """gloo on CPU. On GPU, nccl for CUDA tensors and gloo beside it for CPU ones: users may pass CPU
-        tensors, and unidist's own control tensors (row counts, desync fingerprints, pickled objects) are
+        tensors, and unidist's own control tensors (row counts, desync signatures, pickled objects) are
         CPU tensors; an nccl-only group cannot move them. Ranks sharing a GPU: gloo alone (NCCL refuses them)."""
         if self._device.type == "cuda" and not self._shared_gpu:
             return "cpu:gloo,cuda:nccl"

@@ -14,10 +14,10 @@ from unidist.checkpoint.agree import World
 from unidist.comm.protocol import Comm
 from unidist.config import Config
 
-__all__ = ["TrainingHost"]
+__all__ = ["TrainingWorld"]
 
 
-class TrainingHost(Comm, World, Protocol):
+class TrainingWorld(Comm, World, Protocol):
     """A started Manager, as its trainer sees it: the world's communicator for training (Comm) and for
     checkpoints (World), and the facts below."""
 
