@@ -214,6 +214,8 @@ def get(name: str) -> Backend:
         if name in ("ray", "dask", "pymp", "pyseq"):
             hint = (" (that value is for Modin's unrelated 'unidist' package, which reads the same variable; "
                     "unset UNIDIST_BACKEND for this run)")
+        elif close := _closest(name):
+            hint = f" (did you mean {close!r}?)"
         raise ConfigError(
             f"UNIDIST_BACKEND={name!r} is not a registered backend; choose one of {', '.join(_TABLE)}{hint}"
         ) from None
@@ -223,6 +225,30 @@ ENTRY_POINTS = "unidist.backends"
 """The entry-point group of installed backends: a package that declares ``[project.entry-points."unidist.backends"]
 name = "its_package.its_module"`` is imported when ``UNIDIST_BACKEND=name`` is first looked up, and its module
 registers the backend (one :func:`register` call at import). So an unchanged script runs on it."""
+
+
+# what users also call a built-in backend: the process-group libraries torch.distributed runs on, the abbreviations
+_ALSO_CALLED = {"nccl": "torch", "gloo": "torch", "ddp": "torch", "ds": "deepspeed", "hvd": "horovod"}
+
+
+def _closest(name: str) -> str | None:
+    """The registered or installed backend name a misspelt ``name`` most likely meant (``mpii``, ``MPI``,
+    ``pytorch``), or None."""
+    import difflib
+    from importlib.metadata import entry_points
+
+    known = [*_TABLE, *(ep.name for ep in entry_points(group=ENTRY_POINTS) if ep.name not in _TABLE)]
+    by_case = {k.lower(): k for k in known}
+    if name.lower() in by_case:
+        return by_case[name.lower()]
+    if _ALSO_CALLED.get(name.lower()) in known:  # a library under the engine (nccl) or its usual abbreviation
+        return _ALSO_CALLED[name.lower()]
+    close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    # a name that contains or is contained in one (``pytorch`` -> torch, ``hvd`` is too far)
+    inside = [k for k in known if len(k) >= 3 and (k in name.lower() or name.lower() in k)]
+    return inside[0] if len(inside) == 1 else None
 
 
 def _load_entry_point(name: str) -> None:

@@ -1,7 +1,8 @@
 """No figure on a page can drift from what the code does or what a command printed.
 
 A figure in prose (a time, a ratio, a share, a bandwidth, outside code blocks) is one of:
-- included from a generated file (``--8<-- "benchmarks/records/*.md"`` or RESULTS.md): not written in the page;
+- included from a generated file (a link to ``benchmarks/records/*.md`` or RESULTS.md that the site replaces by
+  the table, docs/_hooks/site.py): not written in the page;
 - a setting or constant of the code: listed in FIGURES with where it lives, and compared with it here;
 - a bound a test asserts, a target, a shape or a fact of the world: listed in FIGURES with the reason.
 A new measured figure typed into a page fails here: measure it into a record instead (benchmarks/records.sh).
@@ -11,19 +12,31 @@ Records must say what made them (the command, the machine, the load) and be incl
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from docsource import ROOT, SOURCES
 
 from unidist.bench.record import HEADER
 
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 FIGURE = re.compile(r"(?<![\w.])~?\d[\d,]*(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s?"
                     r"(?:us|ms|s|x|%|GB/s|MB/s|min|minutes|seconds)(?!\w)")
 FENCE = re.compile(r"^\s*```")
 RECORDS = ROOT / "benchmarks" / "records"
-INCLUDE = re.compile(r'^--8<-- "(?P<path>[^"]+)"\s*$', re.M)
+SITE = _load("docs_site_hook", ROOT / "docs" / "_hooks" / "site.py")  # the site's include lines, read as it reads them
+INCLUDE = SITE.INCLUDE
 
 # (page, figure) -> "=module:NAME" (the figure is that constant's value; % of a fraction) or "why: reason"
 FIGURES: dict[tuple[str, str], str] = {
@@ -59,7 +72,7 @@ def prose_figures(path: Path) -> list[tuple[int, str]]:
         if FENCE.match(line):
             inside = not inside
             continue
-        if inside or line.startswith("--8<--"):
+        if inside or INCLUDE.match(line):
             continue
         found += [(number, m.group()) for m in FIGURE.finditer(line)]
     return found
@@ -110,5 +123,14 @@ def test_records_say_what_made_them_and_are_shown() -> None:
         assert "machine: " in text and "load average" in text, f"{rel}: says neither the machine nor the load"
         assert f"$out/{record.name}" in script, f"{rel}: benchmarks/records.sh does not regenerate it"
         assert rel in included, f"{rel}: no page includes it"
-    for rel in included:
-        assert (ROOT / rel).exists(), f"a page includes {rel}, which does not exist"
+    for page in SOURCES:  # each include line's link leads where its text says, as the site's hook checks
+        for m in INCLUDE.finditer(page.read_text()):
+            SITE.included(page, m)
+
+
+def test_no_page_shows_a_bare_include_line() -> None:
+    """Read as plain markdown (GitHub, an editor), a page shows a link where the site shows a table, never a
+    snippet directive such as ``--8<--``."""
+    bare = [f"{p.relative_to(ROOT)}:{n}" for p in SOURCES for n, line in enumerate(p.read_text().splitlines(), 1)
+            if line.startswith("--8<--")]
+    assert not bare, f"bare include lines (write [path](link) <!-- the site shows it here --> instead): {bare}"

@@ -54,6 +54,9 @@ def test_absent_and_broken_packages_are_told_apart(tmp_path: Path) -> None:
     assert not ds["usable"]
     assert "fails to import: OSError: libtorch_cpu.so" in ds["problems"][0]  # torch, the first it requires
     assert ds["problems"][1] == f"needs deepspeed: {registry.get('deepspeed').install}"
+    # the launcher it lacks comes with that install: its fix is said once, not twice
+    assert ds["problems"][2] == "no deepspeed beside this Python or on PATH; the install above brings it"
+    assert sum(registry.get("deepspeed").install in p for p in ds["problems"]) == 1
 
 
 def test_a_crashing_import_is_reported_and_blocked_after(tmp_path: Path) -> None:

@@ -40,6 +40,20 @@ def test_unknown_backend_lists_registered() -> None:
         assert name in str(info.value)
 
 
+@pytest.mark.parametrize(("given", "meant"), [("mpii", "mpi"), ("pytorch", "torch"), ("deepspeeed", "deepspeed"),
+                                              ("horovd", "horovod"), ("nccl", "torch"), ("mpi4py", "mpi")])
+def test_a_misspelt_backend_gets_did_you_mean(given: str, meant: str) -> None:
+    said = rf"UNIDIST_BACKEND='{given}' is not a registered backend.*did you mean '{meant}'"
+    with pytest.raises(ConfigError, match=said):
+        select(environ={"UNIDIST_BACKEND": given})
+
+
+def test_a_name_far_from_every_backend_gets_no_guess() -> None:
+    with pytest.raises(ConfigError) as info:
+        select(environ={"UNIDIST_BACKEND": "zzz"})
+    assert "did you mean" not in str(info.value)
+
+
 def test_modin_value_explained() -> None:
     with pytest.raises(ConfigError, match="Modin"):
         select(environ={"UNIDIST_BACKEND": "ray"})

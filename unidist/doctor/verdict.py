@@ -70,14 +70,15 @@ _CHECKS: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
 
 
 def _launcher_problems(record: registry.Backend, packages: Mapping[str, Any], programs: Mapping[str, Any],
-                       is_this_python: Callable[[str], bool]) -> tuple[list[str], list[str]]:
+                       is_this_python: Callable[[str], bool], install_said: bool) -> tuple[list[str], list[str]]:
     fam = family(record.launcher) if record.launcher else None
     if fam is None or fam.command is None:
         return [], []
     names = fam.command.programs
     found = [programs[n] for n in names if programs.get(n, {}).get("found")]
     if not found:
-        return [f"no {' or '.join(names)} beside this Python or on PATH; {record.install}"], []
+        fix = "the install above brings it" if install_said else record.install  # its fix said once
+        return [f"no {' or '.join(names)} beside this Python or on PATH; {fix}"], []
     prog = found[0]
     if not prog.get("answered"):
         return [f"{prog['path']} does not answer: {prog.get('error')}"], []
@@ -109,7 +110,8 @@ def backend_verdict(record: registry.Backend, packages: Mapping[str, Any], progr
             problems.append(f"{pkg} fails to import: {answer.get('error')}")
         else:
             problems += _CHECKS[pkg](answer) if pkg in _CHECKS else []
-    launch_problems, notes = _launcher_problems(record, packages, programs, is_this_python)
+    said = any(record.install and record.install in p for p in problems)
+    launch_problems, notes = _launcher_problems(record, packages, programs, is_this_python, said)
     problems += launch_problems
     return {"usable": not problems, "problems": problems, "notes": notes}
 

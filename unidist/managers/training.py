@@ -56,9 +56,13 @@ class TrainingEntryPoints:
             model: the user's module. ``mgr.unwrap(returned_model)`` gives it back on every backend.
             optimizer: any ``torch.optim.Optimizer`` over the model's parameters (None on the deepspeed backend
                 when its config has an ``optimizer`` section).
-            zero_stage, clip_grad_norm, op, compression, backward_passes_per_step, bucket_mb, group,
-                deepspeed_config, precision, loss_scaling, reducer, sync_batchnorm, offload, fingerprint:
-                ``PrepareRequest``'s fields.
+            unknown: any other keyword: refused (``InvalidArgumentError``) with the nearest accepted one
+                (``clip_grad`` -> ``clip_grad_norm``).
+
+        The other keywords (``zero_stage``, ``clip_grad_norm``, ``op``, ``compression``, ``backward_passes_per_step``,
+        ``bucket_mb``, ``group``, ``deepspeed_config``, ``precision``, ``loss_scaling``, ``reducer``,
+        ``sync_batchnorm``, ``offload``, ``fingerprint``) are :class:`~unidist.request.PrepareRequest`'s fields,
+        documented there.
         """
         return self._training().prepare(model, optimizer, PrepareRequest.build(self.config, dict(
             zero_stage=zero_stage, clip_grad_norm=clip_grad_norm, op=op, compression=compression,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 
+from unidist.compat import not_covered
 from unidist.compat.deepspeed import accelerator, comm, moe, pipe, runtime, utils, zero
 from unidist.compat.deepspeed.dist import init_distributed
 from unidist.compat.deepspeed.exceptions import DeepSpeedConfigError, DeepSpeedUnsupportedError
@@ -26,6 +27,10 @@ from unidist.compat.deepspeed.initialize import initialize
 __version__ = "0.19.8"  # the DeepSpeed release whose behaviour this layer follows
 __all__ = ["DeepSpeedConfigError", "DeepSpeedUnsupportedError", "__version__", "accelerator", "add_config_arguments",
            "comm", "init_distributed", "initialize", "moe", "pipe", "runtime", "utils", "zero"]
+
+# a DeepSpeed name this layer lacks (deepspeed.ops...): an AttributeError that says so and what to do instead
+__getattr__ = not_covered("unidist.compat.deepspeed", "deepspeed", "docs/coming-from/deepspeed.md",
+                          "Import deepspeed itself for it (its own launcher runs it), or leave the call out.")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

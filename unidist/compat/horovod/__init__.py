@@ -13,6 +13,7 @@ collectives and their handles), ``adasum`` (the Adasum reduction), ``compression
 
 from __future__ import annotations
 
+from unidist.compat import not_covered
 from unidist.compat.horovod import elastic
 from unidist.compat.horovod.basics import (
     ccl_built,
@@ -101,3 +102,7 @@ __all__ = [
     "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async",
     "remove_process_set", "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
 ]
+
+# a horovod.torch name this layer lacks: an AttributeError that says so and what to do instead
+__getattr__ = not_covered("unidist.compat.horovod", "hvd", "docs/coming-from/horovod.md",
+                          "Import horovod.torch itself for it (horovodrun runs it), or leave the call out.")
