@@ -4,7 +4,8 @@
 # The pages include these files as they are, so a page's figure is what the command last printed.
 #
 #   bash benchmarks/records.sh                 # all (about 20 minutes; run it on a quiet machine)
-#   bash benchmarks/records.sh check faults    # some: check, timeline, checkpoint, faults, zoo, step, verify
+#   bash benchmarks/records.sh check faults    # some: check, timeline, checkpoint, faults, zoo, step, verify,
+#                                              # startup
 #
 # Python comes from BENCH_BIN (a directory with python, mpiexec and every engine; default: .tox/py/bin, whose
 # environment has mpi4py and torch; the fault table and the model zoo's need every engine (and transformers), so
@@ -16,7 +17,7 @@ export PATH="$bin:$PATH" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DS_ACCELER
 out=benchmarks/records
 record() { "$bin/python" -m unidist.bench.record "$@"; }
 want() { [ $# -eq 0 ] || [[ " $* " == *" $name "* ]]; }
-for name in check timeline checkpoint faults zoo step verify; do
+for name in check timeline checkpoint faults zoo step verify startup; do
     want "${@}" || continue
     case $name in
     check) record $out/check.md -- mpiexec -n 2 python -m unidist.bench.check --rounds 21 ;;
@@ -50,5 +51,7 @@ for name in check timeline checkpoint faults zoo step verify; do
             --launch "PLANT=batch mpiexec -n 2" --launch "PLANT=lr mpiexec -n 2" --launch "PLANT=wd mpiexec -n 2" \
             --launch "PLANT=shuffle mpiexec -n 2" tests/verify_scripts/zoo_model.py --model gpt2 --zero 3
         record $out/fingerprint_cost.md -- mpiexec -n 2 python -m unidist.bench.fingerprint --rounds 7 ;;
+    startup)  # unidist.init() beside each engine's own start, every backend's main launch
+        record $out/startup.md -- python -m unidist.bench.startup --rounds 7 ;;
     esac
 done

@@ -79,6 +79,9 @@ class RawEngine:
         reducer: what ``prepare(reducer='engine')`` averages the gradients with, as the benchmarks print it
             (``"hvd.DistributedOptimizer"``); None: no reducer of its own, and ``bench gradsync`` compares nothing
             more.
+        start: the engine started as its own users start it in a training script (mpi4py's import,
+            ``init_process_group``, ``deepspeed.init_distributed``, ``hvd.init``), importing it when called; returns
+            the call that ends it (``bench startup``'s raw column).
         algorithms: the collective library whose documented algorithm choices run underneath, by the launcher family
             that starts it (``"*"``: any other), for the cost model (``unidist.bench.costmodel.KNOWN``: ``"mpich"``
             or ``"gloo"``). Empty: not documented; the cost model refuses to model the engine as if it were another.
@@ -92,6 +95,7 @@ class RawEngine:
     p2p: Callable[[Any], Mapping[str, tuple[Callable[[Any, int], Any], Callable[[Any, int], Any]]]] | None = None
     optimizer: Callable[[Any, Any, Any], Any] | None = None
     reducer: str | None = None
+    start: Callable[[], Callable[[], Any]] | None = None
     algorithms: Mapping[str, str] = field(default_factory=dict)
 
 

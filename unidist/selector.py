@@ -48,9 +48,10 @@ def select(config: Config | None = None, launch: LaunchInfo | None = None,
 
 def create(config: Config | None = None, launch: LaunchInfo | None = None,
            environ: Mapping[str, str] | None = None) -> Manager:
-    """The Manager for this process, not yet started, handed its backend's training strategy."""
+    """The Manager for this process, not yet started, handed the call that gives its backend's training strategy
+    (made at the first ``prepare``: init imports no training layer)."""
     config = config if config is not None else Config.from_env(environ)
     launch = launch if launch is not None else detect(environ)
     chosen = _record(config, launch)
-    manager: Manager = chosen.manager()(config, launch, strategy=chosen.strategy())
+    manager: Manager = chosen.manager()(config, launch, strategy=chosen.strategy)
     return manager

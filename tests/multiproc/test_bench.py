@@ -4,7 +4,7 @@ real launchers. Not timing tests: tiny sizes, and every row must be there with p
 Each benchmark command of the docs (docs/benchmarks.md) runs as written with smoke options appended (the last
 value of an option wins), so the docs' spelling is what is tested; `all` covers the three benchmarks in one
 launch per launcher. Launches per tox env: py 2 (the docs' collectives, regenerate.sh --quick --runs mpi),
-torch 2, deepspeed 1, horovod 2.
+torch 2, deepspeed 1, horovod 2; and ``bench startup`` on each backend (two short launches each).
 """
 
 from __future__ import annotations
@@ -239,3 +239,24 @@ def test_step_under_deepspeed(tmp_path: Path) -> None:
                timeout=600)
     assert proc.returncode == 0, proc.describe()
     check_step(out, "deepspeed", 2, ["plain", "ddp", "fsdp2", *(f"ds-z{s}" for s in range(4)), *STAGES])
+
+
+# ------------------------------------------------------------------------ bench startup (init beside the engine's)
+@pytest.mark.parametrize("backend", [
+    pytest.param("local", marks=pytest.mark.local), pytest.param("mpi", marks=pytest.mark.mpi),
+    pytest.param("torch", marks=pytest.mark.torch), pytest.param("deepspeed", marks=pytest.mark.deepspeed),
+    pytest.param("horovod", marks=pytest.mark.horovod)])
+def test_startup_imports_no_training_layer(backend: str, tmp_path: Path) -> None:
+    """``python -m unidist.bench.startup`` on the backend's main launch: the engine's own start and unidist's, each
+    measured, and unidist's start imported none of the training layer, torch's compiler, sympy or transformers (the
+    command exits 1 if it did)."""
+    if backend in ("deepspeed", "horovod"):
+        require(backend)
+    out = tmp_path / "startup.json"
+    proc = run([sys.executable, "-m", "unidist.bench.startup", "--backends", backend, "--rounds", "1",
+                "--json", str(out)], env={"DS_ACCELERATOR": "cpu"}, timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    assert f"| {backend} |" in proc.stdout and proc.stdout.startswith("machine:"), proc.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["backend"] == backend and row["unidist_heavy"] == [] and row["unidist_s"] > 0, row
+    assert row["raw_s"] > 0 if backend != "local" else row["raw_s"] >= 0, row

@@ -29,6 +29,22 @@ def test_init_under_no_launcher_loads_no_engine() -> None:
     assert not any(m.startswith(("mpi4py", "horovod", "deepspeed")) for m in mods)
 
 
+def test_a_started_manager_loads_the_training_layer_only_when_it_trains() -> None:
+    """init() costs what the engine's start costs (``python -m unidist.bench.startup`` measures it on every
+    backend): the training layer, torch's compiler and what they bring load at the first call that needs them, and
+    the compiler not even then unless something compiles (or torch loads it: a torch optimizer's constructor does)."""
+    from unidist.bench.startup import HEAVY
+
+    code = ("import sys, torch, unidist\nmgr = unidist.init()\nmgr.start()\n"
+            "print('started', *sorted(sys.modules))\n"
+            "list(mgr.shard(10))\nprint('sharded', *sorted(sys.modules))\nmgr.shutdown()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    started, sharded = ({*line.split()[1:]} for line in out.splitlines() if line.startswith(("started", "sharded")))
+    assert not [m for m in started if m.startswith(HEAVY)], sorted(m for m in started if m.startswith(HEAVY))
+    assert "unidist.train.trainer" in sharded  # loaded by the first training call
+    assert not [m for m in sharded if m.startswith(("torch._dynamo", "sympy", "transformers"))]
+
+
 def test_error_family() -> None:
     for cls in (unidist.BackendUnavailableError, unidist.NotInitializedError, unidist.LaunchEnvironmentError,
                 unidist.ConfigError, unidist.CollectiveMismatchError, unidist.CollectiveTimeoutError,

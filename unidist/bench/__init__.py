@@ -8,5 +8,6 @@ MEASURE = ("collectives", "gradsync", "train")  # measured inside one unidist.in
 OFFLINE = ("plot", "report", "model")  # no launcher: they read JSON files or start the launchers themselves
 DELEGATED = {"check": "unidist.bench.check", "zero": "unidist.bench.zero", "checkpoint": "unidist.bench.checkpoint",
              "ddp_digits": "unidist.bench.ddp_digits", "parallel": "unidist.bench.parallel",
-             "accumulate": "unidist.bench.accumulate", "step": "unidist.bench.step"}
+             "accumulate": "unidist.bench.accumulate", "step": "unidist.bench.step",
+             "startup": "unidist.bench.startup"}
 SUBCOMMANDS = (*MEASURE, "all", *OFFLINE, *DELEGATED)

@@ -15,7 +15,7 @@ import os
 import sys
 import traceback
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -58,16 +58,20 @@ class Manager(TrainingEntryPoints, Communicator):
     name: ClassVar[str] = "base"
 
     def __init__(self, config: Config | None = None, launch: LaunchInfo | None = None, *,
-                 strategy: Strategy | None = None) -> None:
+                 strategy: Callable[[], Strategy] | None = None) -> None:
         """Args:
             config: the settings (default: ``Config.from_env()``). launch: what the launcher said (default:
                 ``detect()``).
-            strategy: the training layer behind ``prepare``, ``backward`` and the checkpoints (default: the
-                one this backend's record in ``unidist.registry`` names).
+            strategy: returns the training layer behind ``prepare``, ``backward`` and the checkpoints, called
+                (so the layer imported) at the first of them (default: the call this backend's record in
+                ``unidist.registry`` names).
         """
         self.config = config if config is not None else Config.from_env()
         self.launch = launch if launch is not None else detect()
-        self._strategy = strategy if strategy is not None else get(self.name).strategy()
+        # the training layer is imported at the first call that needs it (prepare, a checkpoint...), not here: a
+        # script that only communicates never loads it, and init costs what the engine's own start costs
+        self._strategy_source = strategy if strategy is not None else get(self.name).strategy
+        self._strategy_made: Strategy | None = None
         self._started = False
         self._rank = self._size = self._local_rank = self._local_size = self._node_rank = -1
         self._device = torch.device("cpu")
@@ -354,11 +358,17 @@ class Manager(TrainingEntryPoints, Communicator):
         return out
 
     # ----------------------------------------------------------------- the training strategy
+    def _strategy(self) -> Strategy:
+        """The training strategy: the one given, else the record's, asked for (so imported) on first use."""
+        if self._strategy_made is None:
+            self._strategy_made = self._strategy_source()
+        return self._strategy_made
+
     def _training(self) -> TrainingStrategy:
         """This backend's trainer (its strategy made over this Manager), made on first use."""
         if self._trainer is None:
             self._need_started()
-            self._trainer = self._strategy(self)
+            self._trainer = self._strategy()(self)
         return self._trainer
 
 

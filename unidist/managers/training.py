@@ -27,8 +27,10 @@ class TrainingEntryPoints:
     """The training half of the Manager's public API. Each call goes to ``_training()``: the Manager's
     :class:`~unidist.strategy.TrainingStrategy`, made by its strategy over the started Manager on first use."""
 
-    _strategy: Strategy
     config: Config
+
+    def _strategy(self) -> Strategy:
+        raise NotImplementedError  # the Manager's (base.py): the strategy, imported on first use
 
     def _training(self) -> TrainingStrategy:
         raise NotImplementedError  # the Manager's (base.py): it makes the strategy once the engine has started
@@ -206,7 +208,7 @@ class TrainingEntryPoints:
         Args:
             directory: where ``save_checkpoint`` wrote checkpoint directories.
         """
-        latest: Path | None = self._strategy.latest_checkpoint(directory)
+        latest: Path | None = self._strategy().latest_checkpoint(directory)
         return latest
 
     def preemption(self, signals: Iterable[str | int] = ("SIGUSR1", "SIGTERM"), every: int = 1,

@@ -81,12 +81,17 @@ class Fetcher:
         self._kind: tuple[bool, bool] | None = None  # the kind of the outermost forward running now
         self._busy = False  # inside a gather or a release: the mode passes those calls through
         self.hooks: list[Any] = []
+        # dynamo must not trace the parameter swap. torch.compiler.disable is applied here rather than on the methods
+        # because it imports torch._dynamo (about 1.7 s and sympy per rank): applied at class definition it made every
+        # process that loads the training layer pay it; here only a ZeRO-3 prepare does, which finds it loaded already
+        # (a torch optimizer's constructor loads it)
+        disable: Callable[[Callable[..., None]], Callable[..., None]] = torch.compiler.disable
+        pre, post = disable(self._pre), disable(self._post)
         for module in model.modules():
             own = [u for p in module.parameters(recurse=False) if (u := unit_of(p)) is not None]
             own += (held_by or {}).get(module, ())
             self.readers[module] = list({id(u): u for u in own}.values())
-            self.hooks += [module.register_forward_pre_hook(self._pre),
-                           module.register_forward_hook(self._post, always_call=True)]
+            self.hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
 
     # ------------------------------------------------------------------ who holds what
     def acquire(self, units: Iterable[Fetched]) -> None:
@@ -159,7 +164,6 @@ class Fetcher:
                 self._busy = False
 
     # ------------------------------------------------------------------ the hooks
-    @torch.compiler.disable  # type: ignore[untyped-decorator]  # dynamo must not trace the parameter swap
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         units = list(self.readers.get(module, ()))
         if not self._frames:
@@ -173,7 +177,6 @@ class Fetcher:
             if module.training:
                 self._prefetch_from(units, 1)
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         if not self._frames or self._frames[-1][0] is not module:
             return  # a forward that started before the hooks existed

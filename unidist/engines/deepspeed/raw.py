@@ -42,6 +42,20 @@ def _trainer(mgr: Any, model: Any, optimizer: Any, zero_stage: int, precision: s
     return engine
 
 
+def _start() -> Callable[[], None]:
+    """DeepSpeed as its scripts start it: ``deepspeed.init_distributed()`` under its launcher."""
+    import deepspeed
+    import torch.distributed as dist
+
+    cuda = deepspeed.get_accelerator().device_name() == "cuda"
+    compatible = getattr(getattr(deepspeed, "ops", None), "__compatible_ops__", None)
+    if not cuda and isinstance(compatible, dict):  # as unidist's start does: skip the shm op's JIT build (minutes,
+        compatible["deepspeed_shm_comm"] = False  # once per machine), which only DeepSpeed's inference needs
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    dist.barrier()
+    return dist.destroy_process_group
+
+
 RAW = RawEngine(
     api="deepspeed.comm",
     calls=_calls,
@@ -49,6 +63,7 @@ RAW = RawEngine(
     trainer=_trainer,
     p2p=_p2p,
     trainer_column="ds",
+    start=_start,
     reducer="DeepSpeed engine's allreduce",
     algorithms={"*": "gloo"},  # torch.distributed's gloo (the CPU accelerator)
 )

@@ -42,11 +42,22 @@ def _optimizer(mgr: Any, model: Any, optimizer: Any) -> Any:
                                                                  for n, p in model.named_parameters()])
 
 
+def _start() -> Callable[[], Any]:
+    """Horovod as its scripts start it: ``hvd.init()`` under horovodrun."""
+    import horovod.torch as hvd
+
+    hvd.init()
+    hvd.barrier()
+    end: Callable[[], Any] = hvd.shutdown
+    return end
+
+
 RAW = RawEngine(
     api="horovod.torch",
     calls=_calls,
     grad_mean=_grad_mean,
     optimizer=_optimizer,
     reducer="hvd.DistributedOptimizer",
+    start=_start,
     algorithms={"mpich": "mpich", "openmpi": "mpich", "*": "gloo"},
 )

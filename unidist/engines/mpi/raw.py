@@ -71,10 +71,19 @@ def _p2p(mgr: Any) -> dict[str, tuple[Callable[[Any, int], Any], Callable[[Any, 
     return {"engine": (send, recv), "engine+guard": (send, counted)}
 
 
+def _start() -> Callable[[], None]:
+    """mpi4py as its users start it: importing ``mpi4py.MPI`` initialises MPI (finalised at exit)."""
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Barrier()  # every rank up, as unidist's start leaves them
+    return lambda: None
+
+
 RAW = RawEngine(
     api="mpi4py",
     calls=_calls,
     grad_mean=_grad_mean,
     p2p=_p2p,
+    start=_start,
     algorithms={"*": "mpich"},
 )

@@ -81,10 +81,22 @@ def _p2p(mgr: Any) -> dict[str, tuple[Callable[[Any, int], Any], Callable[[Any, 
     return torch_like_p2p(dist)
 
 
+def _start() -> Callable[[], None]:
+    """torch.distributed as a torchrun script starts it: the default group from the launcher's variables (NCCL
+    where CUDA is, else gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.barrier()
+    return dist.destroy_process_group
+
+
 RAW = RawEngine(
     api="torch.distributed",
     calls=_calls,
     grad_mean=_grad_mean,
     p2p=_p2p,
+    start=_start,
     algorithms={"*": "gloo"},
 )
