@@ -25,6 +25,8 @@ from unidist.errors import ConfigError, InvalidArgumentError
 from unidist.ops import ReduceOp, resolve_op
 
 if TYPE_CHECKING:
+    import torch
+
     from unidist.config import Config
 
 __all__ = ["GROWTH_RULES", "OFFLOADS", "REDUCERS", "PrepareRequest", "ScalerOptions", "SyncOptions", "check_offload"]
@@ -215,6 +217,12 @@ class SyncOptions:
         clip_grad_norm: clip the averaged gradient to this global L2 norm, as ``torch.nn.utils.clip_grad_norm_``
             on one process would; None (default) never clips, on every backend (DeepSpeed's own default of 1.0 is
             switched off).
+        clip_norm_group: a Group holding the model's other parts (a pipeline's other stages): the clipping's
+            global norm sums their squared norms too, as DeepSpeed's PipelineEngine sums over its pipe group.
+            Default None: the norm of what the data-parallel ranks hold.
+        clip_norm_replicas: parameters another rank of ``clip_norm_group`` also holds and counts (a tied weight's
+            later copies): left out of this rank's share of the norm, so each counts once, as DeepSpeed's ZeRO
+            leaves out a pipeline's replicated parameters.
     """
 
     op: ReduceOp = ReduceOp.MEAN
@@ -222,6 +230,8 @@ class SyncOptions:
     backward_passes_per_step: int = 1
     bucket_mb: float = 25.0
     clip_grad_norm: float | None = None
+    clip_norm_group: object = None
+    clip_norm_replicas: tuple[torch.nn.Parameter, ...] = field(default=(), compare=False)
 
     @classmethod
     def parse(cls, where: str, *, op: ReduceOp | str, compression: str, backward_passes_per_step: int,
@@ -356,6 +366,7 @@ class PrepareRequest(SyncOptions):
                    backward_passes_per_step=_passes(1 if passes is None else passes, where),
                    bucket_mb=_bucket_mb(config.bucket_mb if bucket_mb is None else bucket_mb, where),
                    clip_grad_norm=_clip(g("clip_grad_norm"), where), zero_stage=stage,
+                   clip_norm_group=g("clip_norm_group"), clip_norm_replicas=tuple(g("clip_norm_replicas") or ()),
                    group=g("group"), deepspeed_config=ds_config, precision=mode, loss_scaling=scaling,
                    reducer=reducer, sync_batchnorm=sync_bn, offload=moved, fingerprint=trace, sources=sources)
 

@@ -271,17 +271,12 @@ def _groups(model: torch.nn.Module) -> list[Any]:
             ({"params": ps, "name": "t", "weight_decay": 3e-7},)]
 
 
-def test_moe_and_pipe_import_and_refuse_when_used() -> None:
-    from unidist.compat.deepspeed import pipe
+def test_moe_imports_and_refuses_when_used() -> None:
     from unidist.compat.deepspeed.moe import layer, utils
 
     model = _model()
     with pytest.raises(DeepSpeedUnsupportedError, match="deepspeed launcher"):
         layer.MoE(hidden_size=8, expert=model, num_experts=2)
-    with pytest.raises(DeepSpeedUnsupportedError):
-        pipe.PipelineModule(layers=[model], num_stages=2)
-    with pytest.raises(DeepSpeedUnsupportedError):
-        pipe.LayerSpec(torch.nn.Linear, 4, 4)
     assert not any(utils.is_moe_param(p) for p in model.parameters())
     marked = torch.nn.Parameter(torch.ones(3))
     marked.allreduce = False  # type: ignore[attr-defined]  # what DeepSpeed's MoE layer sets on expert params
@@ -323,4 +318,6 @@ def test_log_dist_follows_deepspeeds_rules(mgr: Any, logged: list[str]) -> None:
     init_distributed(verbose=False)
     for ranks in (None, [], [1], [0], [-1], [1, 0]):
         log_dist(f"after {ranks}", ranks=ranks)
-    assert logged == ["[Rank -1] before", "[Rank 0] after [0]", "[Rank 0] after [-1]", "[Rank 0] after [1, 0]"]
+    # only log_dist's lines: init_distributed may warn that port 29500 is taken (another job on this machine)
+    assert [line for line in logged if line.startswith("[Rank")] == \
+        ["[Rank -1] before", "[Rank 0] after [0]", "[Rank 0] after [-1]", "[Rank 0] after [1, 0]"]

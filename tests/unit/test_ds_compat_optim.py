@@ -64,6 +64,9 @@ ADAM = {"lr": 1e-3, "betas": [0.8, 0.999], "eps": 1e-8}
     ("AdamW", {"weight_decay": 0.1, "adam_w_mode": False}, 0.1, True, torch.optim.AdamW),  # AdamW stays AdamW
     ("ADAMW", {}, 0.0, True, torch.optim.AdamW),  # FusedAdam's weight_decay default 0 (torch's AdamW: 0.01)
     ("Adam", {"torch_adam": True, "weight_decay": 3e-7}, 3e-7, True, torch.optim.AdamW),  # DSE cifar's setting
+    # torch_adam is torch's class with torch's defaults (engine.py:2380-2382): AdamW's weight_decay 0.01, not 0
+    ("Adam", {"torch_adam": True}, 0.01, True, torch.optim.AdamW),
+    ("Adam", {"torch_adam": True, "adam_w_mode": False}, 0.0, False, torch.optim.Adam),
 ])
 def test_adam_types_have_deepspeeds_weight_decay(type_: str, extra: Mapping[str, Any], wd: float, decoupled: bool,
                                                  cls: type) -> None:

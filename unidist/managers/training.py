@@ -6,7 +6,7 @@ training; ``Manager`` is ``TrainingEntryPoints`` plus the world's communicator."
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sized
+from collections.abc import Iterable, Mapping, Sequence, Sized
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -42,6 +42,7 @@ class TrainingEntryPoints:
                 deepspeed_config: Mapping[str, Any] | str | None = None, precision: str | None = None,
                 loss_scaling: Mapping[str, Any] | None = None, reducer: str = "auto", sync_batchnorm: bool = False,
                 offload: str | None = None, fingerprint: str | os.PathLike[str] | None = None,
+                clip_norm_group: Group | None = None, clip_norm_replicas: Sequence[torch.nn.Parameter] | None = None,
                 **unknown: Any) -> tuple[torch.nn.Module, PreparedOptimizer]:
         """Make ``model`` and ``optimizer`` data parallel; then ``mgr.backward(loss); opt.step();
         opt.zero_grad()`` is the whole loop, the same on every backend.
@@ -63,14 +64,16 @@ class TrainingEntryPoints:
 
         The other keywords (``zero_stage``, ``clip_grad_norm``, ``op``, ``compression``, ``backward_passes_per_step``,
         ``bucket_mb``, ``group``, ``deepspeed_config``, ``precision``, ``loss_scaling``, ``reducer``,
-        ``sync_batchnorm``, ``offload``, ``fingerprint``) are :class:`~unidist.request.PrepareRequest`'s fields,
+        ``sync_batchnorm``, ``offload``, ``fingerprint``, ``clip_norm_group``, ``clip_norm_replicas``) are
+        :class:`~unidist.request.PrepareRequest`'s fields,
         documented there.
         """
         return self._training().prepare(model, optimizer, PrepareRequest.build(self.config, dict(
             zero_stage=zero_stage, clip_grad_norm=clip_grad_norm, op=op, compression=compression,
             backward_passes_per_step=backward_passes_per_step, bucket_mb=bucket_mb, group=group,
             deepspeed_config=deepspeed_config, precision=precision, loss_scaling=loss_scaling, reducer=reducer,
-            sync_batchnorm=sync_batchnorm, offload=offload, fingerprint=fingerprint, **unknown)))
+            sync_batchnorm=sync_batchnorm, offload=offload, fingerprint=fingerprint, clip_norm_group=clip_norm_group,
+            clip_norm_replicas=clip_norm_replicas, **unknown)))
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` for the prepared model (divided by ``backward_passes_per_step``; on DeepSpeed

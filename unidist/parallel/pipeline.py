@@ -18,7 +18,7 @@ blocking send/recv cannot deadlock, whatever the message size.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ __all__ = ["Pipeline"]
 _SCHEDULES = ("gpipe", "1f1b")
 _MAX_DIMS = 8
 _TAG_HEADER, _TAG_ACT, _TAG_GRAD = 11, 12, 13
+_PER_STEP = ("per step",)  # the key of shapes announced at every step's first micro-batch
 
 
 class Pipeline:
@@ -61,7 +62,7 @@ class Pipeline:
         if loss_fn is not None and not callable(loss_fn):
             raise InvalidArgumentError("Pipeline(loss_fn=...) must be callable: loss_fn(output, target)")
         self.stage, self.group, self.microbatches, self.schedule = stage_module, group, microbatches, schedule
-        self.loss_fn = loss_fn
+        self.loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = loss_fn
         self.stages, self.index = group.size, group.rank
         self.first, self.last = self.index == 0, self.index == self.stages - 1
         self._incoming: dict[tuple[Any, ...], tuple[tuple[int, ...], torch.dtype]] = {}  # key -> activation
@@ -156,7 +157,45 @@ class Pipeline:
                                        f"microbatches={m}, got {tuple(getattr(x, 'shape', ()))}")
         inputs = list(x.chunk(m))
         targets = list(y.chunk(m)) if isinstance(y, torch.Tensor) else [y] * m
-        key = (tuple(inputs[0].shape), x.dtype)
+        return self._train(inputs, targets, (tuple(inputs[0].shape), x.dtype))
+
+    def train_microbatches(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None) -> float:
+        """One step over micro-batches already cut (DeepSpeed's ``train_batch``, which draws each from a data
+        iterator): returns their mean loss on every rank of the group; gradients accumulate as in ``train_step``.
+
+        Args:
+            inputs: the first stage's ``microbatches`` inputs (tensors); other stages pass None.
+            targets: the last stage's ``microbatches`` targets; other stages pass None.
+        """
+        m = self.microbatches
+        for name, given, needed in (("inputs", inputs, self.first), ("targets", targets, self.last)):
+            if needed and (given is None or len(given) != m):
+                raise InvalidArgumentError(f"Pipeline.train_microbatches: stage {self.index} needs {m} {name} "
+                                           f"(microbatches={m}), got {None if given is None else len(given)}")
+        # the shapes are announced once per step (the micro-batches of one step share a shape, as DeepSpeed's)
+        self._announced.discard(_PER_STEP)
+        self._incoming.pop(_PER_STEP, None)
+        return self._train(list(inputs or [None] * m), list(targets or [None] * m), _PER_STEP)
+
+    @torch.no_grad()
+    def eval_microbatches(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None) -> float:
+        """The mean loss of the micro-batches without gradients (DeepSpeed's ``eval_batch``), on every rank."""
+        m = len(inputs if self.first and inputs is not None else targets or [None] * self.microbatches)
+        self._announced.discard(_PER_STEP)
+        self._incoming.pop(_PER_STEP, None)
+        total = torch.zeros(1)
+        for j in range(m):
+            inp = inputs[j] if self.first and inputs is not None else self._recv_forward(_PER_STEP).detach()
+            out = self.stage(inp)
+            self._send_forward(out, _PER_STEP)
+            if self.last:
+                if self.loss_fn is None:
+                    raise InvalidArgumentError("Pipeline.eval_microbatches needs loss_fn")
+                label: Any = None if targets is None else targets[j]
+                total += self.loss_fn(out, label).detach().float().reshape(1)
+        return float(self.group.broadcast(total / m if self.last else total, root=self.stages - 1)[0])
+
+    def _train(self, inputs: list[Any], targets: list[Any], key: tuple[Any, ...]) -> float:
         loss_sum: list[torch.Tensor] = []
         self._alive = self._peak = 0
         self._busy = 0.0

@@ -31,7 +31,7 @@ from unidist.errors import InvalidArgumentError
 from unidist.request import SyncOptions
 from unidist.train.gradcore import Compression
 from unidist.train.reducer import GradientReducer
-from unidist.train.step_window import WindowedOptimizer
+from unidist.train.step_window import WindowedOptimizer, clip_summed
 
 if TYPE_CHECKING:
     from unidist.comm.protocol import Comm
@@ -99,9 +99,15 @@ class DistributedOptimizer(WindowedOptimizer):
             self._no_sync = previous
 
     # ------------------------------------------------------------------ optimizer protocol (step_window.py)
-    def _clip(self, max_norm: float) -> torch.Tensor:
+    def _clip(self, max_norm: float) -> torch.Tensor | float:
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if self.options.clip_norm_group is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grads = [p.grad for p in params if p.grad is not None]
+        replicas = {id(p) for p in self.options.clip_norm_replicas}
+        counted = [p.grad for p in params if p.grad is not None and id(p) not in replicas]
+        local = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros(())
+        return clip_summed(grads, local.cpu(), [self.options.clip_norm_group], max_norm)
 
     def checkpoint_layout(self, model: torch.nn.Module) -> FullLayout:
         """Every member of the data-parallel communicator holds the whole state: each writes an even slice."""

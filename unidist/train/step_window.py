@@ -23,7 +23,22 @@ from unidist.errors import InvalidArgumentError
 from unidist.train.precision import LossScaler
 from unidist.train.prepared import Prepared, one_way_to_accumulate
 
-__all__ = ["WindowedOptimizer"]
+__all__ = ["WindowedOptimizer", "clip_summed"]
+
+
+def clip_summed(grads: list[torch.Tensor], local: torch.Tensor, comms: list[Any], max_norm: float) -> float:
+    """Clip ``grads`` to the global L2 norm ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` on one process:
+    ``local`` is this rank's sum of squares, summed over each of ``comms`` in turn (ZeRO's shards over the
+    data-parallel ranks, a pipeline's stages over its stage group). Returns the norm before clipping."""
+    total = local.reshape(1).double()
+    for comm in comms:
+        total = comm.allreduce(total, "sum")
+    norm = float(total.sqrt())
+    coef = min(max_norm / (norm + 1e-6), 1.0)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
 class WindowedOptimizer(Prepared):

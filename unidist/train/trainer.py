@@ -80,9 +80,14 @@ class Trainer:
                     f"prepare({name}=...) is understood by the {backend} backend only, and this run uses "
                     f"{self.mgr.name}; pass it only when mgr.backend == {backend!r}"
                 )
-        if opts.group is not None and not (isinstance(opts.group, Group) and opts.group.owner is self.mgr):
-            raise InvalidArgumentError(f"prepare(group=...) takes a Group made by this Manager's new_group() or "
-                                       f"split(), got {opts.group!r}")
+        for name in ("group", "clip_norm_group"):
+            given = getattr(opts, name)
+            if given is not None and not (isinstance(given, Group) and given.owner is self.mgr):
+                raise InvalidArgumentError(f"prepare({name}=...) takes a Group made by this Manager's new_group() "
+                                           f"or split(), got {given!r}")
+        if opts.clip_norm_group is not None and opts.group is None:
+            raise InvalidArgumentError("prepare(clip_norm_group=...) sums the clipping's norm over the model's other "
+                                       "parts: pass group= (this part's data-parallel ranks) with it")
         if self.unwrap(model) in self.prepared_for:
             raise InvalidArgumentError(
                 "prepare() was already called for this model: a second call would hook its gradients twice (or "

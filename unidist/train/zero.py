@@ -40,7 +40,7 @@ from unidist.request import SyncOptions
 from unidist.train.fingerprint import squares
 from unidist.train.gradcore import Compression, InOrder, pack
 from unidist.train.offload import wait_for_copies
-from unidist.train.step_window import WindowedOptimizer
+from unidist.train.step_window import WindowedOptimizer, clip_summed
 from unidist.train.zero_fetch import Fetcher
 from unidist.train.zero_layout import ZeroLayout
 from unidist.train.zero_unit import Unit
@@ -224,12 +224,23 @@ class ZeroOptimizer(WindowedOptimizer):
         """torch.nn.utils.clip_grad_norm_ over the whole model: the shards' squared norms summed over ranks."""
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
         local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        local = local - self._replica_squares().to(local.device)
         at = self.units[0].device if self.units else local.device  # the communication's (offload: grads on the CPU)
-        total = float(self.dp.allreduce(local.reshape(1).double().to(at), "sum").sqrt())
-        coef = min(max_norm / (total + 1e-6), 1.0)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+        extra = [] if self.options.clip_norm_group is None else [self.options.clip_norm_group]
+        return clip_summed(grads, local.to(at), [self.dp, *extra], max_norm)
+
+    def _replica_squares(self) -> torch.Tensor:
+        """The squares of this rank's parts of ``clip_norm_replicas`` (another rank of the norm's group counts
+        them): taken out of this rank's share of the norm."""
+        replicas = {id(p) for p in self.options.clip_norm_replicas}
+        total = torch.zeros(())
+        for u in self.units if replicas else []:
+            grad = u.shard.grad
+            for i, p in enumerate(u.params):
+                part = u.owned(i) if grad is not None and id(p) in replicas else None
+                if part is not None and grad is not None:
+                    s, e, at = part
+                    total = total + grad[at:at + e - s].float().pow(2).sum().cpu()
         return total
 
     def _hold(self, on: bool) -> None:

@@ -36,7 +36,7 @@ def _images(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Transforms:
-    """``torchvision.transforms``' three names the script uses, on tensors (there are no PIL images here)."""
+    """``torchvision.transforms``' names the scripts use, on tensors (there are no PIL images here)."""
 
     class ToTensor:
         """The stand-in's images already are ToTensor's output (float, channels first, in [0, 1])."""
@@ -53,6 +53,25 @@ class _Transforms:
 
         def __call__(self, image: torch.Tensor) -> torch.Tensor:
             return (image - self.mean) / self.std
+
+    class Resize:
+        """The shorter side to ``size`` (bilinear), as torchvision's Resize on a square image."""
+
+        def __init__(self, size: int) -> None:
+            self.size = size
+
+        def __call__(self, image: torch.Tensor) -> torch.Tensor:
+            return F.interpolate(image[None], size=(self.size, self.size), mode="bilinear", align_corners=False)[0]
+
+    class CenterCrop:
+        """The central ``size`` x ``size`` pixels."""
+
+        def __init__(self, size: int) -> None:
+            self.size = size
+
+        def __call__(self, image: torch.Tensor) -> torch.Tensor:
+            top, left = (image.shape[-2] - self.size) // 2, (image.shape[-1] - self.size) // 2
+            return image[..., top:top + self.size, left:left + self.size]
 
     class Compose:
         """Each transform in turn."""

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from unidist.errors import InvalidArgumentError
 
-__all__ = ["DeepSpeedDataLoader"]
+__all__ = ["DeepSpeedDataLoader", "RepeatingLoader"]
 
 
 class DeepSpeedDataLoader:
@@ -38,3 +38,25 @@ class DeepSpeedDataLoader:
 
     def __len__(self) -> int:
         return len(self._loader)
+
+
+class RepeatingLoader:
+    """``deepspeed.utils.RepeatingLoader``: iterates ``loader`` forever, starting it again when it ends.
+
+    Args:
+        loader: any iterable (a DataLoader, the loader ``initialize`` returned).
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

@@ -56,10 +56,13 @@ def _adam(name: str, params: dict[str, Any]) -> tuple[type[torch.optim.Optimizer
         raise DeepSpeedConfigError("optimizer.params.amsgrad: DeepSpeed's FusedAdam does not support the AMSGrad "
                                    "variant; remove it")
     params.pop("amsgrad", None)
+    # "torch_adam": true is torch's AdamW/Adam with torch's own defaults (engine.py:2380-2382): weight_decay 0.01
+    # for AdamW where FusedAdam's is 0
+    defaults = {} if params.get("torch_adam") else _FUSED_ADAM_DEFAULTS
     for key in _ADAM_DROPPED:
         params.pop(key, None)
     decoupled = name == ADAMW or adam_w_mode
-    return (torch.optim.AdamW if decoupled else torch.optim.Adam), {**_FUSED_ADAM_DEFAULTS, **params}
+    return (torch.optim.AdamW if decoupled else torch.optim.Adam), {**defaults, **params}
 
 
 def build_optimizer(section: Mapping[str, Any], params: Iterable[Any], *, zero_stage: int,

@@ -1,40 +1,14 @@
-"""``deepspeed.pipe``: ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec`` importable, refused when built:
-DeepSpeed's pipeline parallelism is its PipelineEngine's schedule (ds/runtime/pipe/); unidist's own pipelines
-are ``unidist.parallel.pipeline`` (GPipe, 1F1B), with another API."""
+"""``deepspeed.pipe``: ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec`` on every backend.
+
+``module.py`` builds a rank's stage of the layers ``specs.py`` describes, as DeepSpeed does (``partition.py`` cuts
+the layers, ``topology.py`` places the ranks); ``deepspeed.initialize`` wraps it in ``engine.py``'s
+``PipelineEngine``, whose ``train_batch`` runs ``unidist.parallel.Pipeline``'s 1F1B schedule. Under the deepspeed
+backend both are DeepSpeed's own (``handoff.py``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-from unidist.compat.deepspeed.exceptions import DeepSpeedUnsupportedError
+from unidist.compat.deepspeed.pipe.module import PipelineModule
+from unidist.compat.deepspeed.pipe.specs import LayerSpec, TiedLayerSpec
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
-
-
-def _refused(what: str) -> DeepSpeedUnsupportedError:
-    return DeepSpeedUnsupportedError(
-        f"deepspeed.pipe.{what}: pipeline parallelism needs DeepSpeed's PipelineEngine; run under the deepspeed "
-        "launcher with real deepspeed (import deepspeed), or use unidist.parallel.pipeline")
-
-
-class LayerSpec:
-    """DeepSpeed's lazily built layer (typename, *args, **kwargs): refused."""
-
-    def __init__(self, typename: Any, *module_args: Any, **module_kwargs: Any) -> None:
-        raise _refused("LayerSpec")
-
-
-class TiedLayerSpec(LayerSpec):
-    """A LayerSpec whose weights are tied across stages: refused."""
-
-    def __init__(self, key: str, typename: Any, *module_args: Any, **module_kwargs: Any) -> None:
-        raise _refused("TiedLayerSpec")
-
-
-class PipelineModule(torch.nn.Module):
-    """DeepSpeed's pipeline model (layers, num_stages, loss_fn, ...): refused."""
-
-    def __init__(self, layers: Any, num_stages: int | None = None, *args: Any, **kwargs: Any) -> None:
-        raise _refused("PipelineModule")

@@ -16,7 +16,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-__all__ = ["log_dist", "logger"]
+from unidist.compat.deepspeed.dataloader import RepeatingLoader
+
+__all__ = ["RepeatingLoader", "log_dist", "logger"]
 
 _FORMAT = "[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s"  # logging.py:40
 
