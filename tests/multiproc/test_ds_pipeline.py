@@ -12,6 +12,7 @@ deepspeed import lines changed to ``unidist.compat.deepspeed``, under mpiexec an
   (ZeRO 1), gradients large enough that DeepSpeed's default clipping at 1.0 acts. Measured: ZeRO 0 bit-identical;
   ZeRO 1 within 3.4e-7 in the losses and 3e-6 in the weights' sums (DeepSpeed's ZeRO sums the norm in float32).
   The compat copy under the deepspeed launcher is DeepSpeed's own PipelineModule and engine (bit-identical).
+  The horovod env (no DeepSpeed there) ties horovodrun-4 to torchrun-4.
 
 The clipping each engine does is DeepSpeed's, quirks included: at ZeRO 0 in fp32 the norm is the first stage's
 gradients only (DeepSpeed's clip_grad_norm_ counts model-parallel rank 0, which a pipe grid makes the stage); at
@@ -29,7 +30,7 @@ from typing import Any
 import pytest
 from helpers import LAUNCHES, Launch, Run, require, run
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "deepspeed_examples"
 WORKER = Path(__file__).resolve().parent.parent / "workers" / "ds_pipeline.py"
@@ -104,6 +105,7 @@ def _reference(key: str, make: Any) -> Any:
     return _REFERENCE[key]
 
 
+@pytest.mark.deepspeed
 @pytest.mark.parametrize("launch_id", ["mpiexec-2", "torchrun-2"])
 def test_upstream_pipeline_example_equals_deepspeed(launch_id: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     require("deepspeed", *LAUNCHES[launch_id].engines)
@@ -123,10 +125,11 @@ def _tied(tmp: Path, launch: Launch, real: bool) -> tuple[dict[tuple[str, ...], 
     env = {**launch.env, "OUT": str(out), **({"UNIDIST_TEST_REAL_DS": "1"} if real else {})}
     argv = [str(EXAMPLES / "run_plain.py"), *(["--no-shm-comm"] if real else []), str(WORKER), "2"]
     proc = run(launch.command(*argv), env=env, cwd=tmp, timeout=600)
-    losses = _losses(proc, r"^pipe (\d) (\d+) (\S+)$")
+    losses = _losses(proc, r"^(?:\[\d+\]<stdout>:)?pipe (\d) (\d+) (\S+)$")  # horovodrun prefixes its ranks
     return losses, {f"z{z}": _weights(out, f"z{z}-", 4) for z in (0, 1)}
 
 
+@pytest.mark.deepspeed
 @pytest.mark.parametrize(("launch_id", "exact"), [("mpiexec-4", False), ("deepspeed-4", True)])
 def test_tied_layers_on_a_pipe_by_data_grid_equal_deepspeed(launch_id: str, exact: bool,
                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -144,3 +147,16 @@ def test_tied_layers_on_a_pipe_by_data_grid_equal_deepspeed(launch_id: str, exac
     assert want_loss[("0", "5")] < want_loss[("0", "0")] / 4  # it learns
     _close(got_w["z0"], want_w["z0"], 0.0)
     _close(got_w["z1"], want_w["z1"], 0.0 if exact else WEIGHT_RTOL)
+
+
+@pytest.mark.horovod
+def test_tied_layers_under_horovodrun_equal_torchrun(tmp_path: Path) -> None:
+    """The horovod env has no DeepSpeed: horovodrun-4 against torchrun-4, which the deepspeed env's mpiexec-4 case
+    ties to DeepSpeed (the three launchers measured bit-identical to one another)."""
+    hvd, torch_ = LAUNCHES["horovodrun-gloo-2"].resized(4), LAUNCHES["torchrun-2"].resized(4)
+    require(*hvd.engines)
+    got_loss, got_w = _tied(tmp_path / "hvd", hvd, real=False)
+    want_loss, want_w = _tied(tmp_path / "torch", torch_, real=False)
+    assert got_loss == want_loss and len(want_loss) == 12
+    for z in ("z0", "z1"):
+        _close(got_w[z], want_w[z], 0.0)
