@@ -88,6 +88,9 @@ class Pipeline:
     def _send_forward(self, out: torch.Tensor, key: tuple[Any, ...]) -> None:
         if self.last:
             return
+        if not isinstance(out, torch.Tensor):
+            raise InvalidArgumentError(f"Pipeline: stage {self.index} returned a {type(out).__name__}; a stage passes "
+                                       "one tensor to the next (concatenate several, or carry them inside the stage)")
         out = out.detach().contiguous()
         if key not in self._announced:
             self._send_header(out)
