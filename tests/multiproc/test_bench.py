@@ -260,3 +260,17 @@ def test_startup_imports_no_training_layer(backend: str, tmp_path: Path) -> None
     (row,) = json.loads(out.read_text())["rows"]
     assert row["backend"] == backend and row["unidist_heavy"] == [] and row["unidist_s"] > 0, row
     assert row["raw_s"] > 0 if backend != "local" else row["raw_s"] >= 0, row
+
+
+# ------------------------------------------------------------------------ bench ds_pipeline (beside DeepSpeed's)
+@pytest.mark.deepspeed
+def test_ds_pipeline_times_deepspeed_and_the_compat_layer() -> None:
+    """``python -m unidist.bench.ds_pipeline``, a tiny shape: DeepSpeed's PipelineEngine under its launcher, then the
+    compat layer under mpiexec and torchrun, each row with its ratio to DeepSpeed's."""
+    require("deepspeed")
+    proc = run([sys.executable, "-m", "unidist.bench.ds_pipeline", "--rounds", "1", "--steps", "1", "--warmup", "0",
+                "--blocks", "2", "--width", "16", "--micro", "2"], env={"DS_ACCELERATOR": "cpu"}, timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r[1].strip() for r in rows[1:]] == ["deepspeed", "mpich", "torchrun"], proc.stdout
+    assert rows[1][3].strip() == "1.00" and all(float(r[2]) > 0 for r in rows[1:]), proc.stdout
