@@ -54,6 +54,6 @@ for name in check timeline checkpoint faults zoo step verify startup ds_pipeline
     startup)  # unidist.init() beside each engine's own start, every backend's main launch
         record $out/startup.md -- python -m unidist.bench.startup --rounds 7 ;;
     ds_pipeline)  # a DeepSpeed pipeline script's train_batch: real DeepSpeed beside the compat layer on mpi and torch
-        record $out/ds_pipeline.md -- python -m unidist.bench.ds_pipeline --rounds 5 ;;
+        record $out/ds_pipeline.md -- python benchmarks/ds_pipeline.py --rounds 5 ;;
     esac
 done

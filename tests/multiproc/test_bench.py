@@ -265,11 +265,12 @@ def test_startup_imports_no_training_layer(backend: str, tmp_path: Path) -> None
 # ------------------------------------------------------------------------ bench ds_pipeline (beside DeepSpeed's)
 @pytest.mark.deepspeed
 def test_ds_pipeline_times_deepspeed_and_the_compat_layer() -> None:
-    """``python -m unidist.bench.ds_pipeline``, a tiny shape: DeepSpeed's PipelineEngine under its launcher, then the
+    """``python benchmarks/ds_pipeline.py``, a tiny shape: DeepSpeed's PipelineEngine under its launcher, then the
     compat layer under mpiexec and torchrun, each row with its ratio to DeepSpeed's."""
     require("deepspeed")
-    proc = run([sys.executable, "-m", "unidist.bench.ds_pipeline", "--rounds", "1", "--steps", "1", "--warmup", "0",
-                "--blocks", "2", "--width", "16", "--micro", "2"], env={"DS_ACCELERATOR": "cpu"}, timeout=600)
+    proc = run([sys.executable, str(ROOT / "benchmarks" / "ds_pipeline.py"), "--rounds", "1", "--steps", "1",
+                "--warmup", "0", "--blocks", "2", "--width", "16", "--micro", "2"], env={"DS_ACCELERATOR": "cpu"},
+               timeout=600)
     assert proc.returncode == 0, proc.describe()
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert [r[1].strip() for r in rows[1:]] == ["deepspeed", "mpich", "torchrun"], proc.stdout

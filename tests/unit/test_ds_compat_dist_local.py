@@ -271,18 +271,25 @@ def _groups(model: torch.nn.Module) -> list[Any]:
             ({"params": ps, "name": "t", "weight_decay": 3e-7},)]
 
 
-def test_moe_imports_and_refuses_when_used() -> None:
+def test_moe_layer_and_its_param_groups(mgr: Any) -> None:
+    """DeepSpeed's MoE layer builds here (one rank: ep_size 1); its experts are marked as DeepSpeed marks them and
+    the split moves them into a group of their own with DeepSpeed's keys; what it cannot do is refused."""
     from unidist.compat.deepspeed.moe import layer, utils
 
     model = _model()
-    with pytest.raises(DeepSpeedUnsupportedError, match="deepspeed launcher"):
-        layer.MoE(hidden_size=8, expert=model, num_experts=2)
+    moe = layer.MoE(hidden_size=2, expert=torch.nn.Linear(2, 2), num_experts=2)
+    assert utils.has_moe_layers(torch.nn.Sequential(model, moe)) == (True, 2)
     assert not any(utils.is_moe_param(p) for p in model.parameters())
-    marked = torch.nn.Parameter(torch.ones(3))
-    marked.allreduce = False  # type: ignore[attr-defined]  # what DeepSpeed's MoE layer sets on expert params
-    assert utils.is_moe_param(marked)
-    with pytest.raises(DeepSpeedUnsupportedError):
-        utils.split_params_into_different_moe_groups_for_optimizer({"params": [marked], "name": "x"})
+    experts = [p for p in moe.parameters() if utils.is_moe_param(p)]
+    assert len(experts) == 4 and all(p.group_name == "ep_size_1" for p in experts)
+    dense = list(model.parameters()) + list(moe.deepspeed_moe.gate.parameters())
+    groups = utils.split_params_into_different_moe_groups_for_optimizer(
+        {"params": dense + experts, "name": "parameters", "lr": 0.1}, max_group_size=6)
+    assert [g["name"] for g in groups] == ["parameters", "ep_size_1", "ep_size_1"]
+    assert groups[0]["params"] == dense and groups[1]["moe"] and groups[1]["lr"] == 0.1
+    assert groups[1]["params"] + groups[2]["params"] == experts  # cut at max_group_size elements
+    with pytest.raises(DeepSpeedUnsupportedError, match="use_tutel"):
+        layer.MoE(hidden_size=2, expert=torch.nn.Linear(2, 2), num_experts=2, use_tutel=True)
     with pytest.raises(ValueError, match="Unknown param group type"):
         utils.split_params_into_different_moe_groups_for_optimizer({1, 2})  # type: ignore[arg-type]
 

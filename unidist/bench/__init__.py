@@ -9,5 +9,5 @@ OFFLINE = ("plot", "report", "model")  # no launcher: they read JSON files or st
 DELEGATED = {"check": "unidist.bench.check", "zero": "unidist.bench.zero", "checkpoint": "unidist.bench.checkpoint",
              "ddp_digits": "unidist.bench.ddp_digits", "parallel": "unidist.bench.parallel",
              "accumulate": "unidist.bench.accumulate", "step": "unidist.bench.step",
-             "startup": "unidist.bench.startup", "ds_pipeline": "unidist.bench.ds_pipeline"}
+             "startup": "unidist.bench.startup"}
 SUBCOMMANDS = (*MEASURE, "all", *OFFLINE, *DELEGATED)

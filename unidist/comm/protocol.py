@@ -6,6 +6,7 @@ and Group); code written on them never reads a communicator's private state."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +44,9 @@ class Comm(Protocol):
     def allgather(self, x: torch.Tensor, out: torch.Tensor | None = ...) -> torch.Tensor: ...
 
     def allgather_async(self, x: torch.Tensor, out: torch.Tensor | None = ...) -> Handle[torch.Tensor]: ...
+
+    def alltoall(self, x: torch.Tensor, splits: Sequence[int] | None = ..., out: torch.Tensor | None = ...
+                 ) -> torch.Tensor: ...
 
     def reduce_scatter_async(self, x: torch.Tensor, op: ReduceOp | str = ...) -> Handle[torch.Tensor]: ...
 

@@ -1,6 +1,8 @@
-"""Model parallelism written once on unidist's collectives and send/recv: tensor-parallel linear layers and
-pipeline schedules over any Manager or Group, on every backend (see tensor.py and pipeline.py)."""
+"""Model parallelism written once on unidist's collectives and send/recv: tensor-parallel linear layers, pipeline
+schedules and Mixture-of-Experts layers over any Manager or Group, on every backend (see tensor.py, pipeline.py and
+moe.py)."""
 
+from unidist.parallel.moe import MoE
 from unidist.parallel.pipeline import Pipeline
 from unidist.parallel.tensor import (
     ColumnParallelLinear,
@@ -11,5 +13,5 @@ from unidist.parallel.tensor import (
     scatter_to_group,
 )
 
-__all__ = ["ColumnParallelLinear", "Pipeline", "RowParallelLinear", "copy_to_group", "gather_from_group",
+__all__ = ["ColumnParallelLinear", "MoE", "Pipeline", "RowParallelLinear", "copy_to_group", "gather_from_group",
            "reduce_from_group", "scatter_to_group"]

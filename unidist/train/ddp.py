@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unidist.checkpoint.layout import FullLayout
+from unidist.comm.param_comm import ReduceComm, reduce_comm_of
 from unidist.comm.protocol import world_ranks
-from unidist.errors import InvalidArgumentError
+from unidist.errors import CheckpointError, InvalidArgumentError
+from unidist.ops import ReduceOp
 from unidist.request import SyncOptions
 from unidist.train.gradcore import Compression
 from unidist.train.reducer import GradientReducer
@@ -65,9 +67,19 @@ class DistributedOptimizer(WindowedOptimizer):
         self._calls = 0  # step() calls: the pass index within the accumulation window
         self._no_sync = False
         self._synced = False  # synchronize() already ran for this step
-        self.reducer = GradientReducer(comm, params, options.op, Compression.of(options.compression),
-                                       options.bucket_bytes, lambda: self._sync_pass)
-        self._hooks += self.reducer.hooks
+        # parameters averaged elsewhere (a MoE layer's experts: comm/param_comm.py), one reducer per communicator
+        elsewhere: dict[int, tuple[ReduceComm, list[torch.nn.Parameter]]] = {}
+        for p in params:
+            if (mark := reduce_comm_of(p)) is not None:
+                elsewhere.setdefault(id(mark.comm), (mark, []))[1].append(p)
+        moved = {id(p) for _, ps in elsewhere.values() for p in ps}
+        self.reducer = GradientReducer(comm, [p for p in params if id(p) not in moved], options.op,
+                                       Compression.of(options.compression), options.bucket_bytes,
+                                       lambda: self._sync_pass)
+        self.expert_reducers = [GradientReducer(mark.comm, ps, ReduceOp.SUM, Compression.of(options.compression),
+                                                options.bucket_bytes, lambda: self._sync_pass, mark.divide_by)
+                                for mark, ps in elsewhere.values()]
+        self._hooks += self.reducer.hooks + [h for r in self.expert_reducers for h in r.hooks]
 
     @property
     def buckets(self) -> list[Any]:
@@ -88,6 +100,8 @@ class DistributedOptimizer(WindowedOptimizer):
         averaged gradients into ``p.grad``. The next ``step()`` uses them as they are."""
         self._synced = True
         self.reducer.synchronize()
+        for r in self.expert_reducers:
+            r.synchronize()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -101,6 +115,8 @@ class DistributedOptimizer(WindowedOptimizer):
     # ------------------------------------------------------------------ optimizer protocol (step_window.py)
     def _clip(self, max_norm: float) -> torch.Tensor | float:
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if self.expert_reducers:
+            return self._clip_with_experts(params, max_norm)
         if self.options.clip_norm_group is None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         grads = [p.grad for p in params if p.grad is not None]
@@ -109,13 +125,38 @@ class DistributedOptimizer(WindowedOptimizer):
         local = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros(())
         return clip_summed(grads, local.cpu(), [self.options.clip_norm_group], max_norm)
 
+    def _refuse_experts(self, what: str) -> None:
+        """Ranks holding different experts do not hold the same model: an even slice per rank would mix them."""
+        if self.expert_reducers:
+            raise CheckpointError(f"{what} of a model with Mixture-of-Experts layers is not supported yet (each rank "
+                                  "holds other experts); save the model's state_dict per rank yourself meanwhile")
+
+    def fingerprint_parts(self, model: torch.nn.Module, rank: int, size: int
+                          ) -> tuple[list[str], dict[str, tuple[int, torch.Tensor]]]:
+        """Even slices of what every rank holds (refused with experts: see ``_refuse_experts``)."""
+        self._refuse_experts("a training fingerprint (unidist verify)")
+        return super().fingerprint_parts(model, rank, size)
+
+    def _clip_with_experts(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """DeepSpeed's norm where ranks hold different experts (runtime/utils.py ``clip_grad_norm_``): each rank's
+        norm over everything it holds, in float32, averaged over the data-parallel ranks; then the usual scale."""
+        grads = [p.grad for p in params if p.grad is not None]
+        local = torch.stack([g.detach().float().norm(2) for g in grads]).pow(2).sum().float().pow(0.5) if grads \
+            else torch.zeros(())
+        total = self.dp.allreduce((local / self.dp.size).reshape(1), "sum")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device, g.dtype))
+        return total[0]
+
     def checkpoint_layout(self, model: torch.nn.Module) -> FullLayout:
         """Every member of the data-parallel communicator holds the whole state: each writes an even slice."""
+        self._refuse_experts("a checkpoint")
         return FullLayout(self.dp.rank, self.dp.size, model, self.optimizer, world_ranks(self.dp))
 
     def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """(parameters, gradients) this optimizer keeps beyond the model's own: the fusion buffers."""
-        return [], list(self.reducer.held_buffers())
+        return [], [b for r in (self.reducer, *self.expert_reducers) for b in r.held_buffers()]
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.optimizer).__name__}, buckets={len(self.buckets)}, "

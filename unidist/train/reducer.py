@@ -145,11 +145,14 @@ class GradientReducer:
         compressor: the wire dtype (``gradcore.Compression``).
         bucket_bytes: the most bytes in one bucket.
         sync_pass: called in each gradient hook; False means this backward only accumulates locally.
+        divide_by: divide the sum by this instead (default: ``comm``'s size for MEAN, 1 for SUM).
     """
 
     def __init__(self, comm: Comm, params: Iterable[torch.nn.Parameter], op: ReduceOp, compressor: Compressor,
-                 bucket_bytes: float, sync_pass: Callable[[], bool]) -> None:
+                 bucket_bytes: float, sync_pass: Callable[[], bool], divide_by: int | None = None) -> None:
         self.dp, self.op, self._compressor, self._bucket_bytes = comm, op, compressor, bucket_bytes
+        # the sum is divided by this (MEAN: the communicator's size; SUM: 1; an expert's: the data-parallel size)
+        self._divide_by = divide_by if divide_by is not None else (comm.size if op is ReduceOp.MEAN else 1)
         self._sync_pass = sync_pass
         self._order: InOrder[_Bucket] = InOrder(self._launch, lambda seen: list(comm.broadcast_object(seen, 0)))
         self.hooks: list[Any] = []
@@ -162,6 +165,7 @@ class GradientReducer:
         self._index: dict[int, int] = {}
         self._used: list[bool] = []
         self._flags: torch.Tensor | None = None  # the flags' own buffer, when the last bucket cannot carry them
+        self._alone: list[torch.nn.Parameter] = []  # one rank, a divisor other than 1: divided at synchronize
         self.track(list(params))
 
     @property
@@ -177,7 +181,8 @@ class GradientReducer:
         """Bucket ``params`` (new buckets after the existing ones) and hook their gradients. On one rank there is
         nothing to reduce: no bucket is made (no gradient-sized buffer held) and no hook costs a call per
         gradient (one process's step, measured against plain torch by ``unidist bench step``)."""
-        if self.dp.size == 1:
+        if self.dp.size == 1:  # nothing to exchange; an expert's gradient is still divided (see divide_by)
+            self._alone += params if self._divide_by != 1 else []
             return
         for members in pack(params, self._bucket_bytes, lambda p: (p.dtype, p.device), self._alone_from):
             # a slot of one parameter from alone_from bytes up is reduced in place (see _Bucket.inplace)
@@ -224,7 +229,7 @@ class GradientReducer:
             self._launch_now(bucket)
 
     def _launch_now(self, bucket: _Bucket) -> None:
-        scale = 1.0 / self.dp.size if self.op is ReduceOp.MEAN else 1.0
+        scale = 1.0 / self._divide_by
         for p in bucket.params:  # before own()/adopt() give missing gradients zeros
             self._used[self._index[id(p)]] = p.grad is not None
         with torch.no_grad():
@@ -244,6 +249,11 @@ class GradientReducer:
     def synchronize(self) -> None:
         """Finish every bucket's allreduce (launching those whose gradients never all arrived) and leave the
         result in ``p.grad``."""
+        if self._alone:
+            with torch.no_grad():
+                for p in self._alone:
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / self._divide_by)
         if self.dp.size == 1 or not self.buckets:
             return
         carrier = self.buckets[-1]

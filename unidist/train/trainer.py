@@ -23,6 +23,7 @@ from unidist.checkpoint.background import SaveHandle, save_async
 from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.comm import trace_hooks
 from unidist.comm.group import Group
+from unidist.comm.param_comm import reduce_comm_of
 from unidist.comm.protocol import Comm
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
@@ -94,7 +95,13 @@ class Trainer:
                 "shard it again); prepare each model once, and keep using the model and optimizer it returned")
         self.model = model
         comm: Comm = opts.group if isinstance(opts.group, Group) else self.mgr
-        own = opts.group is not None or (opts.zero_stage and not self.engine_zero)
+        # a MoE layer's experts are reduced over their own groups (comm/param_comm.py): unidist's optimizer does that
+        experts = [p for p in model.parameters() if reduce_comm_of(p) is not None]
+        own = opts.group is not None or bool(experts) or (opts.zero_stage and not self.engine_zero)
+        if experts and opts.zero_stage:
+            raise InvalidArgumentError(f"prepare(zero_stage={opts.zero_stage}) with Mixture-of-Experts layers: "
+                                       "unidist's ZeRO does not shard expert parameters yet; use zero_stage=0 (the "
+                                       "experts are already spread over the expert-parallel ranks)")
         if own or not self.takes_sparse(opts):
             refuse_sparse(model)
         if opts.sync_batchnorm:
@@ -154,7 +161,16 @@ class Trainer:
         comm: Comm = opts.group if isinstance(opts.group, Group) else self.mgr
         model = model.to(self.mgr.device)
         hooks = self._apply_precision(model, opts)
-        broadcast_parameters(comm, model)
+        # rank 0's weights; an expert's from the first rank holding the same experts (its own group's root)
+        marks = {name: reduce_comm_of(p) for name, p in model.named_parameters()}
+        broadcast_parameters(comm, [(n, t) for n, t in model.state_dict(keep_vars=True).items()
+                                    if marks.get(n) is None])
+        by_comm: dict[int, tuple[Comm, list[tuple[str, torch.Tensor]]]] = {}
+        for name, p in model.named_parameters():
+            if (mark := marks[name]) is not None:
+                by_comm.setdefault(id(mark.comm), (mark.comm, []))[1].append((name, p.data))
+        for sub, named in by_comm.values():
+            broadcast_parameters(sub, named)
         broadcast_optimizer_state(comm, optimizer)
         wrapped: DistributedOptimizer | ZeroOptimizer
         if opts.zero_stage:

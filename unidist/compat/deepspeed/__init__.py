@@ -5,14 +5,14 @@ A DeepSpeed training script runs with only its import lines changed, under ``pyt
 0.19.8's meaning and defaults (``gradient_clipping`` 1.0 included: here the point is DeepSpeed's math), and returns an
 engine whose ``backward``/``step``/``save_checkpoint`` give the weights real DeepSpeed gives. Off the deepspeed launcher
 the work is unidist's (its ZeRO 1-3, clipping, accumulation, loss scaling); under it, it is DeepSpeed's engine.
-Pipelines (``pipe``: ``PipelineModule`` and ``engine.train_batch``) run on every backend. What only DeepSpeed's
-engine can do (offload, NVMe, MoE) raises ``DeepSpeedUnsupportedError`` naming the
+Pipelines (``pipe``: ``PipelineModule`` and ``engine.train_batch``) and Mixture of Experts (``moe``) run on every
+backend. What only DeepSpeed's engine can do (offload, NVMe) raises ``DeepSpeedUnsupportedError`` naming the
 key when used elsewhere. See the README, "Coming from DeepSpeed".
 
 Modules, one job each: ``config`` (the JSON config: keys, defaults, batch arithmetic), ``optimizers`` and
 ``lr_schedules`` (the config's optimizer and scheduler), ``loss_scale`` (fp16's dynamic loss scale), ``engine`` (the
 engine), ``checkpoint`` (tags and ``latest``), ``dataloader``, ``dist`` (``init_distributed``), ``comm``,
-``accelerator``, ``pipe`` (pipeline parallelism), and the importable-but-refusing ``moe``.
+``accelerator``, ``pipe`` (pipeline parallelism) and ``moe`` (Mixture of Experts).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""``deepspeed.moe``: importable, so scripts that import it at the top run (DSE cifar imports
-``deepspeed.moe.utils`` and builds ``deepspeed.moe.layer.MoE`` only with ``--moe``). Mixture of Experts needs
-DeepSpeed's engine (expert-parallel groups, all-to-all dispatch inside the engine's step): building a MoE layer
-raises DeepSpeedUnsupportedError (layer.py); the param-group helpers work for models without MoE (utils.py)."""
+"""``deepspeed.moe``: ``layer.MoE`` and the param-group helpers of ``utils`` on every backend (the layer is
+``unidist.parallel.moe``'s, with DeepSpeed's signature; under the deepspeed launcher DeepSpeed's own)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""``deepspeed.moe.utils``: the param-group helpers, for models without MoE layers.
+"""``deepspeed.moe.utils``: the param-group helpers around MoE layers (DeepSpeed 0.19.8's ds/moe/utils.py).
 
-``is_moe_param`` is DeepSpeed's test (ds/moe/utils.py:29-32: a parameter MoE marked ``allreduce = False``), so it
-answers False for every parameter here (no MoE layer can be built, moe/layer.py). On groups without MoE
-parameters ``split_params_into_different_moe_groups_for_optimizer`` returns what DeepSpeed's does
-(ds/moe/utils.py:72-160): a dict becomes ``[dict]``, a tuple a list, anything else raises ValueError, each
-group's ``params`` becomes a list; the groups are the caller's own dicts (DeepSpeed edits them in place too).
-One difference: DeepSpeed reads ``params`` twice, so a generator there ends up an empty list; here it is read
-once and kept. Groups holding MoE parameters raise DeepSpeedUnsupportedError.
+``is_moe_param`` is DeepSpeed's test (a parameter its MoE layer marked ``allreduce = False``; ``layer.MoE`` here
+marks its experts the same way). ``split_params_into_different_moe_groups_for_optimizer`` returns what DeepSpeed's
+does: a dict becomes ``[dict]``, a tuple a list, anything else raises ValueError; each group keeps its dense
+parameters, and for each group and each expert group name a new group ``{**group, 'name': <group_name>, 'moe':
+True, 'params': [...]}`` is appended, cut into groups of at most ``max_group_size`` elements. The groups are the
+caller's own dicts, edited in place as DeepSpeed edits them. One difference: DeepSpeed reads ``params`` twice, so a
+generator there ends up an empty list; here it is read once and kept.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from unidist.compat.deepspeed.moe.layer import moe_unsupported
+from unidist.parallel.moe import MoE, is_expert_param
 
 __all__ = ["has_moe_layers", "is_moe_param", "is_moe_param_group",
            "split_params_into_different_moe_groups_for_optimizer", "split_params_into_shared_and_expert_params"]
@@ -24,8 +24,8 @@ ParamGroups = dict[str, Any] | tuple[dict[str, Any], ...] | list[dict[str, Any]]
 
 
 def is_moe_param(param: torch.Tensor) -> bool:
-    """Whether MoE marked ``param`` as an expert parameter (``param.allreduce`` is False)."""
-    return hasattr(param, "allreduce") and not param.allreduce
+    """Whether a MoE layer marked ``param`` as an expert parameter (``param.allreduce`` is False)."""
+    return is_expert_param(param)
 
 
 def is_moe_param_group(param_group: dict[str, Any]) -> bool:
@@ -34,22 +34,25 @@ def is_moe_param_group(param_group: dict[str, Any]) -> bool:
 
 
 def has_moe_layers(m: torch.nn.Module) -> tuple[bool, int]:
-    """(False, 0): no MoE layer can exist here (DeepSpeed: whether ``m`` holds one, and its expert count)."""
-    return False, 0
+    """(whether ``m`` holds a MoE layer, the experts of the last one found), as DeepSpeed's."""
+    found, experts = False, 0
+    for module in m.modules():
+        if isinstance(module, MoE):
+            found, experts = True, module.num_experts
+    return found, experts
 
 
 def split_params_into_shared_and_expert_params(
         params: list[torch.nn.Parameter]) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-    """(shared, expert) parameters; expert ones are refused."""
+    """(shared, expert) parameters, in their order."""
     params = list(params)
-    if any(is_moe_param(p) for p in params):
-        raise moe_unsupported("split_params_into_shared_and_expert_params on MoE parameters")
-    return params, []
+    return [p for p in params if not is_moe_param(p)], [p for p in params if is_moe_param(p)]
 
 
 def split_params_into_different_moe_groups_for_optimizer(param_groups: ParamGroups,
-                                                         max_group_size: float = 178956971) -> list[dict[str, Any]]:
-    """The optimizer's param groups with MoE groups split out: unchanged here, where no group has MoE params."""
+                                                         max_group_size: float | None = 178956971
+                                                         ) -> list[dict[str, Any]]:
+    """The optimizer's param groups with each expert group's parameters moved into groups of their own."""
     if isinstance(param_groups, tuple):
         groups = list(param_groups)
     elif isinstance(param_groups, dict):
@@ -60,6 +63,30 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups: ParamGrou
         raise ValueError(f"Unknown param group type of {type(param_groups)}")  # ds/moe/utils.py:96
     for group in groups:
         group["params"] = list(group["params"])
-        if any(is_moe_param(p) for p in group["params"]):
-            raise moe_unsupported("split_params_into_different_moe_groups_for_optimizer on MoE parameters")
+    names = sorted({p.group_name for g in groups for p in g["params"] if is_moe_param(p)})
+    moe: dict[str, dict[str, dict[str, Any]]] = {
+        g["name"]: {name: {**g, "name": name, "moe": True, "params": []} for name in names} for g in groups}
+    for group in groups:
+        dense = []
+        for p in group["params"]:
+            if is_moe_param(p):
+                moe[group["name"]][p.group_name]["params"].append(p)
+            else:
+                dense.append(p)
+        group["params"] = dense
+    for per_name in moe.values():
+        for group in per_name.values():
+            if max_group_size is None:
+                groups.append(group)
+                continue
+            run: list[torch.nn.Parameter] = []
+            size = 0
+            for p in group["params"]:
+                if run and size + p.numel() > max_group_size:
+                    groups.append({**group, "params": run})
+                    run, size = [], 0
+                run.append(p)
+                size += p.numel()
+            if run:
+                groups.append({**group, "params": run})
     return groups

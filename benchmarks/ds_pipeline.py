@@ -1,6 +1,8 @@
 """A DeepSpeed pipeline script's step time: real DeepSpeed's PipelineEngine beside unidist's compat layer.
 
-    python -m unidist.bench.ds_pipeline --rounds 3      # 2 stages; deepspeed, then compat on mpi and torch
+    python benchmarks/ds_pipeline.py --rounds 3      # 2 stages; deepspeed, then compat on mpi and torch
+
+A script beside the package, not in ``unidist.bench``: it imports the compat layer, which the tools may not.
 
 Each launch runs this file (``--child``) as one script does: a ``PipelineModule`` of ``--blocks`` residual
 Linear+Tanh blocks (width ``--width``) in 2 stages, ``train_batch()`` over ``--micro`` micro-batches of 8 rows,
@@ -23,8 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run by path under a launcher
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the checkout's unidist, also when a launcher runs this file
 
 __all__ = ["main"]
 
@@ -91,7 +92,7 @@ def _launch(backend: str, which: str, n: int, out: Path, extra: list[str], timeo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m unidist.bench.ds_pipeline", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/ds_pipeline.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--nprocs", type=int, default=2, help="ranks (2 stages x n/2 data parallel)")
     p.add_argument("--rounds", type=int, default=3, help="launches of each")
