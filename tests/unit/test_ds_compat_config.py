@@ -76,7 +76,7 @@ def test_dataclass_fields_carry_deepspeeds_defaults() -> None:
 
 # A value asking for each DeepSpeed-only feature (the rest are derived from the row's default).
 _WANTED: Mapping[str, Any] = {
-    "zero_optimization.offload_optimizer": {"device": "cpu", "pin_memory": True},
+    "zero_optimization.offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"},
     "zero_optimization.offload_param": {"device": "nvme", "nvme_path": "/local_nvme"},
     "zero_optimization.zenflow": {"topk_ratio": 0.1},
     "zero_optimization.leaf_module": {"classes": ["MixtralSparseMoeBlock"]},
@@ -134,6 +134,19 @@ def test_deepspeed_only_key_refused_off_deepspeed_and_listed_on_it(row: Key) -> 
 ])
 def test_deepspeed_only_key_asking_for_nothing_is_accepted(name: str, value: Any) -> None:
     assert parse(nest(name, value)).deepspeed_only() == {}
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("zero_optimization.offload_optimizer", {"device": "cpu", "pin_memory": True}),
+    ("zero_optimization.offload_param", {"device": "cpu"}),
+    ("zero_optimization.cpu_offload", True), ("zero_optimization.cpu_offload_param", True)])
+def test_cpu_offload_is_prepares_offload_off_deepspeed_and_the_users_keys_on_it(name: str, value: Any) -> None:
+    stage3 = {**BASE, "zero_optimization": {"stage": 3}}
+    off = parse(nest(name, value, stage3))
+    assert off.offload() == "cpu" and off.deepspeed_only() == {}
+    on = parse(nest(name, value, stage3), on_deepspeed=True)
+    assert on.ds_only == {name: value}  # DeepSpeed's engine offloads as configured (pin_memory, ratio ...)
+    assert parse(nest(name, {"device": "none"} if isinstance(value, dict) else False)).offload() is None
 
 
 @pytest.mark.parametrize("row", [k for k in KEYS if k.where == REMOVED], ids=lambda k: k.name)

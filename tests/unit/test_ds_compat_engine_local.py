@@ -63,7 +63,32 @@ def test_initialize_refuses_what_it_cannot_do() -> None:
         deepspeed.initialize(model=_model(), config=_config(gradient_cliping=1.0))
     with pytest.raises(DeepSpeedUnsupportedError, match="offload_optimizer"):
         deepspeed.initialize(model=_model(), config=_config(2) | {"zero_optimization": {
-            "stage": 2, "offload_optimizer": {"device": "cpu"}}})
+            "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}})
+
+
+@pytest.mark.parametrize(("stage", "key"), [(2, "offload_optimizer"), (3, "offload_param")])
+def test_cpu_offload_keys_are_prepares_offload(stage: int, key: str) -> None:
+    """DeepSpeed's CPU offload keys run as prepare(offload="cpu"): the same training as without them. The CPU path
+    is rehearsed here (offload.rehearse_on_cpu: host copies even though the parameters are on the CPU already)."""
+    from unidist.train import offload as offloading
+
+    def run(offload: bool) -> tuple[Any, list[torch.Tensor]]:
+        zero = {"stage": stage, **({key: {"device": "cpu", "pin_memory": True}} if offload else {})}
+        engine, *_ = deepspeed.initialize(model=_model(), config=_config(stage) | {"zero_optimization": zero})
+        torch.manual_seed(1)
+        for _ in range(3):
+            _step(engine)
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            return engine, [p.detach().clone() for p in engine.module.parameters()]
+    offloading.rehearse_on_cpu(True)
+    try:
+        engine, moved = run(True)
+    finally:
+        offloading.rehearse_on_cpu(False)
+    assert engine.optimizer.offload is True and engine.zero_optimization_stage() == stage
+    _, plain = run(False)
+    for a, b in zip(moved, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_script_optimizer_and_scheduler_win_over_the_config() -> None:

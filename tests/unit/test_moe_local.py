@@ -107,6 +107,7 @@ def test_bad_input_is_refused_before_any_collective(mgr: Any) -> None:
     expert = torch.nn.Linear(4, 4)
     for kwargs, match in (({"k": 3}, "top-1 and top-2"), ({"noisy_gate_policy": "Gumbel"}, "noisy_gate_policy"),
                           ({"k": 2, "noisy_gate_policy": "RSample"}, "top-1 gating only"),
+                          ({"k": 2, "noisy_gate_policy": "None", "ep_size": 3}, "dividing the world size 1"),
                           ({"ep_size": 2}, "dividing the world size 1"), ({"num_experts": 0}, "positive int")):
         with pytest.raises(InvalidArgumentError, match=match):
             MoE(4, expert, **{"num_experts": 2, **kwargs}, group=mgr)

@@ -220,7 +220,8 @@ class MoE(torch.nn.Module):
         capacity_factor, eval_capacity_factor: each expert's slots per token share, in training and eval.
         min_capacity: the fewest slots per expert.
         use_residual: add a dense ``expert`` beside the experts, mixed by a learned 2-way softmax (Residual MoE).
-        noisy_gate_policy: None, "Jitter" or "RSample" (top-1 only).
+        noisy_gate_policy: None, "Jitter" (the gate's input times uniform noise) or "RSample" (top-1 only: Gumbel
+            noise on the logits picks the expert).
         drop_tokens: False: no token is dropped (capacity = the busiest expert's count).
         use_rts: drop over-capacity tokens at random (top-1); False: by position.
         top2_2nd_expert_sampling: Gumbel noise on the second choice (top-2).
@@ -241,9 +242,9 @@ class MoE(torch.nn.Module):
         if noisy_gate_policy not in GATE_POLICIES:
             raise InvalidArgumentError(f"MoE(noisy_gate_policy={noisy_gate_policy!r}); use None, 'Jitter' or "
                                        "'RSample'")
-        if noisy_gate_policy in ("Jitter", "RSample") and k != 1:
-            raise InvalidArgumentError(f"MoE(noisy_gate_policy={noisy_gate_policy!r}) acts on top-1 gating only; "
-                                       "with k=2 the second expert is sampled (top2_2nd_expert_sampling)")
+        if noisy_gate_policy == "RSample" and k != 1:
+            raise InvalidArgumentError("MoE(noisy_gate_policy='RSample') acts on top-1 gating only; with k=2 the "
+                                       "second expert is sampled (top2_2nd_expert_sampling), or use 'Jitter'")
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
             raise InvalidArgumentError(f"MoE(num_experts={num_experts!r}) takes a positive int")
         check_ep_size(ep_size, group.size)

@@ -6,7 +6,8 @@ A DeepSpeed training script runs with only its import lines changed, under ``pyt
 engine whose ``backward``/``step``/``save_checkpoint`` give the weights real DeepSpeed gives. Off the deepspeed launcher
 the work is unidist's (its ZeRO 1-3, clipping, accumulation, loss scaling); under it, it is DeepSpeed's engine.
 Pipelines (``pipe``: ``PipelineModule`` and ``engine.train_batch``) and Mixture of Experts (``moe``) run on every
-backend. What only DeepSpeed's engine can do (offload, NVMe) raises ``DeepSpeedUnsupportedError`` naming the
+backend, and so does CPU offload (``prepare(offload="cpu")``). What only DeepSpeed's engine can do (NVMe offload,
+ZeRO++) raises ``DeepSpeedUnsupportedError`` naming the
 key when used elsewhere. See the README, "Coming from DeepSpeed".
 
 Modules, one job each: ``config`` (the JSON config: keys, defaults, batch arithmetic), ``optimizers`` and

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unidist.compat.deepspeed.exceptions import DeepSpeedConfigError, DeepSpeedUnsupportedError
-from unidist.compat.deepspeed.keys import DS_ONLY, KEYS, REFUSED, REMOVED, SECTIONS, SYNONYMS, Key, by_name
+from unidist.compat.deepspeed.keys import CPU_OFFLOAD, DS_ONLY, KEYS, REFUSED, REMOVED, SECTIONS, SYNONYMS, Key, by_name
 
 __all__ = ["KEYS", "DSConfig", "load_source", "parse"]
 
@@ -61,6 +61,11 @@ class DSConfig:
         if self.fp16.get("enabled"):
             return "fp16-mixed"
         return "bf16-mixed" if self.bf16_enabled else "32"
+
+    def offload(self) -> str | None:
+        """``"cpu"`` when the config offloads to the CPU (``offload_optimizer``/``offload_param`` with device
+        cpu, the deprecated ``cpu_offload``/``cpu_offload_param``): ``prepare(offload="cpu")``; else None."""
+        return "cpu" if any(CPU_OFFLOAD[name](self.values[name]) for name in CPU_OFFLOAD) else None
 
     def deepspeed_only(self) -> dict[str, Any]:
         """The user's keys only real DeepSpeed honours, as a DeepSpeed config to merge into the one the deepspeed
@@ -285,6 +290,8 @@ def parse(raw: Mapping[str, Any], world_size: int, *, on_deepspeed: bool) -> DSC
         values[name] = value
         if row.where == DS_ONLY and not (row.fine is not None and row.fine(value)):
             ds_only[name] = value
+        elif on_deepspeed and name in CPU_OFFLOAD and CPU_OFFLOAD[name](value):
+            ds_only[name] = value  # DeepSpeed's engine offloads as the user configured it (pin_memory, ratio...)
     if ds_only and not on_deepspeed:
         named = ", ".join(f"{n} {by_name(n).here.removeprefix(REFUSED).strip()}".strip() for n in sorted(ds_only))
         raise DeepSpeedUnsupportedError(f"DeepSpeed config key(s) {named}: only DeepSpeed's engine does that; run "

@@ -101,6 +101,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         clip_norm_replicas=None if pipe is None else pipe.replicated_parameters(),
         bucket_mb=max(cfg.reduce_bucket_size * 4 / 2**20, 1.0),
         precision=precision,
+        # the config's CPU offload (offload_optimizer/offload_param device cpu); DeepSpeed's engine reads the keys
+        offload=cfg.offload() if mgr.backend != "deepspeed" else None,
         loss_scaling=loss_scaling(cfg.fp16, zero_stage=cfg.zero_stage) if precision == "fp16-mixed" else None,
         deepspeed_config=passthrough or None)
     scheduler = _scheduler(lr_scheduler, prepared_opt, cfg) if prepared_opt is not None else None

@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DS_ONLY", "EVERY", "IGNORED", "KEYS", "REFUSED", "REMOVED", "SECTIONS", "SYNONYMS", "Key", "by_name",
-           "markdown"]
+__all__ = ["CPU_OFFLOAD", "DS_ONLY", "EVERY", "IGNORED", "KEYS", "REFUSED", "REMOVED", "SECTIONS", "SYNONYMS", "Key",
+           "by_name", "markdown"]
 
 EVERY, DS_ONLY, IGNORED, REMOVED = "every backend", "deepspeed only", "ignored (logging)", "removed"
 
@@ -50,6 +50,23 @@ def _disabled(value: Any) -> bool:  # a section with "enabled": false (or empty)
 
 def _no_device(value: Any) -> bool:  # offload_optimizer/offload_param with no device: offloads nothing
     return value is None or (isinstance(value, Mapping) and value.get("device", "none") in (None, "none"))
+
+
+def _cpu_or_none(value: Any) -> bool:  # offload to the CPU: prepare(offload="cpu") does it on every backend
+    return _no_device(value) or (isinstance(value, Mapping) and value.get("device") == "cpu")
+
+
+
+# offload to the CPU, which every backend runs as prepare(offload="cpu"): the keys and whether a value asks for it
+def _to_cpu(value: Any) -> bool:
+    return isinstance(value, Mapping) and value.get("device") == "cpu"
+
+
+CPU_OFFLOAD: Mapping[str, Callable[[Any], bool]] = {
+    "zero_optimization.offload_optimizer": _to_cpu, "zero_optimization.offload_param": _to_cpu,
+    "zero_optimization.cpu_offload": bool, "zero_optimization.cpu_offload_param": bool}
+_CPU_HERE = ("device \"cpu\": prepare(offload=\"cpu\") on every backend (ZeRO 1-3: shards, their gradients and the "
+             "optimizer state in host memory, stepped there); \"nvme\" refused off the deepspeed backend")
 
 
 def _eq(default: Any) -> Callable[[Any], bool]:
@@ -140,16 +157,16 @@ _ROWS: list[Key] = [
         "accepted; checkpoints hold full fp32 weights anyway", "bool"),
     Key("zero_optimization.stage3_gather_fp16_weights_on_model_save", False, EVERY,
         "accepted (deprecated name of stage3_gather_16bit_weights_on_model_save)", "bool"),
-    Key("zero_optimization.offload_optimizer", None, DS_ONLY, REFUSED + " (optimizer offload to cpu/nvme)",
-        "any", _no_device),
-    Key("zero_optimization.offload_param", None, DS_ONLY, REFUSED + " (parameter offload to cpu/nvme)", "any",
-        _no_device),
-    Key("zero_optimization.cpu_offload", None, DS_ONLY, REFUSED + " (deprecated optimizer offload); false is "
-        "accepted", "any", _off),
-    Key("zero_optimization.cpu_offload_param", None, DS_ONLY, REFUSED + " (deprecated parameter offload)", "any",
-        _off),
-    Key("zero_optimization.cpu_offload_use_pin_memory", None, DS_ONLY, REFUSED + " (deprecated offload option)",
-        "any", _off),
+    Key("zero_optimization.offload_optimizer", None, DS_ONLY, "optimizer offload: " + _CPU_HERE, "any",
+        _cpu_or_none),
+    Key("zero_optimization.offload_param", None, DS_ONLY, "parameter offload (stage 3): " + _CPU_HERE, "any",
+        _cpu_or_none),
+    Key("zero_optimization.cpu_offload", None, EVERY, "deprecated optimizer offload; true is "
+        "prepare(offload=\"cpu\") (ZeRO 1-3)"),
+    Key("zero_optimization.cpu_offload_param", None, EVERY, "deprecated parameter offload; true is "
+        "prepare(offload=\"cpu\") (ZeRO 1-3)"),
+    Key("zero_optimization.cpu_offload_use_pin_memory", None, EVERY, "deprecated offload option; accepted "
+        "(host memory is pinned where a GPU is used)"),
     Key("zero_optimization.zenflow", None, DS_ONLY, REFUSED + " (ZenFlow offload)", "any", _off),
     Key("zero_optimization.zero_hpz_partition_size", 1, DS_ONLY, REFUSED + " (ZeRO++ hierarchical partitions)",
         "int>0", _eq(1)),

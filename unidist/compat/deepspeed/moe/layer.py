@@ -3,8 +3,10 @@
 The layer's arithmetic, placement and parameter names are DeepSpeed 0.19.8's (``unidist/parallel/moe.py`` says
 how); ``forward`` returns ``(output, l_aux, exp_counts)``. Two arguments DeepSpeed has and this layer does not
 honour are refused when set: ``use_tutel`` (an optional CUDA kernel library; the math is the same without it, so
-False is accepted) and ``enable_expert_tensor_parallelism``. Under the deepspeed backend the constructor returns
-DeepSpeed's own layer, so its engine creates the expert groups and reduces the experts' gradients.
+False is accepted) and ``enable_expert_tensor_parallelism``. ``noisy_gate_policy="RSample"`` with ``k=2`` is
+ignored, as DeepSpeed's top-2 gate ignores it (unidist's own layer refuses the pair). Under the deepspeed backend
+the constructor returns DeepSpeed's own layer, so its engine creates the expert groups and reduces the experts'
+gradients.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class MoE(moe.MoE):
                 raise DeepSpeedUnsupportedError(f"deepspeed.moe.layer.MoE({name}=True) is not supported by "
                                                 "unidist.compat.deepspeed; leave it False, or run under the deepspeed "
                                                 "launcher with real deepspeed")
+        if noisy_gate_policy == "RSample" and k == 2:
+            noisy_gate_policy = None  # DeepSpeed's top-2 gate never reads it (sharded_moe.py top2gating)
         super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                          min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling,
                          group=state.manager())
