@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 
-LAYERS = [("unidist.compat.deepspeed", "deepspeed", "ops", "docs/coming-from/deepspeed.md"),
+LAYERS = [("unidist.compat.deepspeed", "deepspeed", "init_inference", "docs/coming-from/deepspeed.md"),
           ("unidist.compat.horovod", "horovod.torch", "mpi_lib_v2", "docs/coming-from/horovod.md")]
 
 

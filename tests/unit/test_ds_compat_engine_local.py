@@ -141,3 +141,36 @@ def test_the_loader_pins_memory_for_the_managers_gpu_only(manager: Any) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(8, 4))
     _, _, loader, _ = deepspeed.initialize(model=_model(), config=_config(), training_data=data)
     assert manager.device == torch.device("cpu") and loader._loader.pin_memory is False
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_safe_get_helpers_and_fused_adam(stage: int) -> None:
+    """deepspeed.utils.safe_get_full_*: the full parameter, averaged gradient and Adam state as plain torch has them
+    (one rank: the average is the gradient); FusedAdam (torch's Adam, DeepSpeed's defaults) is ZeRO-supported."""
+    from unidist.compat.deepspeed.ops.adam import FusedAdam
+    from unidist.compat.deepspeed.utils import (
+        safe_get_full_fp32_param,
+        safe_get_full_grad,
+        safe_get_full_optimizer_state,
+    )
+
+    model, ref = _model(), _model()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=FusedAdam(model.parameters(), lr=0.01),
+                                      config={"train_batch_size": 4, "zero_optimization": {"stage": stage}})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.0)
+    x = torch.randn(4, 4)
+    engine.backward(engine(x).pow(2).mean())
+    ref(x).pow(2).mean().backward()
+    first = next(iter(engine.module.parameters()))
+    if stage == 0:
+        torch.testing.assert_close(safe_get_full_grad(first), next(iter(ref.parameters())).grad)
+    else:
+        with pytest.raises(DeepSpeedUnsupportedError, match="ZeRO stage >= 1"):
+            safe_get_full_grad(first)
+    engine.step()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # DeepSpeed's default clipping, as the engine's
+    ref_opt.step()
+    for p, q in zip(engine.module.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(safe_get_full_fp32_param(p), q.detach())
+        torch.testing.assert_close(safe_get_full_optimizer_state(p, "exp_avg"), ref_opt.state[q]["exp_avg"])
+    assert safe_get_full_fp32_param(torch.nn.Parameter(torch.ones(2))) is None  # no engine manages it

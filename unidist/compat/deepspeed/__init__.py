@@ -20,19 +20,23 @@ from __future__ import annotations
 
 import argparse
 
-from unidist.compat import not_covered
-from unidist.compat.deepspeed import accelerator, comm, moe, pipe, runtime, utils, zero
+from unidist.compat.deepspeed import accelerator, comm, constants, moe, ops, pipe, runtime, utils, zero
+from unidist.compat.deepspeed.accelerator import get_accelerator
 from unidist.compat.deepspeed.dist import init_distributed
 from unidist.compat.deepspeed.exceptions import DeepSpeedConfigError, DeepSpeedUnsupportedError
 from unidist.compat.deepspeed.initialize import initialize
+from unidist.compat.deepspeed.missing import refuse_imports, uncovered
+from unidist.compat.deepspeed.pipe.engine import PipelineEngine
 
 __version__ = "0.19.8"  # the DeepSpeed release whose behaviour this layer follows
-__all__ = ["DeepSpeedConfigError", "DeepSpeedUnsupportedError", "__version__", "accelerator", "add_config_arguments",
-           "comm", "init_distributed", "initialize", "moe", "pipe", "runtime", "utils", "zero"]
+__all__ = ["DeepSpeedConfigError", "DeepSpeedUnsupportedError", "PipelineEngine", "__version__", "accelerator",
+           "add_config_arguments", "comm", "constants", "get_accelerator", "init_distributed", "initialize", "moe",
+           "ops", "pipe", "runtime", "utils", "zero"]
 
-# a DeepSpeed name this layer lacks (deepspeed.ops...): an AttributeError that says so and what to do instead
-__getattr__ = not_covered("unidist.compat.deepspeed", "deepspeed", "docs/coming-from/deepspeed.md",
-                          "Import deepspeed itself for it (its own launcher runs it), or leave the call out.")
+# a DeepSpeed name this layer lacks (deepspeed.init_inference...): an AttributeError that says so and what to do
+# instead; an import of a module it lacks (deepspeed.ops.sparse_attention) likewise
+__getattr__ = uncovered(__name__)
+refuse_imports()
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

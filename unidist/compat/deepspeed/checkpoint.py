@@ -18,9 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from unidist.compat.deepspeed.exceptions import DeepSpeedUnsupportedError
+from unidist.compat.deepspeed.missing import uncovered
 from unidist.errors import CheckpointError, InvalidArgumentError
 
 __all__ = ["LATEST", "load", "save"]
+
+# ``deepspeed.checkpoint`` is also DeepSpeed's universal-checkpoint package: its constants are not here, and say so
+__getattr__ = uncovered(__name__)
 
 LATEST = "latest"
 _KEY = "deepspeed_compat"  # the extra entry holding the engine's part

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from unidist.compat.deepspeed.exceptions import DeepSpeedConfigError, DeepSpeedUnsupportedError
+from unidist.compat.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 __all__ = ["ZERO_SUPPORTED", "build_optimizer", "check_zero_supported", "optimizer_name"]
 
@@ -28,7 +29,8 @@ DEEPSPEED_OPTIMIZERS = (ADAGRAD, ADAM, ADAMW, "lamb", "muadam", "muadamw", "musg
 _KERNEL_ONLY = {"lamb": "FusedLamb", "lion": "FusedLion", "muadam": "mup.MuAdam", "muadamw": "mup.MuAdamW",
                 "musgd": "mup.MuSGD", "muon": "MuonWithAuxAdam"}
 # ZeRO's tested optimizers that exist off DeepSpeed (zero/utils.py:45-48: exact types, subclasses do not count).
-ZERO_SUPPORTED: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
+ZERO_SUPPORTED: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, FusedAdam,
+                                    DeepSpeedCPUAdam)  # the last two: deepspeed.ops.adam's, DeepSpeed's own kernels
 # FusedAdam's defaults where they differ from torch's: weight_decay 0 (torch.optim.AdamW: 0.01).
 _FUSED_ADAM_DEFAULTS: Mapping[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 # FusedAdam/DeepSpeedCPUAdam arguments that torch's Adam has no use for once mapped (engine.py:2377-2409).

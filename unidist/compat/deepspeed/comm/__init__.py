@@ -25,14 +25,44 @@ import torch
 from unidist.compat.deepspeed.dist import init_distributed
 from unidist.compat.deepspeed.dist import is_initialized as _compat_initialized
 from unidist.compat.deepspeed.dist import shutdown as _shutdown
+from unidist.compat.deepspeed.missing import uncovered
 from unidist.errors import InvalidArgumentError, NotInitializedError
 
-__all__ = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
-           "all_to_all_single", "allgather_fn", "barrier", "broadcast", "broadcast_object_list",
-           "destroy_process_group", "gather", "get_global_rank", "get_local_rank", "get_rank", "get_world_group",
-           "get_world_size", "init_distributed", "irecv", "is_available", "is_initialized", "isend",
-           "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter", "reduce_scatter_fn",
-           "reduce_scatter_tensor", "scatter", "send"]
+__all__ = [
+    "ReduceOp",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "allgather_fn",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "destroy_process_group",
+    "gather",
+    "get_global_rank",
+    "get_local_rank",
+    "get_rank",
+    "get_world_group",
+    "get_world_size",
+    "has_all_gather_into_tensor",
+    "init_distributed",
+    "irecv",
+    "is_available",
+    "is_initialized",
+    "isend",
+    "monitored_barrier",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_fn",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+]
 
 _NOT_SET = "DeepSpeed backend not set, please initialize it using init_process_group()"  # ds/comm/comm.py:750
 
@@ -255,3 +285,11 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: 
           log_name: str = "irecv", debug: Any = None) -> Any:
     """Receive without waiting; returns torch's Work."""
     return _need().irecv(tensor, src=src, group=group, tag=tag)
+
+
+def has_all_gather_into_tensor() -> bool:
+    """Whether torch.distributed has ``all_gather_into_tensor`` (every torch this layer supports has it)."""
+    return hasattr(torch.distributed, "all_gather_into_tensor")
+
+
+__getattr__ = uncovered(__name__)

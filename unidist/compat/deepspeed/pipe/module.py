@@ -28,7 +28,7 @@ from unidist.compat.deepspeed.pipe import partition
 from unidist.compat.deepspeed.pipe.handoff import deepspeed_pipeline_module
 from unidist.compat.deepspeed.pipe.specs import LayerSpec, TiedLayerSpec
 from unidist.compat.deepspeed.pipe.topology import PipeGrid, check_stages
-from unidist.compat.deepspeed.runtime.utils import set_random_seed
+from unidist.compat.deepspeed.seed import set_random_seed
 from unidist.errors import InvalidArgumentError
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]

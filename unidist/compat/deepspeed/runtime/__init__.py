@@ -1,6 +1,10 @@
-"""``deepspeed.runtime``: the packages scripts reach through it (``deepspeed.runtime.engine.DeepSpeedEngine`` for
-``isinstance`` checks, ``deepspeed.runtime.utils.set_random_seed``), each mapping with only the import line changed."""
+"""``deepspeed.runtime``: the packages scripts reach through it (``engine.DeepSpeedEngine`` for ``isinstance``
+checks, ``utils.set_random_seed``, ``dataloader.RepeatingLoader``, ``zero.GatheredParameters``, ``pipe.engine``),
+each mapping with only the import line changed; a name it lacks says so (missing.py)."""
 
-from unidist.compat.deepspeed.runtime import engine, utils
+from unidist.compat.deepspeed.missing import uncovered
+from unidist.compat.deepspeed.runtime import dataloader, engine, pipe, utils, zero
 
-__all__ = ["engine", "utils"]
+__all__ = ["dataloader", "engine", "pipe", "utils", "zero"]
+
+__getattr__ = uncovered(__name__)
