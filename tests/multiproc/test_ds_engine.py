@@ -202,3 +202,18 @@ def test_fp16_section_skips_the_overflowing_steps_on_every_launcher(env: str, re
                 assert scales[-1] < scales[0]
                 assert case == anchor[key], (launch_id, rank, key)
     assert seen
+
+
+@pytest.mark.mpi
+def test_safe_get_helpers_gather_zeros_shards() -> None:
+    """deepspeed.utils.safe_get_full_grad/_fp32_param/_optimizer_state at ZeRO 0-3 under mpiexec -n 2: each stage's
+    full averaged gradient equals plain torch's on the whole batch (shards gathered at 1-3), and Adam's first
+    moment after a step is 0.1 x it (tests/workers/ds_safe_get.py asserts on every rank)."""
+    require("mpi4py")
+    launch = LAUNCHES["mpiexec-2"]
+    proc = run(launch.command(str(WORKERS / "ds_safe_get.py")), env=launch.env, timeout=300)
+    assert proc.returncode == 0, proc.describe()
+    for stage in range(4):
+        for rank in range(2):
+            assert f"rank {rank} stage {stage}: full gradients, parameters and exp_avg agree" in proc.stdout, \
+                proc.describe()

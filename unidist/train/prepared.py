@@ -129,6 +129,17 @@ class Prepared(OptimizerView, PreparedOptimizer):
     def remove_hooks(self) -> None:
         """Detach every hook this optimizer holds (its gradient hooks, the precision's forward hooks)."""
 
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s whole averaged gradient (a copy) between ``backward`` and ``step``, on every rank; the
+        reduction is finished first (``synchronize``). Here every rank holds it; ZeRO gathers its shards.
+
+        Args:
+            param: a parameter of the prepared model.
+        """
+        self.synchronize()
+        grad = param.grad
+        return None if grad is None else grad.detach().clone()
+
     # ----------------------------------------------------------------- what the fingerprint reads
     def hold_gradient_norm(self, rank: int, size: int) -> None:
         """Before the step: keep what ``fingerprint_grad_sq`` needs where the step consumes it (DeepSpeed's engine

@@ -229,6 +229,21 @@ class ZeroOptimizer(WindowedOptimizer):
         extra = [] if self.options.clip_norm_group is None else [self.options.clip_norm_group]
         return clip_summed(grads, local.to(at), [self.dp, *extra], max_norm)
 
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s whole averaged gradient: its unit's shards of the reduced gradient gathered (a collective:
+        every rank calls it, for the same parameter)."""
+        if not self._synced:
+            self.synchronize()
+        for unit in self.units:
+            for i, p in enumerate(unit.params):
+                if p is param:
+                    shard = unit.shard.grad if unit.shard.grad is not None else torch.zeros_like(unit.shard)
+                    full = torch.empty(unit.chunk * self.dp.size, dtype=shard.dtype, device=shard.device)
+                    self.dp.allgather(shard.detach().contiguous(), out=full)
+                    start = unit.offset(i)
+                    return full[start:start + unit.numels[i]].view(unit.shapes[i]).clone()
+        return None
+
     def _replica_squares(self) -> torch.Tensor:
         """The squares of this rank's parts of ``clip_norm_replicas`` (another rank of the norm's group counts
         them): taken out of this rank's share of the norm."""

@@ -4,8 +4,8 @@ parameter's full value, averaged gradient or optimizer state, whatever ZeRO stag
 
 Every rank calls them (under ZeRO they gather). The parameter must belong to a model ``deepspeed.initialize``
 prepared; DeepSpeed returns None for one it does not manage, and so do these. ``safe_get_full_grad`` reads the
-gradient between ``backward`` and ``step`` (the reduced one: the reduction is finished first); at ZeRO stages 1-3
-the gradient lives in shards and is not gathered here yet (refused, saying so).
+gradient between ``backward`` and ``step`` (the reduced one: the reduction is finished first; ZeRO's shards are
+gathered). Under the deepspeed backend DeepSpeed's own helpers answer (its engine holds the state).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     engine = state.engine_of([param])
     if engine is None:
         return None
+    if engine.manager.backend == "deepspeed":
+        return engine.manager.engine_api.utils.safe_get_full_fp32_param(param)  # type: ignore[no-any-return]
     with engine.manager.gathered_parameters(engine.prepared_model):
         return param.detach().float().clone()
 
@@ -42,14 +44,10 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     engine = state.engine_of([param])
     if engine is None:
         return None
-    opt = engine.optimizer
-    if engine.zero_optimization_stage() > 0:
-        raise DeepSpeedUnsupportedError("safe_get_full_grad at ZeRO stage >= 1 is not supported by "
-                                        "unidist.compat.deepspeed yet (the gradient is in shards); use stage 0, or "
-                                        "run under the deepspeed launcher with real deepspeed")
-    if opt is not None:
-        opt.synchronize()  # the averaged gradient; step() then does not reduce again
-    return None if param.grad is None else param.grad.detach().float().clone()
+    if engine.manager.backend == "deepspeed":  # DeepSpeed's engine holds it: its own helper reads it
+        return engine.manager.engine_api.utils.safe_get_full_grad(param)  # type: ignore[no-any-return]
+    grad = engine.optimizer.full_grad(param) if engine.optimizer is not None else param.grad
+    return None if grad is None else grad.detach().float().clone()
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
@@ -62,6 +60,9 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
     engine = state.engine_of([param])
     if engine is None or engine.optimizer is None:
         return None
+    if engine.manager.backend == "deepspeed":
+        return engine.manager.engine_api.utils.safe_get_full_optimizer_state(  # type: ignore[no-any-return]
+            param, optim_state_key)
     full: dict[str, Any] = engine.manager.full_optimizer_state_dict(engine.optimizer)
     index = _index(engine, param)
     value = full.get("state", {}).get(index, {}).get(optim_state_key)
