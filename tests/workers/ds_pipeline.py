@@ -1,6 +1,6 @@
 """A DeepSpeed pipeline script with what the upstream example lacks: TiedLayerSpec (an embedding reused as the
 output projection, on the first and last stages), LayerSpecs built per stage, ``partition_method="type:..."`` (ZeRO 0),
-``seed_layers`` (ZeRO 1), ZeRO 0 and 1, and gradients large enough that clipping (DeepSpeed's default 1.0) acts.
+``seed_layers`` and ``activation_checkpoint_interval`` (ZeRO 1), ZeRO 0 and 1, and gradients large enough that clipping (DeepSpeed's default 1.0) acts.
 
 Run by tests/multiproc/test_ds_pipeline.py as DeepSpeed's own script (``UNIDIST_TEST_REAL_DS=1``: ``import
 deepspeed``) under the deepspeed launcher, and with the compat import under mpiexec/torchrun. Prints
@@ -58,7 +58,8 @@ def train(stage: int, stages: int, out: Path) -> None:
     # DeepSpeed 0.19.8's seed_layers needs the uniform partition: a balanced one's stage bounds are numpy ints,
     # which its random.seed(base_seed + index) refuses (TypeError); so ZeRO 0 runs type:block, ZeRO 1 seed_layers
     how = {"partition_method": "type:block"} if stage == 0 else {"partition_method": "uniform", "seed_layers": True,
-                                                                  "base_seed": 77}
+                                                                  "base_seed": 77, "activation_checkpoint_interval": 2,
+                                                                  "checkpointable_layers": ["Block"]}
     net = PipelineModule(layers=layers, loss_fn=loss_fn, num_stages=stages, **how)
     config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 100,
               "optimizer": {"type": "Adam", "params": {"lr": 0.02, "weight_decay": 0.0, "torch_adam": True}},
