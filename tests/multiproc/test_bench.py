@@ -262,16 +262,18 @@ def test_startup_imports_no_training_layer(backend: str, tmp_path: Path) -> None
     assert row["raw_s"] > 0 if backend != "local" else row["raw_s"] >= 0, row
 
 
-# ------------------------------------------------------------------------ bench ds_pipeline (beside DeepSpeed's)
+# ------------------------------------------------------------------------ ds_scripts (beside DeepSpeed's own)
 @pytest.mark.deepspeed
-def test_ds_pipeline_times_deepspeed_and_the_compat_layer() -> None:
-    """``python benchmarks/ds_pipeline.py``, a tiny shape: DeepSpeed's PipelineEngine under its launcher, then the
-    compat layer under mpiexec and torchrun, each row with its ratio to DeepSpeed's."""
+@pytest.mark.parametrize("kind", ["pipeline", "moe"])
+def test_ds_scripts_time_deepspeed_and_the_compat_layer(kind: str) -> None:
+    """``python benchmarks/ds_scripts.py``, a tiny shape: DeepSpeed's engine under its launcher, then the compat
+    layer under mpiexec (torchrun too in the records), each row with its ratio to DeepSpeed's."""
     require("deepspeed")
-    proc = run([sys.executable, str(ROOT / "benchmarks" / "ds_pipeline.py"), "--rounds", "1", "--steps", "1",
-                "--warmup", "0", "--blocks", "2", "--width", "16", "--micro", "2"], env={"DS_ACCELERATOR": "cpu"},
-               timeout=600)
+    proc = run([sys.executable, str(ROOT / "benchmarks" / "ds_scripts.py"), "--kind", kind, "--rounds", "1",
+                "--steps", "1", "--warmup", "0", "--blocks", "2", "--width", "16", "--micro", "2",
+                "--backends", "mpi"],
+               env={"DS_ACCELERATOR": "cpu"}, timeout=600)
     assert proc.returncode == 0, proc.describe()
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert [r[1].strip() for r in rows[1:]] == ["deepspeed", "mpich", "torchrun"], proc.stdout
+    assert [r[1].strip() for r in rows[1:]] == ["deepspeed", "mpich"], proc.stdout
     assert rows[1][3].strip() == "1.00" and all(float(r[2]) > 0 for r in rows[1:]), proc.stdout

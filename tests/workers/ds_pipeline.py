@@ -1,6 +1,7 @@
 """A DeepSpeed pipeline script with what the upstream example lacks: TiedLayerSpec (an embedding reused as the
 output projection, on the first and last stages), LayerSpecs built per stage, ``partition_method="type:..."`` (ZeRO 0),
-``seed_layers`` and ``activation_checkpoint_interval`` (ZeRO 1), ZeRO 0 and 1, and gradients large enough that clipping (DeepSpeed's default 1.0) acts.
+``seed_layers`` and ``activation_checkpoint_interval`` (ZeRO 1), and gradients large enough that clipping
+(DeepSpeed's default 1.0) acts.
 
 Run by tests/multiproc/test_ds_pipeline.py as DeepSpeed's own script (``UNIDIST_TEST_REAL_DS=1``: ``import
 deepspeed``) under the deepspeed launcher, and with the compat import under mpiexec/torchrun. Prints
