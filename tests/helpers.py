@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -229,3 +230,27 @@ def assert_trains_like_one_process(reports: Mapping[int, Mapping[str, Any]], bac
             assert r["max_diff"] <= tol, (rank, variant, r)
         once = report["synchronize_once"]
         assert once["applied_minus_synchronized"] <= 1e-6 and once["synchronized_minus_expected"] <= 1e-4, once
+
+
+def upstream_copy(src: Path, script: str, siblings: Sequence[str], imports: Mapping[str, str], dest: Path,
+                  compat: bool) -> Path:
+    """An upstream example (tests/data/...) with its siblings in ``dest``; with ``compat`` its import lines are
+    replaced (each ``imports`` key must be a whole line of the script, exactly once, and no ``import deepspeed`` /
+    ``from deepspeed`` line may remain). Returns ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in siblings:
+        shutil.copy(src / name, dest / name)
+    text = (src / script).read_text()
+    if compat:
+        lines = text.splitlines(keepends=True)
+        for old, new in imports.items():
+            where = [i for i, line in enumerate(lines) if line == old]
+            if len(where) != 1:
+                raise AssertionError(f"{script} must contain the line {old!r} exactly once")
+            lines[where[0]] = new
+        text = "".join(lines)
+        left = [line for line in text.splitlines() if line.startswith(("import deepspeed", "from deepspeed"))]
+        if left:
+            raise AssertionError(f"{script} still imports real DeepSpeed after the replacement: {left}")
+    (dest / script).write_text(text)
+    return dest

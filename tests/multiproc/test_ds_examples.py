@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import ast
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from helpers import LAUNCHES, MARKS, Launch, Run, require, run
+from helpers import LAUNCHES, MARKS, Launch, Run, require, run, upstream_copy
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "deepspeed_examples"
 SCRIPT = "cifar10_deepspeed.py"
@@ -90,23 +89,7 @@ class Outcome:
 
 def _copy(tmp: Path, compat: bool) -> Path:
     """The data script (the compat copy: its import lines replaced) with its siblings in a fresh directory."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    for name in SIBLINGS:
-        shutil.copy(EXAMPLES / name, tmp / name)
-    text = (EXAMPLES / SCRIPT).read_text()
-    if compat:
-        lines = text.splitlines(keepends=True)
-        for old, new in IMPORTS.items():
-            where = [i for i, line in enumerate(lines) if line == old]
-            if len(where) != 1:
-                raise AssertionError(f"{SCRIPT} must contain the line {old!r} exactly once")
-            lines[where[0]] = new
-        text = "".join(lines)
-        left = [line for line in text.splitlines() if line.startswith(("import deepspeed", "from deepspeed"))]
-        if left:
-            raise AssertionError(f"{SCRIPT} still imports real DeepSpeed after the replacement: {left}")
-    (tmp / SCRIPT).write_text(text)
-    return tmp / "harness.py"
+    return upstream_copy(EXAMPLES, SCRIPT, SIBLINGS, IMPORTS, tmp, compat) / "harness.py"
 
 
 def launch_cases(tmp: Path, launch: Launch, cases: tuple[str, ...], compat: bool, flags: tuple[str, ...] = ()

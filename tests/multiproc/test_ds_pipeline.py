@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import LAUNCHES, Launch, Run, require, run
+from helpers import LAUNCHES, Launch, Run, require, run, upstream_copy
 
 pytestmark = pytest.mark.slow
 
@@ -49,18 +48,7 @@ WEIGHT_RTOL = 1e-5  # on each tensor's sum and sum of squares; measured <= 4.4e-
 
 def _copy(tmp: Path, compat: bool) -> Path:
     """The example with its siblings in a fresh directory (the compat copy: its import lines replaced)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    for name in SIBLINGS:
-        shutil.copy(EXAMPLES / name, tmp / name)
-    text = (EXAMPLES / SCRIPT).read_text()
-    if compat:
-        for old, new in IMPORTS.items():
-            assert text.count(old) == 1, f"{SCRIPT} must contain {old!r} exactly once"
-            text = text.replace(old, new)
-        left = [line for line in text.splitlines() if line.startswith(("import deepspeed", "from deepspeed"))]
-        assert not left, f"{SCRIPT} still imports real DeepSpeed: {left}"
-    (tmp / SCRIPT).write_text(text)
-    return tmp
+    return upstream_copy(EXAMPLES, SCRIPT, SIBLINGS, IMPORTS, tmp, compat)
 
 
 def _weights(out: Path, prefix: str, ranks: int) -> dict[int, dict[str, list[float]]]:
