@@ -250,3 +250,21 @@ def test_a_locate_run_probes_its_steps_and_stops_after_the_last(tmp_path: Path) 
     assert stopped == 0 and [s["step"] for s in steps] == [1, 2]
     assert lines[0]["locate"] == 2 and lines[0]["perturb"] == 1 and "random" not in lines[0]
     assert all(set(s["probes"]) == {"forward", "backward", "grads"} for s in steps)
+
+
+def test_default_launches_are_one_process_then_each_usable_backends_main_launch() -> None:
+    """No --launch: python first, then every usable backend with a launcher at 2 ranks, in the given order, each
+    with its record's variables (DeepSpeed's CPU accelerator on a CPU machine) and UNIDIST_BACKEND naming it; a
+    backend without a launcher (local) is left out. (The launches themselves run in tests/multiproc/test_verify.py
+    and in the docs' verify command.)"""
+    import sys
+
+    from unidist.verify.launches import default_launches
+
+    made = default_launches("train.py", ["--epochs", "1"], ["local", "mpi", "torch", "deepspeed", "horovod"],
+                            lambda backend, n, script, args: [f"launch-{backend}", str(n), script, *args], gpu=False)
+    assert [m.label for m in made] == ["python", "mpi-2", "torch-2", "deepspeed-2", "horovod-2"]
+    assert made[0].argv == [sys.executable, "train.py", "--epochs", "1"]
+    assert made[1].argv == ["launch-mpi", "2", "train.py", "--epochs", "1"]
+    assert all(m.env["UNIDIST_BACKEND"] == m.label[:-2] for m in made[1:])
+    assert made[3].env.get("DS_ACCELERATOR") == "cpu"
