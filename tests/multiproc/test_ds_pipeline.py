@@ -9,7 +9,8 @@ deepspeed import lines changed to ``unidist.compat.deepspeed``, under mpiexec an
   per step; measured: equal to 8 digits (1e-7 relative at step 4, the clipping norm's float order).
 - tests/workers/ds_pipeline.py: what the example lacks, at 4 ranks (2 stages x 2 data-parallel): a TiedLayerSpec
   embedding on the first and last stages, LayerSpecs, ``partition_method="type:block"`` (ZeRO 0), ``seed_layers``
-  (ZeRO 1), gradients large enough that DeepSpeed's default clipping at 1.0 acts. Measured: ZeRO 0 bit-identical;
+  (ZeRO 1), gradients large enough that DeepSpeed's default clipping at 1.0 acts, and an ``eval_batch`` after
+  training. Measured: ZeRO 0 bit-identical;
   ZeRO 1 within 3.4e-7 in the losses and 3e-6 in the weights' sums (DeepSpeed's ZeRO sums the norm in float32).
   The compat copy under the deepspeed launcher is DeepSpeed's own PipelineModule and engine (bit-identical).
   The horovod env (no DeepSpeed there) ties horovodrun-2 to torchrun-2.
@@ -113,7 +114,7 @@ def _tied(tmp: Path, launch: Launch, real: bool, ranks: int = 4) -> tuple[dict[t
     env = {**launch.env, "OUT": str(out), **({"UNIDIST_TEST_REAL_DS": "1"} if real else {})}
     argv = [str(EXAMPLES / "run_plain.py"), *(["--no-shm-comm"] if real else []), str(WORKER), "2"]
     proc = run(launch.command(*argv), env=env, cwd=tmp, timeout=600)
-    losses = _losses(proc, r"^(?:\[\d+\]<stdout>:)?pipe (\d) (\d+) (\S+)$")  # horovodrun prefixes its ranks
+    losses = _losses(proc, r"^(?:\[\d+\]<stdout>:)?pipe (\d) (\d+|eval) (\S+)$")  # horovodrun prefixes its ranks
     return losses, {f"z{z}": _weights(out, f"z{z}-", ranks) for z in (0, 1)}
 
 
@@ -128,7 +129,7 @@ def test_tied_layers_on_a_pipe_by_data_grid_equal_deepspeed(launch_id: str, exac
     want_loss, want_w = _reference("tied", lambda: _tied(tmp_path_factory.mktemp("real-tied"),
                                                          LAUNCHES["deepspeed-2"].resized(4), real=True))
     got_loss, got_w = _tied(tmp_path_factory.mktemp(launch_id), launch, real=False)
-    assert sorted(got_loss) == sorted(want_loss) and len(want_loss) == 12
+    assert sorted(got_loss) == sorted(want_loss) and len(want_loss) == 14  # 6 steps and eval_batch, ZeRO 0 and 1
     for key, loss in want_loss.items():
         exact_here = exact or key[0] == "0"  # ZeRO 0 is bit-identical on every launcher
         assert got_loss[key] == (loss if exact_here else pytest.approx(loss, rel=LOSS_RTOL)), (key, got_loss)
@@ -145,6 +146,6 @@ def test_tied_layers_under_horovodrun_equal_torchrun(tmp_path: Path) -> None:
     require(*hvd.engines)
     got_loss, got_w = _tied(tmp_path / "hvd", hvd, real=False, ranks=2)
     want_loss, want_w = _tied(tmp_path / "torch", torch_, real=False, ranks=2)
-    assert got_loss == want_loss and len(want_loss) == 12
+    assert got_loss == want_loss and len(want_loss) == 14
     for z in ("z0", "z1"):
         _close(got_w[z], want_w[z], 0.0)

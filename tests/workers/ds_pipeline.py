@@ -71,6 +71,11 @@ def train(stage: int, stages: int, out: Path) -> None:
         loss = engine.train_batch()
         if engine.global_rank == 0:
             print(f"pipe {stage} {step} {float(loss):.9g}", flush=True)
+    held_out = data()
+    batches = [(held_out.tensors[0][i:i + 4], held_out.tensors[1][i:i + 4]) for i in range(0, 16, 4)]
+    evaluated = engine.eval_batch(iter(batches))  # 4 micro-batches (the accumulation steps), no training
+    if engine.global_rank == 0:
+        print(f"pipe {stage} eval {float(evaluated):.9g}", flush=True)
     weights = {name: [float(p.double().sum()), float(p.double().pow(2).sum())]
                for name, p in net.state_dict().items()}
     (out / f"z{stage}-rank{engine.global_rank}.json").write_text(json.dumps(weights))
