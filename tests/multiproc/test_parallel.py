@@ -17,9 +17,10 @@ WORKER = str(WORKERS / "parallel.py")
 # every backend's main launch at 2 ranks; 4-rank pipelines (and pairs of groups) on mpi and torch, sampled for time
 RUNS = {**main_launches(2), **{k: v for k, v in main_launches(4).items() if v.backend in ("mpi", "torch")}}
 CASES_2 = ["tp_world_parallel_io", "tp_world_gathered", "pipeline_2_gpipe", "pipeline_2_1f1b", "pipeline_2_gpipe_big",
-           "pipeline_2_1f1b_big", "pipeline_2_1f1b_m2"]
+           "pipeline_2_1f1b_big", "pipeline_2_1f1b_m2", "pipeline_2_tuple"]
 CASES_4 = ["tp_world_parallel_io", "tp_world_gathered", "pipeline_4_gpipe", "pipeline_4_1f1b", "pipeline_4_gpipe_big",
-           "pipeline_4_1f1b_big", "pipeline_4_1f1b_m2", "tp_pairs", "pipeline_pairs_gpipe", "pipeline_pairs_1f1b"]
+           "pipeline_4_1f1b_big", "pipeline_4_1f1b_m2", "pipeline_4_tuple", "tp_pairs", "pipeline_pairs_gpipe",
+           "pipeline_pairs_1f1b"]
 
 
 @pytest.fixture(scope="module", params=[pytest.param(k, marks=MARKS[v.backend]) for k, v in RUNS.items()])

@@ -9,6 +9,7 @@ on the group's device (a GPU where there is one: the GPU suite, tests/multiproc/
 
 from __future__ import annotations
 
+import copy
 import time
 import traceback
 from typing import Any
@@ -131,6 +132,49 @@ def pipeline(group: Any, schedule: str, microbatches: int, width: int = 24, step
             "step": stats["step_seconds"], "median_step": sorted(seconds)[len(seconds) // 2]}
 
 
+class _Masked(torch.nn.Module):
+    """A stage that takes and passes (hidden, mask): the activation is a tuple with an integer part, as Megatron's
+    (hidden, attention mask); the last stage returns the masked output."""
+
+    def __init__(self, width: int, last: bool) -> None:
+        super().__init__()
+        self.fc, self.last = torch.nn.Linear(width, 4 if last else width), last
+
+    def forward(self, x: Any) -> Any:
+        h, mask = x if isinstance(x, tuple) else (x, (x[:, :1] > 0).long())
+        out = self.fc(h) if self.last else torch.tanh(self.fc(h)) * (1 + mask)
+        return out * mask if self.last else (out, mask)
+
+
+def pipeline_tuple(group: Any, microbatches: int = 4, width: int = 16) -> dict[str, Any]:
+    """Stages exchanging (hidden, integer mask) tuples: losses, weights and the first stage's input gradient path
+    against the same stages chained in one process."""
+    stages, dev = group.size, group.device
+    torch.manual_seed(7)
+    blocks = [_Masked(width, i == stages - 1).to(dev) for i in range(stages)]
+    dense = torch.nn.Sequential(*[copy.deepcopy(b) for b in blocks])
+    mine = blocks[group.rank]
+    pipe = Pipeline(mine, group, microbatches=microbatches, schedule="1f1b", loss_fn=torch.nn.functional.mse_loss)
+    dense_opt, opt = torch.optim.SGD(dense.parameters(), lr=LR), torch.optim.SGD(mine.parameters(), lr=LR)
+    gen = torch.Generator().manual_seed(11)
+    worst = 0.0
+    for step in range(STEPS):
+        x = torch.randn(8 * microbatches, width, generator=gen).to(dev)
+        y = (torch.randn(8 * microbatches, 4, generator=gen) * 3).to(dev)
+        ref = torch.stack([torch.nn.functional.mse_loss(dense(xs), ys)
+                           for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)]).mean()
+        ref.backward()
+        dense_opt.step()
+        dense_opt.zero_grad()
+        loss = pipe.train_step(x, y)
+        opt.step()
+        opt.zero_grad()
+        worst = max(worst, _close(torch.tensor(loss), ref.detach().cpu(), f"step {step} loss"))
+    for got, want in zip(mine.parameters(), dense[group.rank].parameters(), strict=True):
+        worst = max(worst, _close(got.detach(), want.detach(), f"stage {group.rank} weights"))
+    return {"max_diff": worst}
+
+
 def record(report: dict[str, Any], name: str, fn: Any) -> None:
     try:
         report[name] = {"result": "ok", **fn()}
@@ -146,6 +190,7 @@ def fill(mgr: Any, report: dict[str, Any]) -> None:
         # activations of 256 KiB: a blocking send only ends when its recv starts, so the order must be right
         record(report, f"pipeline_{mgr.size}_{schedule}_big", lambda s=schedule: pipeline(mgr, s, 4, 8192, 1))
     record(report, f"pipeline_{mgr.size}_1f1b_m2", lambda: pipeline(mgr, "1f1b", 2))
+    record(report, f"pipeline_{mgr.size}_tuple", lambda: pipeline_tuple(mgr))
     if mgr.size == 4:
         pairs = mgr.split(mgr.rank // 2)  # two 2-way groups side by side
         record(report, "tp_pairs", lambda: tensor_parallel(pairs, gather=False))

@@ -10,8 +10,9 @@ Schedules (S stages, M micro-batches):
 
 Each micro-batch's loss is divided by M before its backward, so the gradients are those of the batch's mean
 loss (``loss_fn`` must average over its micro-batch, as torch's losses do by default), and training equals the
-unsplit model's on the whole batch. Activation shapes are sent once per input shape (a small header before the
-first activation), then reused. Exchanges between neighbours are ordered (the lower stage sends first), so
+unsplit model's on the whole batch. An activation is a tensor or a tuple of tensors (Megatron's hidden state and
+mask); gradients go back for its floating-point parts. Shapes are sent once per input shape (a small header before
+the first activation), then reused. Exchanges between neighbours are ordered (the lower stage sends first), so
 blocking send/recv cannot deadlock, whatever the message size.
 """
 
@@ -34,6 +35,18 @@ _SCHEDULES = ("gpipe", "1f1b")
 _MAX_DIMS = 8
 _TAG_HEADER, _TAG_ACT, _TAG_GRAD = 11, 12, 13
 _PER_STEP = ("per step",)  # the key of shapes announced at every step's first micro-batch
+_MAX_PARTS = 8  # tensors in one activation tuple
+
+
+def _detached(activation: Any) -> Any:
+    """An activation cut from autograd (inference): each part of a tuple."""
+    return tuple(t.detach() for t in activation) if isinstance(activation, tuple) else activation.detach()
+
+
+def _floating(activation: Any) -> list[torch.Tensor]:
+    """The parts of an activation that carry gradients: its floating-point tensors, in order."""
+    parts = list(activation) if isinstance(activation, tuple) else [activation]
+    return [t for t in parts if t.is_floating_point()]
 
 
 class Pipeline:
@@ -65,60 +78,83 @@ class Pipeline:
         self.loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = loss_fn
         self.stages, self.index = group.size, group.rank
         self.first, self.last = self.index == 0, self.index == self.stages - 1
-        self._incoming: dict[tuple[Any, ...], tuple[tuple[int, ...], torch.dtype]] = {}  # key -> activation
+        # key -> (each part's shape and dtype, whether a tuple)
+        self._incoming: dict[tuple[Any, ...], tuple[list[tuple[tuple[int, ...], torch.dtype]], bool]] = {}
         self._announced: set[tuple[Any, ...]] = set()
         self._alive = self._peak = 0
         self._busy = self._step_seconds = 0.0
 
     # ------------------------------------------------------------------ neighbours
-    def _send_header(self, t: torch.Tensor) -> None:
-        if t.dim() > _MAX_DIMS:
-            raise InvalidArgumentError(f"Pipeline: activations of up to {_MAX_DIMS} dimensions, got {t.dim()}")
-        head = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-        head[0], head[1] = DTYPE_ID[t.dtype], t.dim()
-        head[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    # An activation is a tensor or a tuple of up to _MAX_PARTS tensors (Megatron's (hidden, mask)); its header lists
+    # each part's dtype and shape. Gradients travel back for the floating-point parts only, in the same order.
+    def _send_header(self, parts: list[torch.Tensor], tuple_: bool) -> None:
+        if len(parts) > _MAX_PARTS:
+            raise InvalidArgumentError(f"Pipeline: a stage passes at most {_MAX_PARTS} tensors, got {len(parts)}")
+        head = torch.zeros(2 + _MAX_PARTS * (2 + _MAX_DIMS), dtype=torch.int64)
+        head[0], head[1] = len(parts), int(tuple_)
+        for i, t in enumerate(parts):
+            if t.dim() > _MAX_DIMS:
+                raise InvalidArgumentError(f"Pipeline: activations of up to {_MAX_DIMS} dimensions, got {t.dim()}")
+            at = 2 + i * (2 + _MAX_DIMS)
+            head[at], head[at + 1] = DTYPE_ID[t.dtype], t.dim()
+            head[at + 2:at + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         self.group.send(head, self.index + 1, _TAG_HEADER)
 
-    def _recv_header(self) -> tuple[tuple[int, ...], torch.dtype]:
-        head = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
+    def _recv_header(self) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], bool]:
+        head = torch.empty(2 + _MAX_PARTS * (2 + _MAX_DIMS), dtype=torch.int64)
         self.group.recv(head, self.index - 1, _TAG_HEADER)
-        dims = int(head[1])
-        return tuple(int(d) for d in head[2:2 + dims]), SUPPORTED_DTYPES[int(head[0])]
+        parts = []
+        for i in range(int(head[0])):
+            at = 2 + i * (2 + _MAX_DIMS)
+            dims = int(head[at + 1])
+            parts.append((tuple(int(d) for d in head[at + 2:at + 2 + dims]), SUPPORTED_DTYPES[int(head[at])]))
+        return parts, bool(head[1])
 
-    def _send_forward(self, out: torch.Tensor, key: tuple[Any, ...]) -> None:
+    def _send_forward(self, out: Any, key: tuple[Any, ...]) -> None:
         if self.last:
             return
-        if not isinstance(out, torch.Tensor):
+        tuple_ = isinstance(out, tuple)
+        parts = list(out) if tuple_ else [out]
+        if not parts or not all(isinstance(t, torch.Tensor) for t in parts):
             raise InvalidArgumentError(f"Pipeline: stage {self.index} returned a {type(out).__name__}; a stage passes "
-                                       "one tensor to the next (concatenate several, or carry them inside the stage)")
-        out = out.detach().contiguous()
+                                       "a tensor, or a tuple of tensors, to the next")
+        parts = [t.detach().contiguous() for t in parts]
         if key not in self._announced:
-            self._send_header(out)
+            self._send_header(parts, tuple_)
             self._announced.add(key)
-        with trace_hooks.span("pipeline send", to=self.index + 1, bytes=out):
-            self.group.send(out, self.index + 1, _TAG_ACT)
+        for t in parts:
+            with trace_hooks.span("pipeline send", to=self.index + 1, bytes=t):
+                self.group.send(t, self.index + 1, _TAG_ACT)
 
-    def _recv_forward(self, key: tuple[Any, ...]) -> torch.Tensor:
+    def _recv_forward(self, key: tuple[Any, ...]) -> Any:
         if key not in self._incoming:
             self._incoming[key] = self._recv_header()
-        shape, dtype = self._incoming[key]
-        buf = torch.empty(shape, dtype=dtype, device=self.group.device)
-        with trace_hooks.span("pipeline recv", source=self.index - 1, bytes=buf):
-            self.group.recv(buf, self.index - 1, _TAG_ACT)
-        return buf.requires_grad_(dtype.is_floating_point)
+        specs, tuple_ = self._incoming[key]
+        parts = []
+        for shape, dtype in specs:
+            buf = torch.empty(shape, dtype=dtype, device=self.group.device)
+            with trace_hooks.span("pipeline recv", source=self.index - 1, bytes=buf):
+                self.group.recv(buf, self.index - 1, _TAG_ACT)
+            parts.append(buf.requires_grad_(dtype.is_floating_point))
+        return tuple(parts) if tuple_ else parts[0]
 
-    def _send_backward(self, grad: torch.Tensor | None, like: torch.Tensor) -> None:
+    def _send_backward(self, grads: list[torch.Tensor | None], like: Any) -> None:
+        """The input's gradients (one per floating-point part, zeros where none) to the stage before."""
         if self.first:
             return
-        grad = (grad if grad is not None else torch.zeros_like(like)).contiguous()
-        with trace_hooks.span("pipeline send", to=self.index - 1, bytes=grad):
-            self.group.send(grad, self.index - 1, _TAG_GRAD)
+        for grad, part in zip(grads, _floating(like), strict=True):
+            g = (grad if grad is not None else torch.zeros_like(part)).contiguous()
+            with trace_hooks.span("pipeline send", to=self.index - 1, bytes=g):
+                self.group.send(g, self.index - 1, _TAG_GRAD)
 
-    def _recv_backward(self, out: torch.Tensor) -> torch.Tensor:
-        buf = torch.empty_like(out, memory_format=torch.contiguous_format)
-        with trace_hooks.span("pipeline recv", source=self.index + 1, bytes=buf):
-            self.group.recv(buf, self.index + 1, _TAG_GRAD)
-        return buf
+    def _recv_backward(self, out: Any) -> list[torch.Tensor]:
+        grads = []
+        for part in _floating(out):
+            buf = torch.empty_like(part, memory_format=torch.contiguous_format)
+            with trace_hooks.span("pipeline recv", source=self.index + 1, bytes=buf):
+                self.group.recv(buf, self.index + 1, _TAG_GRAD)
+            grads.append(buf)
+        return grads
 
     # ------------------------------------------------------------------ one micro-batch
     def _input(self, j: int, inputs: list[torch.Tensor], key: tuple[Any, ...]) -> torch.Tensor:
@@ -137,13 +173,20 @@ class Pipeline:
         self._peak = max(self._peak, self._alive)
         return out
 
-    def _backward(self, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+    def _backward(self, inp: Any, out: Any, grads: list[torch.Tensor] | None) -> list[torch.Tensor | None]:
+        """Backward of one micro-batch (``grads``: the next stage's, None on the last stage, whose ``out`` is the
+        loss); returns the input's gradients, one per floating-point part (empty on the first stage)."""
         start = time.perf_counter()
-        if out.requires_grad:
-            torch.autograd.backward(out, grad)
+        if grads is None:
+            if out.requires_grad:
+                torch.autograd.backward(out)
+        else:
+            pairs = [(o, g) for o, g in zip(_floating(out), grads, strict=True) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         self._busy += time.perf_counter() - start
         self._alive -= 1
-        return inp.grad if (not self.first and inp.requires_grad) else None
+        return [] if self.first else [part.grad if part.requires_grad else None for part in _floating(inp)]
 
     # ------------------------------------------------------------------ schedules
     def train_step(self, x: torch.Tensor, y: Any) -> float:
@@ -188,7 +231,7 @@ class Pipeline:
         self._incoming.pop(_PER_STEP, None)
         total = torch.zeros(1)
         for j in range(m):
-            inp = inputs[j] if self.first and inputs is not None else self._recv_forward(_PER_STEP).detach()
+            inp = inputs[j] if self.first and inputs is not None else _detached(self._recv_forward(_PER_STEP))
             out = self.stage(inp)
             self._send_forward(out, _PER_STEP)
             if self.last:
@@ -260,7 +303,7 @@ class Pipeline:
         key = (tuple(x.chunk(m)[0].shape), x.dtype, "inference")
         outs = []
         for part in x.chunk(m):
-            inp = part if self.first else self._recv_forward(key).detach()
+            inp = part if self.first else _detached(self._recv_forward(key))
             out = self.stage(inp)
             self._send_forward(out, key)
             outs.append(out)
