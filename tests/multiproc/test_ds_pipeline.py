@@ -8,10 +8,11 @@ deepspeed import lines changed to ``unidist.compat.deepspeed``, under mpiexec an
   stages, dropout 0, 4 steps of 16 images in 2 micro-batches of 8. The issue asks the losses within 1e-4 relative
   per step; measured: equal to 8 digits (1e-7 relative at step 4, the clipping norm's float order).
 - tests/workers/ds_pipeline.py: what the example lacks, at 4 ranks (2 stages x 2 data-parallel): a TiedLayerSpec
-  embedding on the first and last stages, LayerSpecs, ``partition_method="type:block"`` (ZeRO 0), ``seed_layers``
-  (ZeRO 1), gradients large enough that DeepSpeed's default clipping at 1.0 acts, and an ``eval_batch`` after
-  training. Measured: ZeRO 0 bit-identical;
-  ZeRO 1 within 3.4e-7 in the losses and 3e-6 in the weights' sums (DeepSpeed's ZeRO sums the norm in float32).
+  embedding on the first and last stages, LayerSpecs, (hidden, integer mask) tuples between stages,
+  ``partition_method="type:block"`` (ZeRO 0), ``seed_layers`` and activation checkpointing (ZeRO 1), gradients
+  large enough that DeepSpeed's default clipping at 1.0 acts, and an ``eval_batch`` after training. Measured:
+  ZeRO 0 bit-identical; ZeRO 1 within 1e-7 in the losses and 6e-7 in the weights' sums (DeepSpeed's ZeRO sums the
+  norm in float32).
   The compat copy under the deepspeed launcher is DeepSpeed's own PipelineModule and engine (bit-identical).
   The horovod env (no DeepSpeed there) ties horovodrun-2 to torchrun-2.
 

@@ -1,5 +1,6 @@
 """A DeepSpeed pipeline script with what the upstream example lacks: TiedLayerSpec (an embedding reused as the
-output projection, on the first and last stages), LayerSpecs built per stage, ``partition_method="type:..."`` (ZeRO 0),
+output projection, on the first and last stages), LayerSpecs built per stage, (hidden, integer mask) tuples between
+stages, ``partition_method="type:..."`` (ZeRO 0),
 ``seed_layers`` and ``activation_checkpoint_interval`` (ZeRO 1), and gradients large enough that clipping
 (DeepSpeed's default 1.0) acts.
 
@@ -29,16 +30,27 @@ VOCAB, WIDTH, SEQ = 32, 16, 6
 
 
 class Block(nn.Module):
+    """A residual block passing (hidden, mask) on: the activations between stages are tuples with an integer part,
+    as Megatron-DeepSpeed's (hidden, attention mask)."""
+
     def __init__(self, width: int) -> None:
         super().__init__()
         self.fc = nn.Linear(width, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x)) * 2.0
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, mask = x
+        return h + torch.tanh(self.fc(h)) * 2.0 * mask, mask
 
 
-def project(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
-    return x @ embedding.weight.t()
+def with_mask(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, a per-position integer mask: every position but the first of each sequence)."""
+    mask = torch.ones(h.shape[:-1] + (1,), dtype=torch.long)
+    mask[:, 0] = 0
+    return h, mask
+
+
+def project(embedding: nn.Embedding, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return x[0] @ embedding.weight.t()
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -53,7 +65,7 @@ def data() -> torch.utils.data.TensorDataset:
 
 def train(stage: int, stages: int, out: Path) -> None:
     torch.manual_seed(11)
-    layers = [TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH),
+    layers = [TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH), with_mask,
               *[LayerSpec(Block, WIDTH) for _ in range(4)],
               TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=project)]
     # DeepSpeed 0.19.8's seed_layers needs the uniform partition: a balanced one's stage bounds are numpy ints,
