@@ -44,7 +44,7 @@ class Block(nn.Module):
 
 def with_mask(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden, a per-position integer mask: every position but the first of each sequence)."""
-    mask = torch.ones(h.shape[:-1] + (1,), dtype=torch.long)
+    mask = torch.ones((*h.shape[:-1], 1), dtype=torch.long)
     mask[:, 0] = 0
     return h, mask
 
