@@ -158,3 +158,15 @@ def test_partitions_are_deepspeeds() -> None:
         weights = torch.randint(0, 5, (n,), generator=gen).tolist()
         assert partition.balanced(weights, parts) == [int(x) for x in ds_utils.partition_balanced(weights, parts)]
         assert partition.uniform(n, parts) == [int(x) for x in ds_utils.partition_uniform(n, parts)]
+
+
+def test_the_configs_pipeline_section_sets_the_checkpoint_interval() -> None:
+    """DeepSpeed's ``pipeline`` section: its activation_checkpoint_interval overrides the module's (the engine sets
+    it, runtime/pipe/engine.py:217-218); the partitioning flags change nothing without tensor parallelism."""
+    net = PipelineModule(layers=_layers(), loss_fn=torch.nn.CrossEntropyLoss(), num_stages=1)
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()), training_data=_data(),
+                                      config={**CONFIG, "pipeline": {"activation_checkpoint_interval": 2,
+                                                                     "pipe_partitioned": True,
+                                                                     "grad_partitioned": True}})
+    assert net.activation_checkpoint_interval == 2
+    assert float(engine.train_batch()) > 0

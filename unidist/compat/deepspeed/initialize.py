@@ -78,6 +78,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     # a pipeline's batch arithmetic counts its data-parallel ranks, not the world (DeepSpeed's dp_world_size)
     cfg = config_mod.parse(raw, pipe.grid.dp if pipe is not None else mgr.size, on_deepspeed=mgr.backend == "deepspeed")
     _check_local_rank(args, mgr)
+    if pipe is not None:  # the config's pipeline section: its interval overrides the module's, as in DeepSpeed
+        interval = (cfg.get("pipeline") or {}).get("activation_checkpoint_interval", 0)
+        if isinstance(interval, int) and not isinstance(interval, bool) and interval > 0:
+            pipe.activation_checkpoint_interval = interval
     if pipe is not None and cfg.zero_stage > 1:
         raise InvalidArgumentError(f"ZeRO stage {cfg.zero_stage} with a PipelineModule: DeepSpeed refuses it too "
                                    "('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'); use stage 0 or 1")

@@ -191,7 +191,9 @@ _ROWS: list[Key] = [
         _eq(True)),
     Key("disable_allgather", False, DS_ONLY, REFUSED, "bool", _off),
     Key("aio", None, DS_ONLY, REFUSED + " (NVMe async I/O)", "dict", _off),
-    Key("pipeline", None, DS_ONLY, REFUSED + " (pipeline parallelism)", "dict", _off),
+    Key("pipeline", None, EVERY, "a PipelineModule's engine settings, as DeepSpeed's: "
+        "activation_checkpoint_interval > 0 sets the module's; pipe_partitioned/grad_partitioned act with tensor "
+        "parallelism only (accepted); the rest accepted (the module's own arguments decide)", "dict"),
     Key("tensor_parallel", None, DS_ONLY, REFUSED + " (tensor parallelism)", "dict", _off),
     Key("sequence_parallel_size", 1, DS_ONLY, REFUSED + " (sequence parallelism)", "int>0", _eq(1)),
     Key("expert_parallel", None, DS_ONLY, REFUSED + " (MoE expert parallelism)", "dict", _off),
