@@ -172,6 +172,12 @@ def pipeline_tuple(group: Any, microbatches: int = 4, width: int = 16) -> dict[s
         worst = max(worst, _close(torch.tensor(loss), ref.detach().cpu(), f"step {step} loss"))
     for got, want in zip(mine.parameters(), dense[group.rank].parameters(), strict=True):
         worst = max(worst, _close(got.detach(), want.detach(), f"stage {group.rank} weights"))
+    # evaluation over fewer micro-batches than training's: every stage is told how many (a middle stage has none)
+    xs, ys = list(x.chunk(microbatches))[:2], list(y.chunk(microbatches))[:2]
+    got_eval = pipe.eval_microbatches(xs if group.rank == 0 else None, ys if group.rank == stages - 1 else None, 2)
+    with torch.no_grad():
+        want_eval = sum(float(torch.nn.functional.mse_loss(dense(a), b)) for a, b in zip(xs, ys, strict=True)) / 2
+    worst = max(worst, _close(torch.tensor(got_eval), torch.tensor(want_eval), "eval over 2 micro-batches"))
     return {"max_diff": worst}
 
 

@@ -119,7 +119,7 @@ class Gate(torch.nn.Module):
         """``drop_tokens=False``: the capacity is the busiest expert's count over the expert-parallel group."""
         top = counts.max().reshape(1)
         if self.ep_group is not None and self.ep_group.size > 1:
-            top = self.ep_group.allreduce(top, "max")
+            self.ep_group.allreduce_(top, "max")
         return int(top[0])
 
     def _top1(self, logits: torch.Tensor, factor: float, policy: str | None

@@ -224,9 +224,15 @@ class Pipeline:
         return self._train(list(inputs or [None] * m), list(targets or [None] * m), _PER_STEP)
 
     @torch.no_grad()
-    def eval_microbatches(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None) -> float:
-        """The mean loss of the micro-batches without gradients (DeepSpeed's ``eval_batch``), on every rank."""
-        m = len(inputs if self.first and inputs is not None else targets or [None] * self.microbatches)
+    def eval_microbatches(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None,
+                          count: int | None = None) -> float:
+        """The mean loss of the micro-batches without gradients (DeepSpeed's ``eval_batch``), on every rank.
+
+        Args:
+            inputs, targets: as ``train_microbatches``'s (the first stage's inputs, the last stage's targets).
+            count: how many micro-batches (default ``microbatches``); every stage passes the same.
+        """
+        m = count if count is not None else self.microbatches
         self._announced.discard(_PER_STEP)
         self._incoming.pop(_PER_STEP, None)
         total = torch.zeros(1)

@@ -63,6 +63,7 @@ class DistributedOptimizer(WindowedOptimizer):
         self.options = options
         self.op, self.compression = options.op, options.compression
         self._passes, self.clip_grad_norm = options.backward_passes_per_step, options.clip_grad_norm
+        self._replicas = frozenset(id(p) for p in options.clip_norm_replicas)  # counted by another rank's norm
         self._hooks: list[Any] = []
         self._calls = 0  # step() calls: the pass index within the accumulation window
         self._no_sync = False
@@ -120,8 +121,7 @@ class DistributedOptimizer(WindowedOptimizer):
         if self.options.clip_norm_group is None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         grads = [p.grad for p in params if p.grad is not None]
-        replicas = {id(p) for p in self.options.clip_norm_replicas}
-        counted = [p.grad for p in params if p.grad is not None and id(p) not in replicas]
+        counted = [p.grad for p in params if p.grad is not None and id(p) not in self._replicas]
         local = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros(())
         return clip_summed(grads, local.cpu(), [self.options.clip_norm_group], max_norm)
 
@@ -143,7 +143,7 @@ class DistributedOptimizer(WindowedOptimizer):
         grads = [p.grad for p in params if p.grad is not None]
         local = torch.stack([g.detach().float().norm(2) for g in grads]).pow(2).sum().float().pow(0.5) if grads \
             else torch.zeros(())
-        total = self.dp.allreduce((local / self.dp.size).reshape(1), "sum")
+        total = self.dp.allreduce_((local / self.dp.size).reshape(1), "sum")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device, g.dtype))

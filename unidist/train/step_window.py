@@ -30,9 +30,9 @@ def clip_summed(grads: list[torch.Tensor], local: torch.Tensor, comms: list[Any]
     """Clip ``grads`` to the global L2 norm ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` on one process:
     ``local`` is this rank's sum of squares, summed over each of ``comms`` in turn (ZeRO's shards over the
     data-parallel ranks, a pipeline's stages over its stage group). Returns the norm before clipping."""
-    total = local.reshape(1).double()
+    total = local.reshape(1).double().clone()  # reduced in place, over each communicator in turn
     for comm in comms:
-        total = comm.allreduce(total, "sum")
+        comm.allreduce_(total, "sum")
     norm = float(total.sqrt())
     coef = min(max_norm / (norm + 1e-6), 1.0)
     if coef < 1.0:

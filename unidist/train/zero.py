@@ -67,6 +67,7 @@ class ZeroOptimizer(WindowedOptimizer):
         self.options = options
         self.op, self.compression = options.op, options.compression
         self._passes, self.clip_grad_norm = options.backward_passes_per_step, options.clip_grad_norm
+        self._replicas = frozenset(id(p) for p in options.clip_norm_replicas)  # counted by another rank's norm
         # nothing travels on one rank: keep full precision there
         self._compressor = Compression.of(options.compression) if dp.size > 1 else Compression.none
         super().__init__(optimizer)
@@ -247,12 +248,11 @@ class ZeroOptimizer(WindowedOptimizer):
     def _replica_squares(self) -> torch.Tensor:
         """The squares of this rank's parts of ``clip_norm_replicas`` (another rank of the norm's group counts
         them): taken out of this rank's share of the norm."""
-        replicas = {id(p) for p in self.options.clip_norm_replicas}
         total = torch.zeros(())
-        for u in self.units if replicas else []:
+        for u in self.units if self._replicas else []:
             grad = u.shard.grad
             for i, p in enumerate(u.params):
-                part = u.owned(i) if grad is not None and id(p) in replicas else None
+                part = u.owned(i) if grad is not None and id(p) in self._replicas else None
                 if part is not None and grad is not None:
                     s, e, at = part
                     total = total + grad[at:at + e - s].float().pow(2).sum().cpu()

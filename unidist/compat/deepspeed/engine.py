@@ -54,6 +54,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self._step_applied = False
         self._in_no_sync = False
         self._pending: Any = None  # an accumulate block a no_sync opened, closed by the next backward outside
+        # the optimizer's parameters in its order before prepare sharded them (initialize sets it): the indices of
+        # its full state dict (utils.safe_get_full_optimizer_state)
+        self.stepped_params: list[torch.Tensor] = []
 
     # ----------------------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

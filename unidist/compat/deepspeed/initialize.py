@@ -88,6 +88,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
 
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     opt = _optimizer(optimizer, params, cfg)
+    # the optimizer's parameters in its own order, before prepare shards them: how its state dict numbers them
+    stepped = [q for g in opt.param_groups for q in g["params"]] if opt is not None else []
     precision = cfg.precision()
     passthrough = cfg.deepspeed_only() if mgr.backend == "deepspeed" else {}
     if _offloads(passthrough) and "zero_force_ds_cpu_optimizer" not in cfg.raw:
@@ -113,6 +115,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if pipe is not None:
         engine: DeepSpeedEngine = PipelineEngine(mgr, cfg, pipe, prepared, prepared_opt, scheduler, training_data,
                                                  collate_fn, clip=cfg.gradient_clipping if engine_clips else 0.0)
+        engine.stepped_params = stepped
         state.register_engine(engine)
         return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
     loader = None
@@ -120,6 +123,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         loader = DeepSpeedDataLoader(mgr, training_data, cfg.train_micro_batch_size_per_gpu, collate_fn,
                                      cfg.dataloader_drop_last)
     engine = DeepSpeedEngine(mgr, cfg, prepared, prepared_opt, scheduler, loader)
+    engine.stepped_params = stepped
     state.register_engine(engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 

@@ -151,7 +151,7 @@ class PipelineEngine(DeepSpeedEngine):
         self.global_samples += self.train_batch_size()
         self.micro_steps += self.micro_batches
         self._since_print += time.perf_counter() - start
-        self._print_progress()
+        self._print_progress(float(self.agg_train_loss))
         return self.agg_train_loss
 
     @torch.no_grad()
@@ -176,7 +176,7 @@ class PipelineEngine(DeepSpeedEngine):
             inputs, labels = self._micro_batches(count)
         finally:
             self.data_iterator = saved
-        return self._dp_mean(self._pipeline.eval_microbatches(inputs, labels))
+        return self._dp_mean(self._pipeline.eval_microbatches(inputs, labels, count))
 
     def _clip_as_deepspeed(self) -> None:
         """DeepSpeed 0.19.8's fp32 clip (runtime/utils.py ``clip_grad_norm_`` with the pipe grid as ``mpu``):
@@ -188,26 +188,25 @@ class PipelineEngine(DeepSpeedEngine):
             local = torch.stack([g.detach().float().norm(2) for g in grads]).pow(2).sum().float().reshape(1)
         else:
             local = torch.zeros(1)
-        total = self.grid.pipe_group.allreduce(local, "sum").pow(0.5)
+        total = self.grid.pipe_group.allreduce_(local, "sum").pow(0.5)
         coef = torch.clamp(self._clip / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device, g.dtype))
-        self._clip_norm = float(total)
 
     def _dp_mean(self, loss: float) -> torch.Tensor:
         value = torch.tensor([loss], dtype=torch.float32)
         if self.grid.dp > 1:
-            value = self.grid.dp_group.allreduce(value, "sum") / self.grid.dp
+            self.grid.dp_group.allreduce_(value, "sum").div_(self.grid.dp)
         return value[0]
 
-    def _print_progress(self) -> None:
+    def _print_progress(self, loss: float) -> None:
         """DeepSpeed's line on rank 0 every ``steps_per_print`` steps."""
         every = self._config.steps_per_print
         if not every or self.global_steps % every:
             return
         if self.global_rank == 0:
             iter_time = self._since_print / every
-            print(f"steps: {self.global_steps} loss: {float(self.agg_train_loss or 0.0):0.4f} "
+            print(f"steps: {self.global_steps} loss: {loss:0.4f} "
                   f"iter time (s): {iter_time:0.3f} samples/sec: {self.train_batch_size() / iter_time:0.3f}")
         self._since_print = 0.0
 

@@ -15,9 +15,17 @@ from typing import Any
 import torch
 
 from unidist.compat.deepspeed import state
-from unidist.compat.deepspeed.exceptions import DeepSpeedUnsupportedError
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"]
+
+
+def _managing(param: torch.nn.Parameter) -> tuple[Any, Any]:
+    """(the engine whose model holds ``param`` or None, DeepSpeed's own ``deepspeed.utils`` where that engine is
+    DeepSpeed's: its engine holds the state, so its helpers answer)."""
+    engine = state.engine_of([param])
+    if engine is None or engine.manager.backend != "deepspeed":
+        return engine, None
+    return engine, engine.manager.engine_api.utils
 
 
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -26,11 +34,11 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     Args:
         param: a parameter of a model ``initialize`` prepared.
     """
-    engine = state.engine_of([param])
+    engine, theirs = _managing(param)
+    if theirs is not None:
+        return theirs.safe_get_full_fp32_param(param)  # type: ignore[no-any-return]
     if engine is None:
         return None
-    if engine.manager.backend == "deepspeed":
-        return engine.manager.engine_api.utils.safe_get_full_fp32_param(param)  # type: ignore[no-any-return]
     with engine.manager.gathered_parameters(engine.prepared_model):
         return param.detach().float().clone()
 
@@ -41,44 +49,28 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     Args:
         param: a parameter of a model ``initialize`` prepared.
     """
-    engine = state.engine_of([param])
+    engine, theirs = _managing(param)
+    if theirs is not None:
+        return theirs.safe_get_full_grad(param)  # type: ignore[no-any-return]
     if engine is None:
         return None
-    if engine.manager.backend == "deepspeed":  # DeepSpeed's engine holds it: its own helper reads it
-        return engine.manager.engine_api.utils.safe_get_full_grad(param)  # type: ignore[no-any-return]
     grad = engine.optimizer.full_grad(param) if engine.optimizer is not None else param.grad
     return None if grad is None else grad.detach().float().clone()
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """The full optimizer state ``optim_state_key`` (``"exp_avg"``, ``"exp_avg_sq"`` ...) of ``param`` in float32;
-    None where there is none (no engine, no optimizer, no such state yet).
+    None where there is none (no engine, no optimizer, a parameter it does not step, no such state yet).
 
     Args:
         param: a parameter of a model ``initialize`` prepared. optim_state_key: the state's name.
     """
-    engine = state.engine_of([param])
+    engine, theirs = _managing(param)
+    if theirs is not None:
+        return theirs.safe_get_full_optimizer_state(param, optim_state_key)  # type: ignore[no-any-return]
     if engine is None or engine.optimizer is None:
         return None
-    if engine.manager.backend == "deepspeed":
-        return engine.manager.engine_api.utils.safe_get_full_optimizer_state(  # type: ignore[no-any-return]
-            param, optim_state_key)
-    full: dict[str, Any] = engine.manager.full_optimizer_state_dict(engine.optimizer)
-    index = _index(engine, param)
-    value = full.get("state", {}).get(index, {}).get(optim_state_key)
+    index = next((i for i, p in enumerate(engine.stepped_params) if p is param), None)
+    full: dict[str, Any] = engine.manager.full_optimizer_state_dict(engine.optimizer)  # every rank: a collective
+    value = full.get("state", {}).get(index, {}).get(optim_state_key) if index is not None else None
     return value.detach().float().clone() if isinstance(value, torch.Tensor) else None
-
-
-def _index(engine: Any, param: torch.nn.Parameter) -> int:
-    """``param``'s index in the optimizer's state dict (param groups in order, as torch numbers them)."""
-    i = 0
-    for group in engine.optimizer.param_groups:
-        for p in group["params"]:
-            if p is param:
-                return i
-            i += 1
-    named = dict(engine.module.named_parameters())
-    position = next((k for k, (n, p) in enumerate(named.items()) if p is param), None)
-    if position is None:
-        raise DeepSpeedUnsupportedError("safe_get_full_optimizer_state: the parameter is not in the engine's optimizer")
-    return position
