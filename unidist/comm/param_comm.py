@@ -9,13 +9,17 @@ module both sides import, instead of an attribute each would spell.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from unidist.comm.protocol import Comm
 
-__all__ = ["ReduceComm", "reduce_comm_of", "set_reduce_comm"]
+__all__ = ["ReduceComm", "reduce_comm_of", "set_reduce_comm", "split_by_comm"]
+
+K = TypeVar("K")
 
 _ATTR = "_unidist_reduce_comm"
 
@@ -37,3 +41,17 @@ def reduce_comm_of(param: torch.Tensor) -> ReduceComm | None:
     """The mark ``set_reduce_comm`` left on ``param``, or None (the data-parallel average)."""
     found = getattr(param, _ATTR, None)
     return found if isinstance(found, ReduceComm) else None
+
+
+def split_by_comm(items: Iterable[tuple[K, torch.Tensor]]) -> tuple[list[K], list[tuple[ReduceComm, list[K]]]]:
+    """The keys of unmarked tensors (the data-parallel ones), and the marked ones grouped by their communicator,
+    in first-seen order (every rank builds the same groups from the same model)."""
+    plain: list[K] = []
+    marked: dict[int, tuple[ReduceComm, list[K]]] = {}
+    for key, t in items:
+        mark = reduce_comm_of(t)
+        if mark is None:
+            plain.append(key)
+        else:
+            marked.setdefault(id(mark.comm), (mark, []))[1].append(key)
+    return plain, list(marked.values())

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unidist.checkpoint.layout import FullLayout
-from unidist.comm.param_comm import ReduceComm, reduce_comm_of
+from unidist.comm.param_comm import split_by_comm
 from unidist.comm.protocol import world_ranks
 from unidist.errors import CheckpointError, InvalidArgumentError
 from unidist.ops import ReduceOp
@@ -69,17 +69,12 @@ class DistributedOptimizer(WindowedOptimizer):
         self._no_sync = False
         self._synced = False  # synchronize() already ran for this step
         # parameters averaged elsewhere (a MoE layer's experts: comm/param_comm.py), one reducer per communicator
-        elsewhere: dict[int, tuple[ReduceComm, list[torch.nn.Parameter]]] = {}
-        for p in params:
-            if (mark := reduce_comm_of(p)) is not None:
-                elsewhere.setdefault(id(mark.comm), (mark, []))[1].append(p)
-        moved = {id(p) for _, ps in elsewhere.values() for p in ps}
-        self.reducer = GradientReducer(comm, [p for p in params if id(p) not in moved], options.op,
-                                       Compression.of(options.compression), options.bucket_bytes,
-                                       lambda: self._sync_pass)
+        plain, elsewhere = split_by_comm((p, p) for p in params)
+        self.reducer = GradientReducer(comm, plain, options.op, Compression.of(options.compression),
+                                       options.bucket_bytes, lambda: self._sync_pass)
         self.expert_reducers = [GradientReducer(mark.comm, ps, ReduceOp.SUM, Compression.of(options.compression),
                                                 options.bucket_bytes, lambda: self._sync_pass, mark.divide_by)
-                                for mark, ps in elsewhere.values()]
+                                for mark, ps in elsewhere]
         self._hooks += self.reducer.hooks + [h for r in self.expert_reducers for h in r.hooks]
 
     @property

@@ -23,7 +23,7 @@ from unidist.checkpoint.background import SaveHandle, save_async
 from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.comm import trace_hooks
 from unidist.comm.group import Group
-from unidist.comm.param_comm import reduce_comm_of
+from unidist.comm.param_comm import reduce_comm_of, split_by_comm
 from unidist.comm.protocol import Comm
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
@@ -162,15 +162,10 @@ class Trainer:
         model = model.to(self.mgr.device)
         hooks = self._apply_precision(model, opts)
         # rank 0's weights; an expert's from the first rank holding the same experts (its own group's root)
-        marks = {name: reduce_comm_of(p) for name, p in model.named_parameters()}
-        broadcast_parameters(comm, [(n, t) for n, t in model.state_dict(keep_vars=True).items()
-                                    if marks.get(n) is None])
-        by_comm: dict[int, tuple[Comm, list[tuple[str, torch.Tensor]]]] = {}
-        for name, p in model.named_parameters():
-            if (mark := marks[name]) is not None:
-                by_comm.setdefault(id(mark.comm), (mark.comm, []))[1].append((name, p.data))
-        for sub, named in by_comm.values():
-            broadcast_parameters(sub, named)
+        plain, elsewhere = split_by_comm((item, item[1]) for item in model.state_dict(keep_vars=True).items())
+        broadcast_parameters(comm, plain)
+        for mark, named in elsewhere:
+            broadcast_parameters(mark.comm, named)
         broadcast_optimizer_state(comm, optimizer)
         wrapped: DistributedOptimizer | ZeroOptimizer
         if opts.zero_stage:
