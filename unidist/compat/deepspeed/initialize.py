@@ -26,7 +26,7 @@ from unidist.compat.deepspeed.exceptions import DeepSpeedUnsupportedError
 from unidist.compat.deepspeed.loss_scale import loss_scaling
 from unidist.compat.deepspeed.lr_schedules import build_scheduler
 from unidist.compat.deepspeed.optimizers import build_optimizer
-from unidist.compat.deepspeed.pipe.engine import PipelineEngine
+from unidist.compat.deepspeed.pipe.engine import PipelineEngine, pipeline_options
 from unidist.compat.deepspeed.pipe.module import PipelineModule
 from unidist.errors import InvalidArgumentError
 
@@ -78,13 +78,13 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     # a pipeline's batch arithmetic counts its data-parallel ranks, not the world (DeepSpeed's dp_world_size)
     cfg = config_mod.parse(raw, pipe.grid.dp if pipe is not None else mgr.size, on_deepspeed=mgr.backend == "deepspeed")
     _check_local_rank(args, mgr)
-    if pipe is not None:  # the config's pipeline section: its interval overrides the module's, as in DeepSpeed
-        interval = (cfg.get("pipeline") or {}).get("activation_checkpoint_interval", 0)
-        if isinstance(interval, int) and not isinstance(interval, bool) and interval > 0:
-            pipe.activation_checkpoint_interval = interval
-    if pipe is not None and cfg.zero_stage > 1:
-        raise InvalidArgumentError(f"ZeRO stage {cfg.zero_stage} with a PipelineModule: DeepSpeed refuses it too "
-                                   "('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'); use stage 0 or 1")
+    # prepare's gradient keywords; a pipeline stage's differ (pipe/engine.py says how), and it may clip itself
+    sync: dict[str, Any] = {"clip_grad_norm": cfg.gradient_clipping if cfg.gradient_clipping > 0 else None,
+                            "backward_passes_per_step": cfg.gradient_accumulation_steps}
+    engine_clip = 0.0
+    if pipe is not None:
+        overrides, engine_clip = pipeline_options(pipe, cfg)
+        sync.update(overrides)
 
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     opt = _optimizer(optimizer, params, cfg)
@@ -96,15 +96,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         # the step runs the config's optimizer as torch builds it (the same math as DeepSpeedCPUAdam, slower):
         # DeepSpeed refuses a torch optimizer with offload unless told this is meant
         passthrough["zero_force_ds_cpu_optimizer"] = False
-    # DeepSpeed's fp32 stage-0 pipeline clips by the first stage's gradients alone (the engine does it, pipe/engine.py)
-    engine_clips = pipe is not None and cfg.zero_stage == 0 and precision == "32"
     prepared, prepared_opt = mgr.prepare(
-        model, opt, zero_stage=cfg.zero_stage,
-        clip_grad_norm=cfg.gradient_clipping if cfg.gradient_clipping > 0 and not engine_clips else None,
-        backward_passes_per_step=1 if pipe is not None else cfg.gradient_accumulation_steps,
-        group=None if pipe is None else pipe.grid.dp_group,
-        clip_norm_group=None if pipe is None or cfg.gradient_clipping <= 0 or engine_clips else pipe.grid.pipe_group,
-        clip_norm_replicas=None if pipe is None else pipe.replicated_parameters(),
+        model, opt, zero_stage=cfg.zero_stage, **sync,
         bucket_mb=max(cfg.reduce_bucket_size * 4 / 2**20, 1.0),
         precision=precision,
         # the config's CPU offload (offload_optimizer/offload_param device cpu); DeepSpeed's engine reads the keys
@@ -112,17 +105,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         loss_scaling=loss_scaling(cfg.fp16, zero_stage=cfg.zero_stage) if precision == "fp16-mixed" else None,
         deepspeed_config=passthrough or None)
     scheduler = _scheduler(lr_scheduler, prepared_opt, cfg) if prepared_opt is not None else None
+    engine: DeepSpeedEngine
     if pipe is not None:
-        engine: DeepSpeedEngine = PipelineEngine(mgr, cfg, pipe, prepared, prepared_opt, scheduler, training_data,
-                                                 collate_fn, clip=cfg.gradient_clipping if engine_clips else 0.0)
-        engine.stepped_params = stepped
-        state.register_engine(engine)
-        return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-    loader = None
-    if training_data is not None:
-        loader = DeepSpeedDataLoader(mgr, training_data, cfg.train_micro_batch_size_per_gpu, collate_fn,
-                                     cfg.dataloader_drop_last)
-    engine = DeepSpeedEngine(mgr, cfg, prepared, prepared_opt, scheduler, loader)
+        engine = PipelineEngine(mgr, cfg, pipe, prepared, prepared_opt, scheduler, training_data, collate_fn,
+                                clip=engine_clip)
+    else:
+        loader = None if training_data is None else DeepSpeedDataLoader(
+            mgr, training_data, cfg.train_micro_batch_size_per_gpu, collate_fn, cfg.dataloader_drop_last)
+        engine = DeepSpeedEngine(mgr, cfg, prepared, prepared_opt, scheduler, loader)
     engine.stepped_params = stepped
     state.register_engine(engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -32,7 +32,7 @@ from unidist.compat.deepspeed.pipe.module import PipelineModule
 from unidist.errors import InvalidArgumentError
 from unidist.parallel.pipeline import Pipeline
 
-__all__ = ["PipelineEngine"]
+__all__ = ["PipelineEngine", "pipeline_options"]
 
 
 def _to(batch: Any, device: torch.device) -> Any:
@@ -42,6 +42,29 @@ def _to(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (tuple, list)):
         return type(batch)(_to(b, device) for b in batch)
     return batch
+
+
+def pipeline_options(pipe: PipelineModule, cfg: DSConfig) -> tuple[dict[str, Any], float]:
+    """``prepare``'s gradient keywords for a pipeline stage, and the clipping norm the engine applies itself (0:
+    none there). Checks the config as DeepSpeed's PipelineEngine does and applies its ``pipeline`` section.
+
+    A stage is data parallel over its data-parallel group, accumulates inside ``train_batch`` (one pass per
+    step for prepare), and clips as DeepSpeed 0.19.8 does: in fp32 at ZeRO 0 by the first stage's norm alone (this
+    engine, ``_clip_as_deepspeed``), otherwise by every stage's norm, each tied weight once
+    (``clip_norm_group``, ``clip_norm_replicas``).
+    """
+    if cfg.zero_stage > 1:
+        raise InvalidArgumentError(f"ZeRO stage {cfg.zero_stage} with a PipelineModule: DeepSpeed refuses it too "
+                                   "('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'); use stage 0 or 1")
+    interval = (cfg.get("pipeline") or {}).get("activation_checkpoint_interval", 0)
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval > 0:
+        pipe.activation_checkpoint_interval = interval  # the section overrides the module, as DeepSpeed's engine
+    clip = cfg.gradient_clipping if cfg.gradient_clipping > 0 else 0.0
+    engine_clips = clip > 0 and cfg.zero_stage == 0 and cfg.precision() == "32"
+    return {"backward_passes_per_step": 1, "group": pipe.grid.dp_group,
+            "clip_grad_norm": None if engine_clips or not clip else clip,
+            "clip_norm_group": pipe.grid.pipe_group if clip and not engine_clips else None,
+            "clip_norm_replicas": pipe.replicated_parameters()}, clip if engine_clips else 0.0
 
 
 class PipelineEngine(DeepSpeedEngine):
