@@ -8,7 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,3 +254,26 @@ def upstream_copy(src: Path, script: str, siblings: Sequence[str], imports: Mapp
             raise AssertionError(f"{script} still imports real DeepSpeed after the replacement: {left}")
     (dest / script).write_text(text)
     return dest
+
+
+def compat_local_manager(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A fixture's body for the DeepSpeed compat layer's one-process tests: its own ``with unidist.init()`` block on
+    the local backend, with the variables init_distributed sets restored and its process group gone afterwards
+    (nothing leaks into the next test module). The tensors are CPU tensors: the Manager is told the CPU, and
+    DS_ACCELERATOR (a GPU machine's set-up may export cuda) is unset so that the accelerator follows it."""
+    import torch
+
+    import unidist
+    import unidist.compat.deepspeed as deepspeed
+
+    monkeypatch.setenv("UNIDIST_BACKEND", "local")
+    monkeypatch.setenv("UNIDIST_DEVICE", "cpu")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE", "DS_ACCELERATOR"):
+        monkeypatch.delenv(name, raising=False)
+    with unidist.init() as mgr:
+        try:
+            yield mgr
+        finally:
+            if deepspeed.comm.is_initialized():
+                deepspeed.comm.destroy_process_group()
+    assert not torch.distributed.is_initialized()

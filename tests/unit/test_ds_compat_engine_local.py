@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import compat_local_manager
 
-import unidist
 import unidist.compat.deepspeed as deepspeed
 from unidist.compat.deepspeed.exceptions import DeepSpeedConfigError, DeepSpeedUnsupportedError
 from unidist.errors import CheckpointError, InvalidArgumentError
@@ -21,21 +21,8 @@ pytestmark = pytest.mark.local
 
 @pytest.fixture(autouse=True)
 def manager(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """Each test inside its own ``with unidist.init()`` block on the local backend (the compat layer uses it), with
-    the variables init_distributed sets restored and its process group gone afterwards: nothing leaks into the
-    next test module. The models and batches here are CPU tensors: the Manager is told the CPU, and DS_ACCELERATOR
-    (a GPU machine's set-up may export cuda) is unset so that the accelerator follows it, on every machine."""
-    monkeypatch.setenv("UNIDIST_BACKEND", "local")
-    monkeypatch.setenv("UNIDIST_DEVICE", "cpu")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE", "DS_ACCELERATOR"):
-        monkeypatch.delenv(name, raising=False)
-    with unidist.init() as mgr:
-        try:
-            yield mgr
-        finally:
-            if deepspeed.comm.is_initialized():
-                deepspeed.comm.destroy_process_group()
-    assert not torch.distributed.is_initialized()
+    """Each test in its own local-backend Manager (helpers.compat_local_manager)."""
+    yield from compat_local_manager(monkeypatch)
 
 
 def _model() -> torch.nn.Module:

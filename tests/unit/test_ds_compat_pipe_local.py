@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import require
+from helpers import compat_local_manager, require
 
-import unidist
 import unidist.compat.deepspeed as deepspeed
 from unidist.compat.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec, partition
 from unidist.compat.deepspeed.pipe.topology import check_stages
@@ -23,17 +22,8 @@ pytestmark = pytest.mark.local
 
 @pytest.fixture(autouse=True)
 def manager(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """Each test in its own local-backend Manager on the CPU, its process group gone afterwards."""
-    monkeypatch.setenv("UNIDIST_BACKEND", "local")
-    monkeypatch.setenv("UNIDIST_DEVICE", "cpu")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE", "DS_ACCELERATOR"):
-        monkeypatch.delenv(name, raising=False)
-    with unidist.init() as mgr:
-        try:
-            yield mgr
-        finally:
-            if deepspeed.comm.is_initialized():
-                deepspeed.comm.destroy_process_group()
+    """Each test in its own local-backend Manager (helpers.compat_local_manager)."""
+    yield from compat_local_manager(monkeypatch)
 
 
 def _layers() -> list[Any]:
