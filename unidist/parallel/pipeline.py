@@ -229,7 +229,8 @@ class Pipeline:
         """The mean loss of the micro-batches without gradients (DeepSpeed's ``eval_batch``), on every rank.
 
         Args:
-            inputs, targets: as ``train_microbatches``'s (the first stage's inputs, the last stage's targets).
+            inputs: the first stage's inputs (other stages pass None), as ``train_microbatches``'s.
+            targets: the last stage's targets (other stages pass None).
             count: how many micro-batches (default ``microbatches``); every stage passes the same.
         """
         m = count if count is not None else self.microbatches
