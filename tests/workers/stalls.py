@@ -1,7 +1,8 @@
 """Three stalls in one job, for the stall inspector (UNIDIST_STALL_WARNING, set low by the test): the last rank
-is first a straggler (it sleeps before a collective), then stopped (SIGSTOP; a child process resumes it
-later), then it skips the last collective and leaves its ``with`` block. The other ranks wait each time with
-the default UNIDIST_TIMEOUT; the inspector must say why, and end the job at the skipped collective.
+is first a straggler (it sleeps before a collective), then stopped (SIGSTOP, a second after the others began
+waiting; a child process resumes it later), then it skips the last collective and leaves its ``with`` block.
+The other ranks wait each time with the default UNIDIST_TIMEOUT; the inspector must say why, and end the job
+at the skipped collective.
 
 Before each stall the last rank writes ``<out>/<name>`` holding the wall time it begins, so the test times how
 long each verdict took. ``--straggle`` and ``--stop`` are the seconds of the first two stalls.
@@ -47,6 +48,10 @@ with unidist.init() as mgr:
         # a child sends SIGCONT later: a stopped process cannot resume itself
         subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep({args.stop}); "
                           f"os.kill({os.getpid()}, signal.SIGCONT)"], start_new_session=True)
+        # stopped once the others wait in the allreduce below: under Horovod a rank that *enters* a collective
+        # after its peer stopped blocks in the enqueue holding the GIL, where no Python thread can speak, and
+        # Horovod's gloo timeout ends it instead (docs/reliability.md); CI's loaded rank 0 was that late once
+        time.sleep(1.0)
         mark("stopped")
         os.kill(os.getpid(), signal.SIGSTOP)
     mgr.allreduce_(t)
