@@ -15,12 +15,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from unidist.errors import ConfigError
+from unidist.precisions import PRECISIONS
 
 __all__ = ["COMPRESSIONS", "ENV_VARS", "PRECISIONS", "RANDOM_MODES", "Config"]
 
 COMPRESSIONS = ("none", "fp16", "bf16")
-# prepare(precision=) names (Lightning's); what each means is unidist/train/precision.py
-PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")

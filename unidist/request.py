@@ -20,9 +20,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unidist.config import COMPRESSIONS, PRECISIONS
+from unidist.config import COMPRESSIONS
 from unidist.errors import ConfigError, InvalidArgumentError
 from unidist.ops import ReduceOp, resolve_op
+from unidist.precisions import MODES, PRECISIONS
 
 if TYPE_CHECKING:
     import torch
@@ -276,7 +277,9 @@ class PrepareRequest(SyncOptions):
             agree with it.
         precision: ``"32"`` (default ``UNIDIST_PRECISION``), ``"bf16-mixed"`` or ``"fp16-mixed"`` (autocast forward,
             float32 parameters and optimizer state; fp16 adds dynamic loss scaling: a step with inf/nan gradients is
-            skipped on every rank) or ``"bf16-true"`` (a bfloat16 model). Outputs come back as float32.
+            skipped on every rank), ``"bf16-true"`` (a bfloat16 model) or ``"bf16-master"`` (a bfloat16 model whose
+            optimizer steps float32 master copies: DeepSpeed's ``bf16``). Outputs come back as float32. Each mode's
+            dtypes: unidist/precisions.py.
         loss_scaling: fp16's dynamic loss scaling (:class:`ScalerOptions`: torch.amp.GradScaler's parameters and
             defaults, and DeepSpeed's); given as a dict.
         reducer: who averages the gradients where the engine has a reducer of its own: ``"engine"`` (DeepSpeed's
@@ -344,9 +347,11 @@ class PrepareRequest(SyncOptions):
             if g(name) is not None:
                 sources[name] = f"{where}({name}={given[name]!r})"
         scaling = ScalerOptions.parse(g("loss_scaling"), where)
-        if g("loss_scaling") is not None and mode != "fp16-mixed":
+        if g("loss_scaling") is not None and not MODES[mode].scaled:
+            scaled = " or ".join(repr(m.name) for m in MODES.values() if m.scaled)
             raise InvalidArgumentError(f"{where}(loss_scaling=...) configures fp16's loss scaling, and this prepare "
-                                       f"runs precision={mode!r}; pass it with precision='fp16-mixed'")
+                                       f"runs precision={mode!r}, which scales no loss; pass it with "
+                                       f"precision={scaled}")
         ds_config = g("deepspeed_config")
         # a DeepSpeed config may still set the stage: the deepspeed backend checks again once it is known
         moved = check_offload(g("offload"), stage if ds_config is None else None)

@@ -278,21 +278,20 @@ def test_compat_under_horovodrun_equals_torchrun(launch_id: str, tmp_path_factor
     _compare_cases(launch_id, cases, got, want, "compat under torchrun-2")
 
 
-# DeepSpeed's bf16 section means a bfloat16 model (parameters, activations and gradients in bf16) with float32
-# master weights in its optimizer; unidist.compat.deepspeed runs it as prepare(precision="bf16-mixed"): torch.autocast
-# over float32 parameters (Lightning's meaning, and unidist's on every backend). Not the same numbers, and not
-# rounding order: the first step's loss, before any update, already differs (the forward alone). Measured here at
-# ZeRO-2, 2 ranks, 24 steps: per-step loss within 0.018 of real DeepSpeed's, final weights within 1.1e-3 (Adam, lr
-# 1e-4) and 2.5e-4 (SGD, lr 1e-5); on an H100, 40 steps within 0.002 of each other's loss, then 0.02 apart by step 80.
+# DeepSpeed's bf16 section means a bfloat16 model (parameters, activations, gradients and their averaging in bf16)
+# with float32 master weights in its optimizer; unidist.compat.deepspeed runs it as prepare(precision="bf16-master"),
+# the same meaning on every backend, and returns the model's outputs in bfloat16 as DeepSpeed's engine does (the
+# script's loss is computed from them). Before that mode (autocast over float32 weights) the per-step loss was 0.018
+# apart by step 24 and the first step's loss already differed; the issue asks 0.003 of DeepSpeed's printed metrics.
+# Measured (ZeRO-2, 2 ranks, 24 steps, Adam and SGD): bit-identical losses and final weights, asserted.
 BF16_CASES = ("2-Adam-1.0-bf16", "2-SGD-1.0-bf16")
-BF16_BOUND = {"Adam": 3e-3, "SGD": 1e-3}  # max |dw|, about 3x what was measured
-BF16_LOSS_BOUND = 0.05
+BF16_LOSS_BOUND = 0.003
 
 
 @MARKS["deepspeed"]
-def test_bf16_section_is_autocast_within_a_stated_bound(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The bound the docs state between DeepSpeed's bf16 section and the compat layer's (see BF16_CASES): within
-    it, and measurably apart (the day the compat layer runs DeepSpeed's own bf16 this fails: change the docs)."""
+def test_bf16_section_equals_deepspeed_within_the_issue_bound(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The cifar script's bf16 section at ZeRO-2 under torchrun through the compat layer against real DeepSpeed:
+    per-step printed loss within the issue's 0.003, and in fact the same losses and final weights, bit for bit."""
     require("deepspeed", "torch")
     real = launch_cases(tmp_path_factory.mktemp("real-bf16"), LAUNCHES["deepspeed-2"], BF16_CASES, compat=False)
     got = launch_cases(tmp_path_factory.mktemp("compat-bf16"), LAUNCHES["torchrun-2"], BF16_CASES, compat=True)
@@ -302,9 +301,9 @@ def test_bf16_section_is_autocast_within_a_stated_bound(tmp_path_factory: pytest
             w, g = want_ranks[rank], got_ranks[rank]
             dw = max((g["weights"][k].double() - v.double()).abs().max().item() for k, v in w["weights"].items())
             dloss = [abs(a["loss"] - b["loss"]) for a, b in zip(g["steps"], w["steps"], strict=True)]
-            assert dw <= BF16_BOUND[case.split("-")[1]] and max(dloss) <= BF16_LOSS_BOUND, (case, rank, dw, dloss)
-            assert dloss[0] > 0.0, (case, rank, dloss[0])  # the forward itself differs: not a reduction order
             print(f"{case} rank {rank}: max|dw| {dw:.2e}, max|dloss| {max(dloss):.3g}, first step {dloss[0]:.3g}")
+            assert max(dloss) <= BF16_LOSS_BOUND, (case, rank, dloss)
+            assert dw == 0.0 and max(dloss) == 0.0, (case, rank, dw, dloss)  # DeepSpeed's own bf16 arithmetic
 
 
 # The script's --moe path: deepspeed.moe.layer.MoE after fc2 (its own fc3 as the expert). Each row: the launch

@@ -12,6 +12,10 @@ Tolerances, measured at 2 ranks and why they are what they are:
 - ``bf16-true``: 1e-3, two bfloat16 steps at the weights' magnitude (|w| < 0.125: one step is 2^-11 = 4.9e-4):
   the update is rounded into bfloat16 weights, so a differently rounded gradient can move a weight by one step
   (measured 4.9e-4).
+- ``bf16-master``: 1e-3, the same bfloat16 weights, written from float32 master copies: one process equals the
+  reference exactly; at 2 ranks a differently rounded gradient moves a weight by one step (measured 4.9e-4). A run
+  resumed from a checkpoint equals the uninterrupted one exactly, which it does only if the checkpoint kept the
+  float32 copies (the rounded weights alone: 9.8e-4 off, measured by dropping them).
 
 For fp16 an inf is injected into the last rank's loss at steps 2 and 4: every rank skips exactly those steps and
 the loss-scale sequence is GradScaler's (so it is the same on every backend).
@@ -24,7 +28,7 @@ from typing import Any
 import pytest
 from helpers import MARKS, WORKERS, Launch, Run, main_launches, require, results, run, solo_launches
 
-TOLERANCE = {"32": 1e-5, "bf16-mixed": 1e-4, "fp16-mixed": 2e-5, "bf16-true": 1e-3}
+TOLERANCE = {"32": 1e-5, "bf16-mixed": 1e-4, "fp16-mixed": 2e-5, "bf16-true": 1e-3, "bf16-master": 1e-3}
 PRECISION_LAUNCHES = {**solo_launches(), **main_launches(2)}
 Result = tuple[Launch, Run, dict[int, dict[str, Any]]]
 
@@ -71,3 +75,13 @@ def test_fp16_skips_the_same_steps_everywhere(precision: Result) -> None:
         assert case["seq"] == case["want_seq"], (rank, key)  # GradScaler's scale sequence, step by step
         seen.add(key)
     assert {"fp16-mixed/stage0", "fp16-mixed/stage3", "fp16-mixed+clip_k2/stage2", "fp16-mixed+resume/stage3"} <= seen
+
+
+def test_master_copies_resume_exactly(precision: Result) -> None:
+    seen = set()
+    for rank, key, case in _cases(precision):
+        if key.startswith("bf16-master+resume"):
+            assert "error" not in case, (rank, key, case)
+            assert case["vs_uninterrupted"] == 0.0, (rank, key, case)
+            seen.add(key)
+    assert seen == {"bf16-master+resume/stage0", "bf16-master+resume/stage3"}, seen

@@ -197,7 +197,7 @@ def test_values_follow_deepspeed_coercions_and_sections() -> None:
     assert (cfg.zero_stage, cfg.reduce_bucket_size, cfg.gradient_clipping) == (2, 50_000_000, 0.0)
     assert isinstance(cfg.reduce_bucket_size, int) and cfg.get("zero_optimization.overlap_comm") is None
     assert cfg.get("zero_optimization.prefetch_bucket_size") == 1_000_000  # pydantic's field name for the alias
-    assert cfg.bf16_enabled and cfg.precision() == "bf16-mixed"
+    assert cfg.bf16_enabled and cfg.precision() == "bf16-master"  # DeepSpeed's meaning: unidist/precisions.py
     assert parse({**BASE, "zero_optimization": True}).zero_stage == 1  # DeepSpeed's deprecated form
     assert parse({**BASE, "fp16": {"enabled": True}}).precision() == "fp16-mixed"
 

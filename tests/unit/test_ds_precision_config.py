@@ -134,7 +134,8 @@ def test_refusals() -> None:
     check(Precision("bf16-true"), 0)  # a bfloat16 model and the user's optimizer: runs
     for stage in (1, 2, 3):
         with pytest.raises(InvalidArgumentError, match=r"precision='bf16-true'\) is not available on the deepspeed "
-                                                       r"backend at ZeRO stage .*Use precision='bf16-mixed'"):
+                                                       r"backend at ZeRO stage .*Use precision='bf16-master' or "
+                                                       r"'bf16-mixed'"):
             check(Precision("bf16-true"), stage)
         for ok in ("32", "bf16-mixed", "fp16-mixed"):
             check(Precision(ok), stage)

@@ -61,7 +61,8 @@ def test_error_family() -> None:
 # layer writes checkpoints through unidist.checkpoint, which knows files, manifests and agreement only (each prepared
 # optimizer supplies its own layout), so it imports no training code. Every module of the package is in one layer.
 BASE = ("unidist.errors", "unidist.tree", "unidist.net", "unidist.ops", "unidist.config", "unidist.hosts",
-        "unidist.launch", "unidist.strategy", "unidist.request", "unidist.prepared", "unidist.registry")
+        "unidist.launch", "unidist.strategy", "unidist.request", "unidist.prepared", "unidist.registry",
+        "unidist.precisions")
 _BELOW_ENGINES = (*BASE, "unidist.comm", "unidist.checkpoint", "unidist.train", "unidist.parallel", "unidist.managers")
 LAYERS = {
     "base": BASE,

@@ -2,7 +2,8 @@
 
 The model, batches and magnitudes are tests/workers/zero.py's (gradient norms far above 1). The reference is one
 process on the whole batch with ``torch.autocast`` around the forward (mixed modes), a bfloat16 model
-(bf16-true), and ``torch.amp.GradScaler`` with the same parameters (fp16). For fp16 an inf is injected into the
+(bf16-true; bf16-master with the optimizer stepping float32 copies written back each step),
+and ``torch.amp.GradScaler`` with the same parameters (fp16). For fp16 an inf is injected into the
 loss of the last rank only (the reference: into its whole-batch loss) at ``INF_STEPS``: every rank must skip
 exactly those steps, and the loss-scale sequence must be GradScaler's. Cases:
 
@@ -10,7 +11,9 @@ exactly those steps, and the loss-scale sequence must be GradScaler's. Cases:
 - ``fp16-mixed+clip_k2/stage<s>``: fp16 with ``clip_grad_norm=0.5`` (norms are far above it), 2 accumulation
   passes and StepLR;
 - ``fp16-mixed+resume/stage<s>``: 3 steps, a checkpoint, a fresh prepare that loads it, 3 more steps: equal to
-  6 uninterrupted steps (the loss scale and its growth tracker resumed).
+  6 uninterrupted steps (the loss scale and its growth tracker resumed);
+- ``bf16-master+resume/stage<s>``: the same with master copies: the resumed run's weights equal the uninterrupted
+  run's exactly (``vs_uninterrupted``) only if the checkpoint kept the float32 copies, not the rounded weights.
 
 Writes ``<out>/rank<R>.json``: per case the max |w - w_ref|, the spread across ranks, the per-step
 (loss scale, skipped) sequence and the reference's.
@@ -34,7 +37,7 @@ import unidist
 STEPS = 6
 INF_STEPS = (2, 4)
 SCALING = {"init_scale": 256.0, "growth_interval": 2}  # grows within the run, far from fp16 overflow
-MODES = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
+MODES = ("32", "bf16-mixed", "fp16-mixed", "bf16-true", "bf16-master")
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
@@ -58,9 +61,11 @@ def reference(mode: str, steplr: bool, k: int, clip: float | None, device: torch
     """One process, whole batch, plain torch (autocast + GradScaler) on ``device`` (the ranks' device: on a GPU
     ``torch.autocast("cuda")`` and ``GradScaler("cuda")``)."""
     model = make_model().to(device)
-    if mode == "bf16-true":
+    if mode in ("bf16-true", "bf16-master"):
         model = model.to(torch.bfloat16)
-    opt = make_opt(model)
+    # bf16-master: the optimizer steps float32 copies made from the bfloat16 weights, written back each step
+    masters = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()] if mode == "bf16-master" else []
+    opt = make_opt(torch.nn.ParameterList(masters) if masters else model)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if steplr else None
     scaler = torch.amp.GradScaler(device.type, **SCALING, enabled=mode == "fp16-mixed")  # type: ignore[arg-type]
     seq: list[Any] = []
@@ -69,14 +74,20 @@ def reference(mode: str, steplr: bool, k: int, clip: float | None, device: torch
         for part in range(k):
             rows = slice(part * BATCH // k, (part + 1) * BATCH // k)
             with torch.autocast(device.type, dtype=AUTOCAST.get(mode, torch.bfloat16), enabled=mode in AUTOCAST):
-                out = model(x[rows].to(torch.bfloat16) if mode == "bf16-true" else x[rows])
+                out = model(x[rows].to(torch.bfloat16) if mode in ("bf16-true", "bf16-master") else x[rows])
             scaler.scale(loss_of(out, y[rows], step, mode == "fp16-mixed") / k).backward()
         if clip is not None:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         before = scaler.get_scale() if mode == "fp16-mixed" else 1.0
+        for p, m in zip(model.parameters(), masters, strict=False):  # no masters: none
+            m.grad = p.grad.float()
         scaler.step(opt)
         scaler.update()
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters, strict=False):  # no masters: none
+                p.copy_(m)
+        model.zero_grad()
         after = scaler.get_scale() if mode == "fp16-mixed" else 1.0
         seq.append([after, after < before])
         opt.zero_grad()
@@ -137,9 +148,11 @@ def main() -> int:
     ns = parser.parse_args(unidist.script_args())
     with unidist.init() as mgr:
         results: dict[str, Any] = {}
+        done: dict[str, dict[str, torch.Tensor]] = {}
         cases = [(m, s, "", False, 1, None) for m in ns.modes.split(",") for s in range(4)]
         cases += [("fp16-mixed", s, "+clip_k2", True, 2, 0.5) for s in (0, 2, 3)]
-        cases += [("fp16-mixed", s, "+resume", False, 1, None) for s in (0, 3)]
+        cases += [(m, s, "+resume", False, 1, None) for m in ("fp16-mixed", "bf16-master") for s in (0, 3)
+                  if m in ns.modes.split(",")]
         for mode, stage, tag, steplr, k, clip in cases:
             key = f"{mode}{tag}/stage{stage}"
             try:
@@ -150,6 +163,9 @@ def main() -> int:
                 want, want_seq = reference(mode, steplr, k, clip, mgr.device)
                 results[key] = {"diff": max_diff(got, want), "spread": spread(mgr, got), "seq": seq,
                                 "want_seq": want_seq}
+                if tag == "+resume" and f"{mode}/stage{stage}" in done:  # exactly the uninterrupted run's weights
+                    results[key]["vs_uninterrupted"] = max_diff(got, done[f"{mode}/stage{stage}"])
+                done[key] = got
             except Exception as err:  # recorded; the other cases still run on every rank
                 traceback.print_exc()
                 results[key] = {"error": f"{type(err).__name__}: {err}"}

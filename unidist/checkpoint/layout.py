@@ -21,8 +21,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["FullLayout", "Layout", "Pieces", "Read", "even", "even_slice", "fresh_scalars", "param_names",
+__all__ = ["MASTER", "FullLayout", "Layout", "Pieces", "Read", "even", "even_slice", "fresh_scalars", "param_names",
            "per_element"]
+
+# the per-element "optimizer" key under which a parameter's master copy is saved (precision "bf16-master": the
+# optimizer steps float32 copies of a bfloat16 model), as DeepSpeed keeps its fp32 copies with the optimizer; it is
+# not optimizer state: each layout restores it to the copies, or leaves it where the run keeps none
+MASTER = "master"
 
 Pieces = dict[str, Any]  # {"model": {name: (start, flat)}, "optim": {pname: {key: (start, flat)}}}
 Read = Callable[[str, str, str, int, int], torch.Tensor]  # (kind, name, key, start, end) -> flat slice
@@ -122,11 +127,12 @@ class FullLayout(Layout):
     """Every rank holds every tensor (stage 0 on any backend): each writes an even slice of each."""
 
     def __init__(self, rank: int, size: int, module: torch.nn.Module, optimizer: Any,
-                 ranks: tuple[int, ...] | None = None) -> None:
+                 ranks: tuple[int, ...] | None = None, names: dict[int, str] | None = None) -> None:
+        """``names``: each optimizer parameter's name by ``id`` (default: the module's own parameters')."""
         self.rank, self.size, self.module, self.optimizer = rank, size, module, optimizer
         self.ranks = ranks if ranks is not None else tuple(range(size))
         self.shapes = {k: (tuple(v.shape), str(v.dtype)) for k, v in module.state_dict().items()}
-        names = param_names(module)
+        names = names if names is not None else param_names(module)
         params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
         self.params = params
         self.opt_names = [names[id(p)] for p in params]
@@ -151,7 +157,8 @@ class FullLayout(Layout):
             return
         state: dict[int, dict[str, Any]] = {}
         for i, (p, name) in enumerate(zip(self.params, self.opt_names, strict=True)):
-            entry = {k: read("optim", name, k, 0, p.numel()).view(p.shape) for k in state_keys.get(name, [])}
+            entry = {k: read("optim", name, k, 0, p.numel()).view(p.shape) for k in state_keys.get(name, [])
+                     if k != MASTER}
             entry.update(fresh_scalars(meta["scalars"].get(name, {})))
             if entry:
                 state[i] = entry

@@ -32,6 +32,7 @@ from unidist.errors import CheckpointError, InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.request import SyncOptions
 from unidist.train.gradcore import Compression
+from unidist.train.masters import Masters, MastersLayout
 from unidist.train.reducer import GradientReducer
 from unidist.train.step_window import WindowedOptimizer, clip_summed
 
@@ -76,6 +77,12 @@ class DistributedOptimizer(WindowedOptimizer):
                                                 options.bucket_bytes, lambda: self._sync_pass, mark.divide_by)
                                 for mark, ps in elsewhere]
         self._hooks += self.reducer.hooks + [h for r in self.expert_reducers for h in r.hooks]
+        self.masters: Masters | None = None  # prepare(precision="bf16-master"): what the optimizer steps (masters.py)
+
+    def use_masters(self, dtype: torch.dtype) -> None:
+        """Step ``dtype`` copies of the parameters from now on (after the reducers hooked the parameters themselves:
+        the gradients are averaged in the model's dtype)."""
+        self.masters = Masters(self.optimizer, dtype)
 
     @property
     def buckets(self) -> list[Any]:
@@ -90,6 +97,8 @@ class DistributedOptimizer(WindowedOptimizer):
         before = len(self.reducer.hooks)
         self.reducer.track([p for p in group["params"] if p.requires_grad and self.reducer.bucket_of(p) is None])
         self._hooks += self.reducer.hooks[before:]
+        if self.masters is not None:
+            self.masters.add_group(group)
 
     def synchronize(self) -> None:
         """Finish every bucket's allreduce (launching those whose gradients never all arrived) and write the
@@ -98,6 +107,8 @@ class DistributedOptimizer(WindowedOptimizer):
         self.reducer.synchronize()
         for r in self.expert_reducers:
             r.synchronize()
+        if self.masters is not None:
+            self.masters.take_grads()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -109,6 +120,15 @@ class DistributedOptimizer(WindowedOptimizer):
             self._no_sync = previous
 
     # ------------------------------------------------------------------ optimizer protocol (step_window.py)
+    def _after_step(self) -> None:
+        if self.masters is not None:
+            self.masters.write_back()
+
+    def _clear_grads(self, set_to_none: bool) -> None:
+        super()._clear_grads(set_to_none)
+        if self.masters is not None:
+            self.masters.clear(set_to_none)
+
     def _clip(self, max_norm: float) -> torch.Tensor | float:
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if self.expert_reducers:
@@ -147,6 +167,8 @@ class DistributedOptimizer(WindowedOptimizer):
     def checkpoint_layout(self, model: torch.nn.Module) -> FullLayout:
         """Every member of the data-parallel communicator holds the whole state: each writes an even slice."""
         self._refuse_experts("a checkpoint")
+        if self.masters is not None:
+            return MastersLayout(self.dp.rank, self.dp.size, model, self.optimizer, world_ranks(self.dp), self.masters)
         return FullLayout(self.dp.rank, self.dp.size, model, self.optimizer, world_ranks(self.dp))
 
     def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:

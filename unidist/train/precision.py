@@ -1,6 +1,7 @@
 """Mixed precision with one meaning on every backend: ``prepare(..., precision=)``.
 
-The modes are Lightning's names, because users arrive knowing them:
+The modes are Lightning's names, because users arrive knowing them, plus DeepSpeed's bf16 (``"bf16-master"``);
+each mode's dtypes are one row of unidist/precisions.py and :class:`Precision` is that row in torch's terms:
 
 - ``"32"``: float32 everywhere (the default).
 - ``"bf16-mixed"`` / ``"fp16-mixed"``: the model's forward runs under ``torch.autocast`` in bfloat16 / float16;
@@ -9,6 +10,9 @@ The modes are Lightning's names, because users arrive knowing them:
 - ``"bf16-true"``: the model itself is bfloat16 (parameters, gradients, optimizer state); floating inputs
   are cast to bfloat16 and outputs returned as float32. No master weights: the memory halves and so does the
   precision of the update.
+- ``"bf16-master"``: the bfloat16 model of ``"bf16-true"`` (forward, gradients and their averaging), while the
+  optimizer steps float32 master copies, made from the bfloat16-rounded weights and written back rounded after
+  each step (masters.py; ZeRO's shards are the masters): DeepSpeed's ``bf16`` section.
 
 fp16's range is narrow, so ``"fp16-mixed"`` adds dynamic loss scaling with torch ``GradScaler``'s parameters
 and arithmetic (``LossScaler``): the loss is multiplied by the scale before backward, the reduced gradients
@@ -31,20 +35,12 @@ from typing import Any
 
 import torch
 
-from unidist.config import PRECISIONS
 from unidist.errors import InvalidArgumentError, UnidistError
+from unidist.precisions import MODES, PRECISIONS, Mode
 from unidist.request import ScalerOptions
 from unidist.tree import map_tensors
 
 __all__ = ["PRECISIONS", "LossScaleFloorError", "LossScaler", "Precision", "cast_floats", "next_scale"]
-
-# what each of config.PRECISIONS (the names) means: (autocast dtype, parameter dtype, loss scaling)
-_MODES: Mapping[str, tuple[torch.dtype | None, torch.dtype | None, bool]] = dict(zip(PRECISIONS, [
-    (None, None, False),  # 32
-    (torch.bfloat16, None, False),  # bf16-mixed
-    (torch.float16, None, True),  # fp16-mixed
-    (None, torch.bfloat16, False),  # bf16-true
-], strict=True))
 
 
 class LossScaleFloorError(UnidistError, RuntimeError):
@@ -161,34 +157,58 @@ class LossScaler:
 
 @dataclass(frozen=True)
 class Precision:
-    """One precision mode: what the forward, the parameters and the loss get."""
+    """One precision mode (its row of unidist/precisions.py) in torch's terms: what the forward, the parameters,
+    the gradients' reduction, the optimizer and the loss get."""
 
     name: str = "32"
 
     @classmethod
     def of(cls, name: object, where: str = "prepare") -> Precision:
-        if not isinstance(name, str) or name not in _MODES:
+        if not isinstance(name, str) or name not in MODES:
             raise InvalidArgumentError(f"{where}(precision={name!r}); use one of {', '.join(map(repr, PRECISIONS))} "
                                        "(or set UNIDIST_PRECISION)")
         return cls(name)
 
     @property
+    def mode(self) -> Mode:
+        return MODES[self.name]
+
+    @property
+    def params(self) -> torch.dtype:
+        """The dtype of the module's parameters during training (and of their gradients)."""
+        return _dtype(self.mode.params)
+
+    @property
+    def reduce(self) -> torch.dtype:
+        """The dtype gradients are averaged in."""
+        return _dtype(self.mode.reduce)
+
+    @property
+    def master(self) -> torch.dtype:
+        """The dtype the optimizer steps and keeps its state in (``params`` unless the mode keeps master copies)."""
+        return _dtype(self.mode.master)
+
+    @property
+    def keeps_masters(self) -> bool:
+        return self.mode.keeps_masters
+
+    @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return _MODES[self.name][0]
+        return _dtype(self.mode.compute) if self.mode.autocast else None
 
     @property
     def param_dtype(self) -> torch.dtype | None:
-        """The dtype the model's parameters are converted to (``"bf16-true"``), or None to keep them."""
-        return _MODES[self.name][1]
+        """The dtype the model's parameters are converted to, or None to keep them (float32)."""
+        return None if self.mode.params == "float32" else self.params
 
     @property
     def scaled(self) -> bool:
         """Whether the loss is scaled (fp16)."""
-        return _MODES[self.name][2]
+        return self.mode.scaled
 
     @property
     def mixed(self) -> bool:
-        return self.autocast_dtype is not None
+        return self.mode.autocast
 
     def apply(self, module: torch.nn.Module, device: torch.device) -> list[Any]:
         """Make ``module``'s forward follow this mode; returns the hook handles (none for ``"32"``).
@@ -220,6 +240,13 @@ class Precision:
 
         return [module.register_forward_pre_hook(pre, with_kwargs=True),
                 module.register_forward_hook(post, with_kwargs=True, always_call=True)]
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"unidist/precisions.py names {name!r}, which is not a torch dtype")
+    return dtype
 
 
 def cast_floats(data: Any, dtype: torch.dtype) -> Any:

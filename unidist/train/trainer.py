@@ -168,10 +168,15 @@ class Trainer:
             broadcast_parameters(mark.comm, named)
         broadcast_optimizer_state(comm, optimizer)
         wrapped: DistributedOptimizer | ZeroOptimizer
+        precision = Precision.of(opts.precision)
+        master = precision.master if precision.keeps_masters else None
         if opts.zero_stage:
-            wrapped = ZeroOptimizer(comm, model, optimizer, opts.zero_stage, opts, offload=opts.offload is not None)
+            wrapped = ZeroOptimizer(comm, model, optimizer, opts.zero_stage, opts, offload=opts.offload is not None,
+                                    master=master)
         else:
             wrapped = DistributedOptimizer(comm, optimizer, model.named_parameters(), opts)
+            if master is not None:
+                wrapped.use_masters(master)
         wrapped.scaler = self._scaler(opts)
         wrapped.attach_hooks(hooks)
         self.prepared = wrapped

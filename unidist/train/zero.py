@@ -19,7 +19,9 @@ shards) steps. So every rank keeps optimizer state for 1/N of the parameters.
   Outside forward/backward, use ``gathered_parameters``.
 
 With ``offload=True`` (``prepare(offload="cpu")``) the shards, their gradients and the optimizer state live in
-CPU memory and the step runs there (offload.py, zero_unit.py).
+CPU memory and the step runs there (offload.py, zero_unit.py). With ``master=torch.float32`` over a bfloat16 model
+(``precision="bf16-master"``) the shards are float32 master copies: gradients are reduced in bfloat16, stepped in
+float32, and the parameters gathered from the shards rounded to bfloat16, as DeepSpeed's ZeRO keeps its copies.
 
 With ``backward_passes_per_step=k`` the first k-1 passes accumulate full gradients locally and the k-th
 reduces them, so the update equals one k-times larger batch (stage 2/3 save gradient memory on that pass).
@@ -57,7 +59,8 @@ class ZeroOptimizer(WindowedOptimizer):
     """The user's optimizer stepping this rank's shards; see the module docstring."""
 
     def __init__(self, dp: Comm, model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int,
-                 options: SyncOptions | None = None, offload: bool = False) -> None:
+                 options: SyncOptions | None = None, offload: bool = False, master: torch.dtype | None = None
+                 ) -> None:
         options = options if options is not None else SyncOptions()
         if stage not in (1, 2, 3):
             raise InvalidArgumentError(f"ZeroOptimizer(stage={stage!r}); use 1, 2 or 3 (0 is the "
@@ -72,6 +75,7 @@ class ZeroOptimizer(WindowedOptimizer):
         self._compressor = Compression.of(options.compression) if dp.size > 1 else Compression.none
         super().__init__(optimizer)
         self.dp, self.stage, self.model, self.offload = dp, stage, model, offload
+        self.master = master  # the shards' dtype where they are master copies of lower-precision parameters
         # the optimizer as one process would hold it: kept to consolidate (full_optimizer_state_dict)
         self.full_groups = [list(g["params"]) for g in optimizer.param_groups]
         full_state = _full_state(optimizer)
@@ -127,7 +131,7 @@ class ZeroOptimizer(WindowedOptimizer):
                 order, limit, lambda p: (group_of[id(p)], p.dtype, p.device))]
         units = []
         for gi, ps, block_module in chunks:
-            units.append(Unit(self.dp, ps, gi, keep_full=self.stage < 3, offloaded=self.offload))
+            units.append(Unit(self.dp, ps, gi, keep_full=self.stage < 3, offloaded=self.offload, master=self.master))
             if block_module is not None:
                 self._block_units.setdefault(block_module, []).append(units[-1])
         return units

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from unidist.checkpoint.layout import Layout, Pieces, Read, even_slice, fresh_scalars, param_names, per_element
+from unidist.checkpoint.layout import MASTER, Layout, Pieces, Read, even_slice, fresh_scalars, param_names, per_element
 from unidist.comm.protocol import world_ranks
 
 __all__ = ["ShardUnit", "Sharded", "ZeroLayout"]
@@ -97,7 +97,10 @@ class ZeroLayout(Layout):
                 continue
             unit, s, e, at = own
             part = unit.shard.detach()[at:at + e - s]
-            model[k] = (s, part.clone() if copy else part)
+            if part.dtype != unit.dtype:  # a master copy: the parameter holds it rounded (zero_unit.py)
+                model[k] = (s, part.to(unit.dtype))
+            else:
+                model[k] = (s, part.clone() if copy else part)
         return model
 
     def pieces(self) -> Pieces:
@@ -109,7 +112,9 @@ class ZeroLayout(Layout):
                 optim[name] = {k: even_slice(v, self.rank, self.size) for k, v in st.items() if per_element(v, p.shape)}
                 continue
             unit, _ = self.where[id(p)]
-            st = self.optimizer.state.get(unit.shard, {})
+            st = dict(self.optimizer.state.get(unit.shard, {}))
+            if unit.shard.dtype != unit.dtype:  # the shard is the master copy: saved beside the state
+                st[MASTER] = unit.shard
             own = self._owned(p)
             optim[name] = {}
             for key, value in st.items():
@@ -138,7 +143,11 @@ class ZeroLayout(Layout):
                 own = self._owned(v)
                 if own is not None:
                     unit, s, e, at = own
-                    unit.shard[at:at + e - s] = read("model", k, "", s, e)
+                    name = name_of.get(id(v), "")
+                    if unit.shard.dtype != unit.dtype and MASTER in state_keys.get(name, []):
+                        unit.shard[at:at + e - s] = read("optim", name, MASTER, s, e)  # the master copy itself
+                    else:
+                        unit.shard[at:at + e - s] = read("model", k, "", s, e)
             for unit in self.zero.units:
                 if self.optimizer is not None:
                     self._load_state(unit, name_of, read, meta, state_keys)
@@ -160,10 +169,10 @@ class ZeroLayout(Layout):
         process never stepped it: it never had a gradient) gets zeros in the shard, what a fresh state holds; the
         unit's scalars (Adam's step) are those of its first parameter that has any."""
         names = [name_of[id(p)] for p in unit.params]
-        keys = list(dict.fromkeys(k for n in names for k in state_keys.get(n, [])))
+        keys = list(dict.fromkeys(k for n in names for k in state_keys.get(n, []) if k != MASTER))
         target: dict[str, Any] = {}
         for key in keys:
-            flat = torch.zeros(unit.chunk, dtype=unit.dtype, device=unit.shard.device)  # offload: the CPU's
+            flat = torch.zeros(unit.chunk, dtype=unit.shard.dtype, device=unit.shard.device)  # offload: the CPU's
             for p, name in zip(unit.params, names, strict=True):
                 own = self._owned(p)
                 if own is not None and key in state_keys.get(name, []):

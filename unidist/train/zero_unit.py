@@ -37,7 +37,9 @@ class Unit:
     the parameters and the communication are."""
 
     def __init__(self, dp: Comm, params: list[torch.nn.Parameter], param_group: int, keep_full: bool,
-                 offloaded: bool = False) -> None:
+                 offloaded: bool = False, master: torch.dtype | None = None) -> None:
+        """``master``: the shard is a copy in this dtype (precision "bf16-master": the optimizer steps float32
+        copies of a bfloat16 model; the parameters get the shard rounded back after each step)."""
         self.dp, self.params, self.param_group = dp, params, param_group
         self.shapes = [p.shape for p in params]  # stage 3 empties the parameters themselves
         self.numels = [p.numel() for p in params]
@@ -57,14 +59,19 @@ class Unit:
         self.offloaded = offloaded
         self._cpu_grad: torch.Tensor | None = None  # offload: the pinned buffer the reduced gradient comes down to
         own = full[self.lo:self.lo + self.chunk]
-        if keep_full:  # stages 1-2: parameters are views into the flat buffer; the shard is a view of it too
+        # the shard is its own tensor when offloaded or a master copy (else, at stages 1-2, a view of ``full``)
+        self.copied = offloaded or (master is not None and master != self.dtype)
+        if self.copied:
+            own = own.to(master) if master is not None and master != self.dtype else own
+            own = cpu_copy(own) if offloaded else own
+        if keep_full:  # stages 1-2: parameters are views into the flat buffer
             self._bind(full)
-            self.shard = torch.nn.Parameter(cpu_copy(own) if offloaded else own)
+            self.shard = torch.nn.Parameter(own)
         else:
-            self.shard = torch.nn.Parameter(cpu_copy(own) if offloaded else own.clone())
+            self.shard = torch.nn.Parameter(own if self.copied else own.clone())
             self.release()
-        # one rank, the shard on the device: nothing to exchange, and the shard is the whole flat unit
-        self.alone = dp.size == 1 and not offloaded
+        # one rank, the shard on the device in the parameters' dtype: nothing to exchange, the shard is the whole unit
+        self.alone = dp.size == 1 and not self.copied
         self.ready: set[int] = set()
         self.handle: Handle[torch.Tensor] | None = None
         self.used: torch.Tensor | None = None  # after a reduction: which parameters some rank had a gradient for
@@ -133,14 +140,14 @@ class Unit:
         if self.full is not None and not self.alone:  # the shard is a view of ``full``: send a copy (MPI forbids
             # aliased buffers); alone, the shard is ``full``
             with torch.no_grad(), trace_hooks.span("zero refresh", bytes=self.full):
-                self.dp.allgather(self._sendable(copy=not self.offloaded), out=self.full)
+                self.dp.allgather(self._sendable(copy=not self.copied), out=self.full)
 
     def _sendable(self, copy: bool = False) -> torch.Tensor:
         """The shard on the communication's device: an offloaded shard goes up (non-blocking from pinned memory; the CPU
         changes it again only after the device synchronisation before the next step), else the shard itself."""
         shard = self.shard.detach()
-        if self.offloaded:
-            return shard.to(self.device, non_blocking=True, copy=True)
+        if self.copied:  # down from the master copy's dtype, up from the host: a new tensor either way
+            return shard.to(self.device, self.dtype, non_blocking=True, copy=True)
         return shard.clone() if copy else shard
 
     # ------------------------------------------------------------------ who owns what (the shard arithmetic)
@@ -210,10 +217,10 @@ class Unit:
         grad = got[:self.chunk]
         if self.offloaded:  # down as it arrives; ZeroOptimizer.synchronize waits once for all the copies
             if self._cpu_grad is None:
-                self._cpu_grad = cpu_empty(self.chunk, self.dtype, self.device)
+                self._cpu_grad = cpu_empty(self.chunk, self.shard.dtype, self.device)
             self.shard.grad = self._cpu_grad.copy_(grad, non_blocking=True)
-        else:
-            self.shard.grad = grad if grad.dtype == self.dtype else grad.to(self.dtype)
+        else:  # the shard's dtype: the parameters' (the wire may differ), or the master copy's
+            self.shard.grad = grad if grad.dtype == self.shard.dtype else grad.to(self.shard.dtype)
         self.used = got[self.chunk:] > 0  # per parameter: some rank had a gradient for it
 
     def unused_parts(self) -> list[tuple[int, int]]:

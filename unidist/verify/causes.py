@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from unidist.precisions import MODES
 from unidist.verify.compare import Divergence, StepDiff, data_differs
 from unidist.verify.envelope import Envelope
 from unidist.verify.locate import Location
@@ -184,7 +185,7 @@ def causes(run: Run, ref: Run, div: Divergence, env: Envelope, diffs: list[StepD
                "verify switches the dropout family off in every launch, not these")
         out.append(f"random ops that draw different numbers at different world sizes: {named}; {how}")
     if ev.peers_agree and div.step <= 1:
-        low = ref.precision in ("bf16-mixed", "fp16-mixed", "bf16-true")
+        low = ref.precision in MODES and MODES[ref.precision].low
         split = (f"a batch split under {ref.precision} rounding (each rank rounds its own gradient before the "
                  "average, where one process rounds the whole batch's): raise --factor or compare in float32")
         out.insert(0, "every launch agrees with the others and all leave the one-process run at step 1: what differs "

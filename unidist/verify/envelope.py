@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from unidist.precisions import MODES
 from unidist.verify.runs import Run
 
 __all__ = ["EPS", "FACTOR", "FLOOR_EPS", "NOISE_SHARE", "RUNS", "Envelope", "measure", "param_diff", "rel"]
@@ -31,8 +32,8 @@ RUNS = 2  # perturbed one-process runs
 FACTOR = 10.0  # a launch agrees within this many envelopes
 FLOOR_EPS = 4  # the smallest envelope, in epsilons of the compared values' dtype
 NOISE_SHARE = 0.1  # rounding-driven: rounding moved it at least this share of how far training did
-# the machine epsilon of the dtype the parameters (and the loss) are kept in, per precision mode
-EPS = {"32": 2.0**-23, "bf16-mixed": 2.0**-23, "fp16-mixed": 2.0**-23, "bf16-true": 2.0**-7}
+# the machine epsilon of the dtype the parameters (and the loss) are kept in, per precision mode (its row's)
+EPS = {name: mode.weight_eps for name, mode in MODES.items()}
 _TINY = 1e-30
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from unidist.compat.deepspeed.exceptions import DeepSpeedConfigError, DeepSpeedUnsupportedError
 from unidist.compat.deepspeed.keys import CPU_OFFLOAD, DS_ONLY, KEYS, REFUSED, REMOVED, SECTIONS, SYNONYMS, Key, by_name
+from unidist.precisions import masters_of
 
 __all__ = ["KEYS", "DSConfig", "load_source", "parse"]
 
@@ -57,10 +58,14 @@ class DSConfig:
     ds_only: Mapping[str, Any] = field(default_factory=dict)
 
     def precision(self) -> str:
-        """unidist's precision name for the fp16/bf16 sections: "fp16-mixed", "bf16-mixed" or "32"."""
+        """unidist's precision name for the fp16/bf16 sections: the bf16 section is a bfloat16 model with float32
+        master copies (``"bf16-master"``, unidist/precisions.py), the fp16 section ``"fp16-mixed"`` (autocast with
+        DeepSpeed's loss scaling: no mode keeps a float16 model's master copies yet), neither ``"32"``."""
         if self.fp16.get("enabled"):
-            return "fp16-mixed"
-        return "bf16-mixed" if self.bf16_enabled else "32"
+            mode = masters_of("float16")
+            return mode.name if mode is not None else "fp16-mixed"
+        mode = masters_of("bfloat16")
+        return mode.name if self.bf16_enabled and mode is not None else "32"
 
     def offload(self) -> str | None:
         """``"cpu"`` when the config offloads to the CPU (``offload_optimizer``/``offload_param`` with device

@@ -22,6 +22,7 @@ from unidist.compat.deepspeed.config import DSConfig
 from unidist.compat.deepspeed.exceptions import DeepSpeedUnsupportedError
 from unidist.errors import InvalidArgumentError
 from unidist.prepared import PreparedOptimizer
+from unidist.train.precision import Precision, cast_floats
 
 __all__ = ["DeepSpeedEngine"]
 
@@ -60,8 +61,12 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # ----------------------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The prepared model's forward (on ZeRO-3 it gathers the parameters it needs)."""
-        return self._prepared[0](*args, **kwargs)
+        """The prepared model's forward (on ZeRO-3 it gathers the parameters it needs). DeepSpeed's engine returns
+        the module's outputs as they are, a bf16 model's in bfloat16, and scripts compute their loss from them;
+        unidist's prepared model returns float32, so they go back to the model's dtype (exactly: they were)."""
+        out = self._prepared[0](*args, **kwargs)
+        dtype = Precision.of(self._config.precision()).param_dtype
+        return out if dtype is None else cast_floats(out, dtype)
 
     # ------------------------------------------------------------------------------ the training loop
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:

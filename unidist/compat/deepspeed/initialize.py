@@ -29,6 +29,7 @@ from unidist.compat.deepspeed.optimizers import build_optimizer
 from unidist.compat.deepspeed.pipe.engine import PipelineEngine, pipeline_options
 from unidist.compat.deepspeed.pipe.module import PipelineModule
 from unidist.errors import InvalidArgumentError
+from unidist.precisions import MODES
 
 __all__ = ["initialize"]
 
@@ -102,7 +103,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         precision=precision,
         # the config's CPU offload (offload_optimizer/offload_param device cpu); DeepSpeed's engine reads the keys
         offload=cfg.offload() if mgr.backend != "deepspeed" else None,
-        loss_scaling=loss_scaling(cfg.fp16, zero_stage=cfg.zero_stage) if precision == "fp16-mixed" else None,
+        loss_scaling=loss_scaling(cfg.fp16, zero_stage=cfg.zero_stage) if MODES[precision].scaled else None,
         deepspeed_config=passthrough or None)
     scheduler = _scheduler(lr_scheduler, prepared_opt, cfg) if prepared_opt is not None else None
     engine: DeepSpeedEngine

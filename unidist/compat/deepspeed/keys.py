@@ -114,7 +114,7 @@ _ROWS: list[Key] = [
     Key("fp16.auto_cast", False, DS_ONLY, REFUSED + " (casting inputs to fp16)", "bool", _off),
     Key("fp16.fp16_master_weights_and_grads", False, DS_ONLY, REFUSED + " (fp16 master weights)", "bool", _off),
     Key("bf16", {}, EVERY, "DeepSpeed's bf16 section (old name: bfloat16)", "dict"),
-    Key("bf16.enabled", False, EVERY, "bf16 training", "bool"),
+    Key("bf16.enabled", False, EVERY, "precision='bf16-master': a bfloat16 model, float32 master copies", "bool"),
     Key("bf16.immediate_grad_update", False, EVERY, _NO_MATH, "bool"),
     Key("bf16.check_grad_overflow", True, EVERY, "accepted (DeepSpeed skips bf16 steps with inf/nan gradients)",
         "bool"),

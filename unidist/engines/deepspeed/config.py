@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from unidist.errors import ConfigError
+from unidist.precisions import MODES, masters_of
 from unidist.request import PrepareRequest
 
 __all__ = ["NEUTRAL_CONFIG", "build", "check_agreement", "config_precision", "load", "precision_section", "validate"]
@@ -36,20 +37,23 @@ NEUTRAL_CONFIG: Mapping[str, Any] = {
 
 Source = Mapping[str, Any] | str | Path
 
-# prepare(precision=) -> DeepSpeed's torch_autocast dtype. "bf16-mixed"/"fp16-mixed" are torch.autocast over float32
-# parameters (the master weights) and float32 optimizer state: DeepSpeed's torch_autocast section, never its
-# fp16/bf16 sections (those make a half-precision model with fp32 master copies: a different meaning,
-# Lightning#18016). lower_precision_safe_modules=[]: DeepSpeed would otherwise mark every Linear/Conv parameter
-# to have its gradient reduced in the autocast dtype; unidist reduces float32 gradients on every backend.
-_AUTOCAST_DTYPES: Mapping[str, str] = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}
+# prepare(precision=) in DeepSpeed's terms, read off the mode's row (unidist/precisions.py). An autocast mode
+# ("bf16-mixed", "fp16-mixed": float32 parameters are the master weights) is DeepSpeed's torch_autocast section;
+# lower_precision_safe_modules=[]: DeepSpeed would otherwise mark every Linear/Conv parameter to have its gradient
+# reduced in the autocast dtype, and those modes reduce float32 gradients on every backend. A mode with master
+# copies of a lower-precision model ("bf16-master") is DeepSpeed's own bf16/fp16 section, which means exactly that
+# (a half-precision model, fp32 copies in the optimizer, gradients averaged in the model's dtype).
+_SECTIONS: Mapping[str, str] = {"bfloat16": "bf16", "float16": "fp16"}  # a model dtype -> DeepSpeed's section
 
 
 def precision_section(precision: str) -> dict[str, Any]:
     """DeepSpeed's config for ``prepare(precision=...)`` (the keys ``NEUTRAL_CONFIG`` pins, set)."""
-    dtype = _AUTOCAST_DTYPES.get(precision)
-    if dtype is None:
-        return {}
-    return {"torch_autocast": {"enabled": True, "dtype": dtype, "lower_precision_safe_modules": []}}
+    mode = MODES[precision]
+    if mode.autocast:
+        return {"torch_autocast": {"enabled": True, "dtype": mode.compute, "lower_precision_safe_modules": []}}
+    if mode.keeps_masters and mode.params in _SECTIONS:
+        return {_SECTIONS[mode.params]: {"enabled": True}}
+    return {}
 
 
 def config_precision(user: Mapping[str, Any]) -> tuple[str | None, str | None]:
@@ -66,7 +70,8 @@ def config_precision(user: Mapping[str, Any]) -> tuple[str | None, str | None]:
     if fp16:
         return None, "fp16.enabled=true (DeepSpeed's float16 model with fp32 master weights, not autocast)"
     if bf16:
-        return None, "bf16.enabled=true (DeepSpeed's bfloat16 model with fp32 master weights, not autocast)"
+        mode = masters_of("bfloat16")
+        return (mode.name if mode else None), "bf16.enabled=true (DeepSpeed's bfloat16 model with fp32 master weights)"
     if auto:
         raw = user["torch_autocast"].get("dtype")
         # DeepSpeed's DtypeEnum spellings (no dtype: the device's autocast default, no unidist name)

@@ -283,8 +283,8 @@ class DeepSpeedTrainer(Trainer):
         if optimizer is None and "optimizer" not in config:
             raise InvalidArgumentError("prepare() needs an optimizer, or an 'optimizer' section in deepspeed_config")
         model = model.to(self.mgr.device)
-        # bf16-true: the bfloat16 model and its input/output casts; mixed: DeepSpeed's autocast runs the forward,
-        # and the outputs come back as float32 as on every backend
+        # bf16-true, bf16-master: the bfloat16 model and its input/output casts (DeepSpeed's bf16 section keeps the
+        # master copies); mixed: DeepSpeed's autocast runs the forward, the outputs come back as float32 as everywhere
         hooks = precision.apply(model, self.mgr.device) if precision.param_dtype is not None else []
         if precision.mixed:
             hooks.append(model.register_forward_hook(_outputs_float32))
@@ -309,12 +309,12 @@ class DeepSpeedTrainer(Trainer):
     @staticmethod
     def _check_precision(precision: Precision, stage: int) -> None:
         """What DeepSpeed 0.19.8 cannot run with unidist's meaning is refused, saying what to use instead."""
-        if precision.param_dtype is not None and stage:
+        if precision.param_dtype is not None and not precision.keeps_masters and stage:
             raise InvalidArgumentError(
                 f"prepare(precision={precision.name!r}) is not available on the deepspeed backend at ZeRO stage "
                 f"{stage}: DeepSpeed's ZeRO optimizer keeps float32 master copies of a bfloat16 model (its "
-                "'bf16' section's meaning, not bf16-true's). Use precision='bf16-mixed', or zero_stage=0, or "
-                "prepare(group=...) (unidist's ZeRO, which runs bf16-true)")
+                "'bf16' section's meaning, which is precision='bf16-master'). Use precision='bf16-master' or "
+                "'bf16-mixed', or zero_stage=0, or prepare(group=...) (unidist's ZeRO, which runs bf16-true)")
 
     def _install_scaler(self, prepared: EngineOptimizer, precision: Precision, opts: PrepareRequest) -> None:
         """fp16-mixed: DeepSpeed's default GradScaler replaced by ``AgreedGradScaler`` with ``opts.loss_scaling``;

@@ -20,7 +20,7 @@ from unidist.comm import timeline, watchdog
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.request import PrepareRequest, SyncOptions
-from unidist.train.precision import LossScaler
+from unidist.train.precision import LossScaler, Precision
 from unidist.train.prepared import Prepared, one_way_to_accumulate
 from unidist.train.trainer import Trainer
 
@@ -92,8 +92,9 @@ class HorovodTrainer(Trainer):
                  ) -> tuple[torch.nn.Module, Prepared]:
         """Model on ``device``, rank 0's parameters and optimizer state everywhere, Horovod's optimizer behind
         the uniform loop; with ``reducer='unidist'`` unidist's DistributedOptimizer over Horovod's collectives
-        (its buckets are one ``hvd.allreduce_async_`` each; the same sum, divided by the ranks)."""
-        if opts.reducer == "unidist":
+        (its buckets are one ``hvd.allreduce_async_`` each; the same sum, divided by the ranks). A mode with master
+        copies (``"bf16-master"``) goes that way too: Horovod's optimizer steps the very parameters it reduces."""
+        if opts.reducer == "unidist" or Precision.of(opts.precision).keeps_masters:
             return self._prepare_unidist(model, optimizer, opts)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidArgumentError(f"prepare(optimizer=...) takes a torch.optim.Optimizer, got "

@@ -60,7 +60,7 @@ def pipeline_options(pipe: PipelineModule, cfg: DSConfig) -> tuple[dict[str, Any
     if isinstance(interval, int) and not isinstance(interval, bool) and interval > 0:
         pipe.activation_checkpoint_interval = interval  # the section overrides the module, as DeepSpeed's engine
     clip = cfg.gradient_clipping if cfg.gradient_clipping > 0 else 0.0
-    engine_clips = clip > 0 and cfg.zero_stage == 0 and cfg.precision() == "32"
+    engine_clips = clip > 0 and cfg.zero_stage == 0 and not cfg.fp16.get("enabled") and not cfg.bf16_enabled
     return {"backward_passes_per_step": 1, "group": pipe.grid.dp_group,
             "clip_grad_norm": None if engine_clips or not clip else clip,
             "clip_norm_group": pipe.grid.pipe_group if clip and not engine_clips else None,

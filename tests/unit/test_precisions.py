@@ -1,0 +1,62 @@
+"""The precision modes' one table (unidist/precisions.py) and the places that read it: each row's dtypes are real
+torch dtypes with the epsilon torch gives them, a model prepared in a mode holds what the row says, DeepSpeed's
+sections map both ways, and verify's bound takes each mode's weights' epsilon (a new mode cannot silently get
+float32's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import unidist
+from unidist.engines.deepspeed.config import config_precision, precision_section
+from unidist.precisions import EPSILON, MODES, PRECISIONS, masters_of
+from unidist.train.precision import Precision
+from unidist.verify.envelope import EPS
+
+
+def test_every_dtype_named_is_torchs_with_its_epsilon() -> None:
+    for name, eps in EPSILON.items():
+        assert torch.finfo(getattr(torch, name)).eps == eps
+    for mode in MODES.values():
+        assert {mode.params, mode.compute, mode.reduce, mode.master} <= set(EPSILON), mode
+        assert EPS[mode.name] == torch.finfo(getattr(torch, mode.params)).eps
+
+
+@pytest.mark.parametrize("name", PRECISIONS)
+def test_a_prepared_model_holds_what_its_row_says(name: str) -> None:
+    """One process (LocalManager): the parameters' dtype, what the optimizer steps, the output's dtype."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mode = Precision.of(name)
+    with unidist.init(backend="local") as mgr:
+        model, opt = mgr.prepare(model, opt, precision=name)
+        assert {p.dtype for p in model.parameters()} == {mode.params}
+        stepped = {p.dtype for g in opt.param_groups for p in g["params"]}
+        assert stepped == {mode.master}, (name, stepped)
+        before = [p.detach().clone() for p in model.parameters()]
+        out = model(torch.randn(5, 4))
+        assert out.dtype == torch.float32
+        mgr.backward(out.mean())  # small: fp16's first scale (65536) must not overflow
+        opt.step()
+        opt.zero_grad()
+        moved = [not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)]
+        assert all(moved), (name, moved)  # the copies' update reached the model's parameters
+        if mode.keeps_masters:
+            copies = [p for g in opt.param_groups for p in g["params"]]
+            assert all(torch.equal(c.to(mode.params), p) for c, p in zip(copies, model.parameters(), strict=True))
+            assert all(p.grad is None for p in model.parameters())  # zero_grad cleared the model's too
+
+
+def test_deepspeed_sections_map_both_ways() -> None:
+    for mode in MODES.values():
+        section = precision_section(mode.name)
+        if mode.autocast:
+            assert section["torch_autocast"]["dtype"] == mode.compute
+        elif mode.keeps_masters:
+            assert section == {"bf16": {"enabled": True}}
+            assert config_precision(section)[0] == mode.name
+        else:
+            assert section == {}
+    assert masters_of("bfloat16") is MODES["bf16-master"] and masters_of("float16") is None
