@@ -27,6 +27,8 @@ from helpers import LAUNCHES, MARKS, WORKERS, Launch, Run, main_launches, requir
 from zoo import matrix
 from zoo.models import HAS_TRANSFORMERS, ZOO
 
+from unidist.precisions import MODES
+
 WORKER = str(WORKERS / "model_zoo.py")
 ZOO_LAUNCHES = [k for k in [*solo_launches(), *main_launches(2)] if LAUNCHES[k].backend in matrix.BACKENDS]
 EVERY_CELL = ("local", "mpi", "torch")  # cheap enough to run the whole matrix in CI
@@ -122,7 +124,9 @@ def test_trains_like_one_process(zoo: Zoo, model: str) -> None:
         assert cell["frozen_moved"] == 0.0 and cell["frozen_state"] == 0, (where, cell)
         assert cell["tied"], (where, cell)
         if _engine_zero_fills(model, launch.backend, int(stage)):
-            assert cell["never_moved"] > 0.0, (where, cell)  # DeepSpeed's own rule; docs/models.md says so
+            # DeepSpeed's own rule (docs/models.md); a bfloat16 model's weights round the small move away (its
+            # master copy holds it)
+            assert cell["never_moved"] > 0.0 or MODES[precision].params != "float32", (where, cell)
             continue
         assert cell["never_moved"] == 0.0, (where, cell)
         assert cell["diff"] <= matrix.tolerance(launch.backend, int(stage), precision), (where, cell)

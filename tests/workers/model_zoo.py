@@ -121,9 +121,11 @@ def train(mgr: Any, entry: Entry, stage: int, precision: str, where: Path) -> di
     state = mgr.full_optimizer_state_dict(popt)["state"]
     result: dict[str, Any] = {
         "out_type": out_type, "out_floats": floats, "spread": _spread(mgr, full),
-        "frozen": frozen, "frozen_moved": max((float((full[k] - start[k]).abs().max()) for k in frozen), default=0.0),
+        # against the start as the model holds it (a bfloat16 model's: rounded once, before any step)
+        "frozen": frozen, "frozen_moved": max((float((full[k] - start[k].to(full[k].dtype)).abs().max())
+                                              for k in frozen), default=0.0),
         "frozen_state": sum(1 for i in frozen_ids if state.get(i)),
-        "never_moved": max((float((full[k] - start[k]).abs().max()) for k in full
+        "never_moved": max((float((full[k] - start[k].to(full[k].dtype)).abs().max()) for k in full
                             if k.startswith(entry.never_used)), default=0.0) if entry.never_used else 0.0,
         "tied": tied and _tied(entry, module),
     }

@@ -1,6 +1,6 @@
 """Which zoo cells (model x ZeRO stage x precision) a launch runs, and how close each must come to one process.
 
-The whole matrix is 13 models x 4 stages x 2 precisions on each of 5 backends. CI runs a sample, the same on every
+The whole matrix is 13 models x 4 stages x 3 precisions on each of 5 backends. CI runs a sample, the same on every
 run: on every backend each model at ZeRO-3 in float32 (where the defects were), plus one more (stage, precision)
 cell per model that rotates with the model and the backend, so that over the five backends every model meets most
 cells. ``ZOO_MATRIX=all`` in the environment of the test run runs every cell on every backend:
@@ -13,20 +13,25 @@ from __future__ import annotations
 import os
 
 STAGES = (0, 1, 2, 3)
-PRECISIONS = ("32", "bf16-mixed")
+PRECISIONS = ("32", "bf16-mixed", "bf16-master")
 BACKENDS = ("local", "mpi", "torch", "deepspeed", "horovod")
 STEPS = 3
 
 # max |w - w_one_process| after STEPS steps, over every parameter and floating buffer. AdamW moves each weight by
 # about lr = 1e-3 a step whatever the gradient's size, so float32 rounding in a gradient near zero can turn into a
 # difference near lr: measured up to 2e-6 in float32 (see docs/models.md). bf16-mixed is compared with what DDP
-# under autocast computes (reference.py), so the same bound holds.
-TOLERANCE = {"32": 1e-5, "bf16-mixed": 1e-5}
+# under autocast computes (reference.py), so the same bound holds; bf16-master with a bfloat16 model's per-rank
+# gradients summed in bfloat16 and float32 copies stepped (reference.py): measured exact on mpi, torch and horovod.
+TOLERANCE = {"32": 1e-5, "bf16-mixed": 1e-5, "bf16-master": 1e-5}
 
 # Where an engine's own ZeRO computes otherwise, and by how much (measured; docs/models.md): DeepSpeed 0.19.8's ZeRO-3
 # under torch_autocast ends 1.8e-3 (torch's TransformerEncoder, its linear1 weights most) and 6.7e-4 (nn.Transformer)
 # away from the per-rank autocast reference with SGD at lr 0.05, where its stages 0-2 and its float32 ZeRO-3 are exact
-ENGINE_BOUND = {("deepspeed", 3, "bf16-mixed"): 3e-3}
+# DeepSpeed's own bf16 (bf16-master) ends a bfloat16 step or two of the weights' magnitude away from the per-rank
+# reference on several models at stages 0 and 3 (GPT-2, BERT, T5, Llama 3.9e-3; torch's TransformerEncoder 7.8e-3;
+# the branches model at stage 0 1.6e-2), where mpi, torch and Horovod are exact, as are DeepSpeed's stages 1-2 on
+# GPT-2, T5 and the encoder: its cause is not established (the never-used head does not move at stage 0)
+ENGINE_BOUND = {("deepspeed", 3, "bf16-mixed"): 3e-3, **{("deepspeed", s, "bf16-master"): 3.2e-2 for s in STAGES}}
 
 
 def tolerance(backend: str, stage: int, precision: str) -> float:

@@ -61,7 +61,7 @@ class Entry:
     tied: tuple[tuple[str, str], ...] = ()
     never_used: tuple[str, ...] = ()
     refused: str | None = None
-    precisions: tuple[str, ...] = ("32", "bf16-mixed")
+    precisions: tuple[str, ...] = ("32", "bf16-mixed", "bf16-master")
 
 
 def adamw(model: nn.Module) -> torch.optim.Optimizer:
