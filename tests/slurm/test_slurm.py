@@ -11,6 +11,7 @@ at once, saying how to give it PMI. Each cell prints its seconds, for the closin
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -119,7 +120,13 @@ def test_shipped_sbatch_script(slurm: SlurmCluster, backend: str, tmp_path: Path
 PREEMPT_EPOCHS = "1000"
 
 
+# Two 1000-epoch trainings and Slurm's 30 s time-limit checks make this the longest test CI ran (82 s quiet, 190-276 s
+# under load): it runs on request (FULL_MATRIX=1; it passed on 2026-11-29, SIGUSR1 at step 2050, requeued, weights
+# equal to the uninterrupted run's). CI keeps the preemption path itself: tests/multiproc/test_preempt.py (SIGTERM,
+# the same handler and resume to the same weights) and scancel of a job here (test_scancel_ends_every_rank).
 @pytest.mark.mpi
+@pytest.mark.skipif(os.environ.get("FULL_MATRIX") != "1", reason="Slurm's time-limit requeue runs on request: "
+                    "FULL_MATRIX=1 (about 90 s of two trainings and Slurm's 30 s checks)")
 def test_time_limit_signal_saves_requeues_and_resumes_to_the_uninterrupted_weights(slurm: SlurmCluster,
                                                                                    tmp_path: Path) -> None:
     """`sbatch --requeue --time=1 --signal=USR1@50`: Slurm's own warning 50 s before the limit reaches every task;
