@@ -5,13 +5,14 @@ against real DeepSpeed at 2 and 4 ranks are tests/multiproc/test_ds_examples.py'
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import unidist
-from unidist.errors import CheckpointError, InvalidArgumentError
+from unidist.errors import InvalidArgumentError
 from unidist.parallel.moe import MoE, is_expert_param
 
 pytestmark = pytest.mark.local
@@ -83,7 +84,7 @@ def test_capacity_drops_tokens_by_position() -> None:
     assert int(kept) < 12  # some were dropped
 
 
-def test_experts_are_marked_and_prepare_trains_them(mgr: Any) -> None:
+def test_experts_are_marked_and_prepare_trains_them(mgr: Any, tmp_path: Path) -> None:
     layer = _layer(k=1)
     marked = [n for n, p in layer.named_parameters() if is_expert_param(p)]
     names = [f"deepspeed_moe.experts.deepspeed_experts.{e}.0.{w}" for e in range(3) for w in ("weight", "bias")]
@@ -96,8 +97,13 @@ def test_experts_are_marked_and_prepare_trains_them(mgr: Any) -> None:
     opt.step()
     opt.zero_grad()
     assert any((p - before[n]).abs().max() > 0 for n, p in model.named_parameters() if "experts" in n)
-    with pytest.raises(CheckpointError, match="Mixture-of-Experts"):
-        mgr.save_checkpoint("unused-dir", prepared, opt)
+    mgr.save_checkpoint(tmp_path / "ck", prepared, opt)  # experts by their index in the layer (expert_layout.py)
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    mgr.load_checkpoint(tmp_path / "ck", prepared, opt)
+    assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())
     m2 = torch.nn.Sequential(_layer(k=1))
     with pytest.raises(InvalidArgumentError, match="does not shard expert parameters"):
         mgr.prepare(m2, torch.optim.SGD(m2.parameters(), lr=0.1), zero_stage=1)

@@ -17,11 +17,13 @@ import torch
 
 from unidist.comm.protocol import Comm
 
-__all__ = ["ReduceComm", "reduce_comm_of", "set_reduce_comm", "split_by_comm"]
+__all__ = ["ExpertSlot", "ReduceComm", "expert_slot_of", "reduce_comm_of", "set_expert_slot", "set_reduce_comm",
+           "split_by_comm"]
 
 K = TypeVar("K")
 
 _ATTR = "_unidist_reduce_comm"
+_SLOT = "_unidist_expert_slot"
 
 
 @dataclass(frozen=True)
@@ -55,3 +57,38 @@ def split_by_comm(items: Iterable[tuple[K, torch.Tensor]]) -> tuple[list[K], lis
         else:
             marked.setdefault(id(mark.comm), (mark, []))[1].append(key)
     return plain, list(marked.values())
+
+
+@dataclass(frozen=True)
+class ExpertSlot:
+    """Which expert of its layer a parameter belongs to: local expert ``local`` of ``per_rank`` under the module
+    list named ``key``, on the rank at ``place`` of an expert-parallel group of ``ep_size`` (the layer's expert
+    ``place * per_rank + local``). A checkpoint names it by that global index, so it loads where the experts are
+    spread over another number of ranks."""
+
+    key: str
+    local: int
+    place: int
+    ep_size: int
+    per_rank: int
+
+    def global_name(self, name: str, place: int | None = None) -> str:
+        """``name`` (this rank's state-dict key) with the local index replaced by the global one of ``place``
+        (default this rank's)."""
+        here = f"{self.key}.{self.local}."
+        at = name.rfind(here)
+        if at < 0:
+            raise ValueError(f"{name!r} is not under {self.key}.{self.local}")
+        g = (self.place if place is None else place) * self.per_rank + self.local
+        return f"{name[:at]}{self.key}.{g}.{name[at + len(here):]}"
+
+
+def set_expert_slot(param: torch.Tensor, slot: ExpertSlot) -> None:
+    """Mark ``param`` as part of the expert ``slot`` says."""
+    setattr(param, _SLOT, slot)
+
+
+def expert_slot_of(param: torch.Tensor) -> ExpertSlot | None:
+    """The mark ``set_expert_slot`` left on ``param``, or None (not an expert's)."""
+    found = getattr(param, _SLOT, None)
+    return found if isinstance(found, ExpertSlot) else None

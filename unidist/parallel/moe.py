@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 
-from unidist.comm.param_comm import set_reduce_comm
+from unidist.comm.param_comm import ExpertSlot, set_expert_slot, set_reduce_comm
 from unidist.comm.protocol import Comm
 from unidist.errors import InvalidArgumentError
 
@@ -268,6 +268,10 @@ class MoE(torch.nn.Module):
         gate.ep_group = self.ep_group
         for p in experts.parameters():  # summed over the ranks holding the same experts, / the data-parallel size
             set_reduce_comm(p, self.expert_dp_group, group.size)
+        for i, module in enumerate(experts.deepspeed_experts):  # checkpoints name each by its index in the layer
+            slot = ExpertSlot("deepspeed_experts", i, self.ep_group.rank, ep_size, self.num_local_experts)
+            for p in module.parameters():
+                set_expert_slot(p, slot)
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
 

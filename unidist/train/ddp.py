@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unidist.checkpoint.layout import FullLayout
+from unidist.checkpoint.layout import FullLayout, Layout
 from unidist.comm.param_comm import split_by_comm
 from unidist.comm.protocol import world_ranks
 from unidist.errors import CheckpointError, InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.request import SyncOptions
+from unidist.train.expert_layout import ExpertLayout
 from unidist.train.gradcore import Compression
 from unidist.train.masters import Masters, MastersLayout
 from unidist.train.reducer import GradientReducer
@@ -164,9 +165,13 @@ class DistributedOptimizer(WindowedOptimizer):
             g.mul_(coef.to(g.device, g.dtype))
         return total[0]
 
-    def checkpoint_layout(self, model: torch.nn.Module) -> FullLayout:
+    def checkpoint_layout(self, model: torch.nn.Module) -> Layout:
         """Every member of the data-parallel communicator holds the whole state: each writes an even slice."""
-        self._refuse_experts("a checkpoint")
+        if self.expert_reducers:  # each rank holds other experts: named by their index in the layer
+            if self.masters is not None:
+                raise CheckpointError("a checkpoint of a model with Mixture-of-Experts layers in precision "
+                                      "'bf16-master' is not supported yet; use 'bf16-true' or 'bf16-mixed' there")
+            return ExpertLayout(self.dp, model, self.optimizer)
         if self.masters is not None:
             return MastersLayout(self.dp.rank, self.dp.size, model, self.optimizer, world_ranks(self.dp), self.masters)
         return FullLayout(self.dp.rank, self.dp.size, model, self.optimizer, world_ranks(self.dp))
