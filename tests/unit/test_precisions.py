@@ -30,7 +30,7 @@ def test_a_prepared_model_holds_what_its_row_says(name: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mode = Precision.of(name)
-    with unidist.init(backend="local") as mgr:
+    with unidist.init(environ={"UNIDIST_DEVICE": "cpu"}) as mgr:  # one process: the local backend
         model, opt = mgr.prepare(model, opt, precision=name)
         assert {p.dtype for p in model.parameters()} == {mode.params}
         stepped = {p.dtype for g in opt.param_groups for p in g["params"]}
