@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MASTER", "FullLayout", "Layout", "Pieces", "Read", "even", "even_slice", "fresh_scalars", "param_names",
-           "per_element"]
+__all__ = ["MASTER", "FullLayout", "Layout", "Pieces", "Read", "even", "even_slice", "fresh_scalars",
+           "load_whole_optimizer", "param_names", "per_element"]
 
 # the per-element "optimizer" key under which a parameter's master copy is saved (precision "bf16-master": the
 # optimizer steps float32 copies of a bfloat16 model), as DeepSpeed keeps its fp32 copies with the optimizer; it is
@@ -153,17 +153,23 @@ class FullLayout(Layout):
             n = int(torch.Size(shape).numel())
             full[k] = read("model", k, "", 0, n).view(shape)
         self.module.load_state_dict(full, strict=True)
-        if self.optimizer is None:
-            return
-        state: dict[int, dict[str, Any]] = {}
-        for i, (p, name) in enumerate(zip(self.params, self.opt_names, strict=True)):
-            entry = {k: read("optim", name, k, 0, p.numel()).view(p.shape) for k in state_keys.get(name, [])
-                     if k != MASTER}
-            entry.update(fresh_scalars(meta["scalars"].get(name, {})))
-            if entry:
-                state[i] = entry
-        groups, start = [], 0
-        for g, saved in zip(self.optimizer.param_groups, meta["param_groups"], strict=True):
-            groups.append({**saved, "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if self.optimizer is not None:
+            load_whole_optimizer(self.optimizer, self.params, self.opt_names, read, meta, state_keys)
+
+
+def load_whole_optimizer(optimizer: Any, params: list[torch.Tensor], names: list[str], read: Read,
+                         meta: dict[str, Any], state_keys: dict[str, list[str]]) -> None:
+    """A torch optimizer every rank holds whole, from the checkpoint's per-name full state: ``params`` in the
+    optimizer's order and each one's name in the checkpoint (``MASTER`` copies are not optimizer state)."""
+    state: dict[int, dict[str, Any]] = {}
+    for i, (p, name) in enumerate(zip(params, names, strict=True)):
+        entry = {k: read("optim", name, k, 0, p.numel()).view(p.shape) for k in state_keys.get(name, [])
+                 if k != MASTER}
+        entry.update(fresh_scalars(meta["scalars"].get(name, {})))
+        if entry:
+            state[i] = entry
+    groups, start = [], 0
+    for g, saved in zip(optimizer.param_groups, meta["param_groups"], strict=True):
+        groups.append({**saved, "params": list(range(start, start + len(g["params"])))})
+        start += len(g["params"])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

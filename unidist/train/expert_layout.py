@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from unidist.checkpoint.layout import Layout, Pieces, Read, even_slice, fresh_scalars, param_names, per_element
+from unidist.checkpoint.layout import Layout, Pieces, Read, even_slice, load_whole_optimizer, param_names, per_element
 from unidist.comm.param_comm import ExpertSlot, expert_slot_of, reduce_comm_of
 from unidist.comm.protocol import Comm, world_ranks
 
@@ -97,16 +97,5 @@ class ExpertLayout(Layout):
         for k, v in self.local.items():
             full[k] = read("model", self.global_of[k], "", 0, v.numel()).view(v.shape)
         self.module.load_state_dict(full, strict=True)
-        if self.optimizer is None:
-            return
-        state: dict[int, dict[str, Any]] = {}
-        for i, (p, name) in enumerate(zip(self.params, self.opt_names, strict=True)):
-            entry = {k: read("optim", name, k, 0, p.numel()).view(p.shape) for k in state_keys.get(name, [])}
-            entry.update(fresh_scalars(meta["scalars"].get(name, {})))
-            if entry:
-                state[i] = entry
-        groups, start = [], 0
-        for g, saved in zip(self.optimizer.param_groups, meta["param_groups"], strict=True):
-            groups.append({**saved, "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if self.optimizer is not None:
+            load_whole_optimizer(self.optimizer, self.params, self.opt_names, read, meta, state_keys)
