@@ -181,6 +181,12 @@ def test_compat_horovod_script_agrees(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------- planted mistakes are caught
+# CI plants the per-rank batch (caught on the rows, located in the data) and the weight decay scaled by the ranks
+# (the subtle one, ~1e-5 of a weight a step); FULL_MATRIX=1 adds the learning rate scaled by the ranks and a
+# rank-seeded shuffle (all four caught together on 2026-11-29: benchmarks/records/verify_planted.md)
+PLANTS = ["batch", "wd", *(["lr", "shuffle"] if os.environ.get("FULL_MATRIX") == "1" else [])]
+
+
 @pytest.mark.mpi
 def test_planted_mistakes_on_gpt2_are_caught_named_and_located(tmp_path: Path) -> None:
     """GPT-2 from its config (dropout 0.1), AdamW with weight decay, ZeRO-3, clipping at 1.0, float32. The plain
@@ -189,25 +195,30 @@ def test_planted_mistakes_on_gpt2_are_caught_named_and_located(tmp_path: Path) -
     one: ~1e-5 of a weight a step, the size a fixed tolerance could not tell from rounding), a rank-seeded shuffle."""
     require("mpi4py")
     require("transformers")
-    plants = ["batch", "lr", "wd", "shuffle"]
+    plants = PLANTS
     proc, result = verify(tmp_path, ZOO_SCRIPT, MPIEXEC, *(f"PLANT={p} {MPIEXEC}" for p in plants),
                           args=("--model", "gpt2", "--zero", "3"), flags=("--locate",))
     assert result["launches"][1]["status"] == "agrees", brief(proc, result)
     _, ref = fingerprint(result, 0)
-    batch = assert_diverged(proc, result, 2, 1, "rows", "a batch size meant per rank, not global", "data")
-    assert batch["divergence"]["value"] == 16 and fingerprint(result, 2)[1][0]["rows"] == 16 == 2 * ref[0]["rows"]
-    assert_diverged(proc, result, 3, 1, "lr", "exactly 2 times, the number of ranks", "optimizer step")
-    assert fingerprint(result, 3)[1][0]["lr"] == [2 * ref[0]["lr"][0]]
-    wd = assert_diverged(proc, result, 4, 1, "params", "an optimizer setting that depends on the world size",
+    at = {p: i + 2 for i, p in enumerate(plants)}  # each plant's launch, after the reference and the plain launch
+    batch = assert_diverged(proc, result, at["batch"], 1, "rows", "a batch size meant per rank, not global", "data")
+    assert batch["divergence"]["value"] == 16 and fingerprint(result, at["batch"])[1][0]["rows"] == 16 == \
+        2 * ref[0]["rows"]
+    if "lr" in at:
+        assert_diverged(proc, result, at["lr"], 1, "lr", "exactly 2 times, the number of ranks", "optimizer step")
+        assert fingerprint(result, at["lr"])[1][0]["lr"] == [2 * ref[0]["lr"][0]]
+    wd = assert_diverged(proc, result, at["wd"], 1, "params", "an optimizer setting that depends on the world size",
                          "optimizer step")
-    found, (_, steps) = wd["divergence"], fingerprint(result, 4)
+    found, (_, steps) = wd["divergence"], fingerprint(result, at["wd"])
     diffs = {n: param_diff(steps[0]["params"][n], b) for n, b in ref[0]["params"].items()}
     assert found["value"] == pytest.approx(diffs[found["param"]], rel=1e-9), (found, diffs)
     # AdamW's decay at lr 1e-3: each weight shrinks by a further 1e-3 * 0.01 = 1e-5 of itself a step on 2 ranks
     assert 0.5e-5 < found["value"] < 1e-4 and found["value"] > found["bound"], found
     assert wd["location"]["where"] is not None and "after the step does not" in wd["location"]["said"]
-    shuffle = assert_diverged(proc, result, 5, 1, "data", "a data order that depends on the rank", "data")
-    assert shuffle["location"]["said"].startswith("step 1, the data of step 1: 8 rows")
+    if "shuffle" in at:
+        shuffle = assert_diverged(proc, result, at["shuffle"], 1, "data", "a data order that depends on the rank",
+                                  "data")
+        assert shuffle["location"]["said"].startswith("step 1, the data of step 1: 8 rows")
     assert all(e["steps"] for e in result["launches"][1:])
 
 
