@@ -19,9 +19,7 @@ shards) steps. So every rank keeps optimizer state for 1/N of the parameters.
   Outside forward/backward, use ``gathered_parameters``.
 
 With ``offload=True`` (``prepare(offload="cpu")``) the shards, their gradients and the optimizer state live in
-CPU memory and the step runs there (offload.py, zero_unit.py). With ``master=torch.float32`` over a bfloat16 model
-(``precision="bf16-master"``) the shards are float32 master copies: gradients are reduced in bfloat16, stepped in
-float32, and the parameters gathered from the shards rounded to bfloat16, as DeepSpeed's ZeRO keeps its copies.
+CPU memory and the step runs there (offload.py, zero_unit.py); with ``master=`` they are master copies in that dtype.
 
 With ``backward_passes_per_step=k`` the first k-1 passes accumulate full gradients locally and the k-th
 reduces them, so the update equals one k-times larger batch (stage 2/3 save gradient memory on that pass).
@@ -75,7 +73,7 @@ class ZeroOptimizer(WindowedOptimizer):
         self._compressor = Compression.of(options.compression) if dp.size > 1 else Compression.none
         super().__init__(optimizer)
         self.dp, self.stage, self.model, self.offload = dp, stage, model, offload
-        self.master = master  # the shards' dtype where they are master copies of lower-precision parameters
+        self.master = master  # the shards' dtype where they are master copies (precision "bf16-master")
         # the optimizer as one process would hold it: kept to consolidate (full_optimizer_state_dict)
         self.full_groups = [list(g["params"]) for g in optimizer.param_groups]
         full_state = _full_state(optimizer)
