@@ -121,9 +121,9 @@ PREEMPT_EPOCHS = "1000"
 
 
 # Two 1000-epoch trainings and Slurm's 30 s time-limit checks make this the longest test CI ran (82 s quiet, 190-276 s
-# under load): it runs on request (FULL_MATRIX=1; it passed on 2026-11-29, SIGUSR1 at step 2050, requeued, weights
-# equal to the uninterrupted run's). CI keeps the preemption path itself: tests/multiproc/test_preempt.py (SIGTERM,
-# the same handler and resume to the same weights) and scancel of a job here (test_scancel_ends_every_rank).
+# under load): it runs on request (FULL_MATRIX=1; it passed on 2026-11-29 in 84 s, SIGUSR1 at step 17222, requeued
+# once, weights equal to the uninterrupted run's). CI keeps the preemption path itself: tests/multiproc/test_preempt.py
+# (SIGTERM, the same handler and resume to the same weights) and scancel of a job here (test_scancel_ends_every_rank).
 @pytest.mark.mpi
 @pytest.mark.skipif(os.environ.get("FULL_MATRIX") != "1", reason="Slurm's time-limit requeue runs on request: "
                     "FULL_MATRIX=1 (about 90 s of two trainings and Slurm's 30 s checks)")
