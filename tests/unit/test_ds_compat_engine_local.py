@@ -157,3 +157,26 @@ def test_safe_get_helpers_and_fused_adam(stage: int) -> None:
         torch.testing.assert_close(safe_get_full_fp32_param(p), q.detach())
         torch.testing.assert_close(safe_get_full_optimizer_state(p, "exp_avg"), ref_opt.state[q]["exp_avg"])
     assert safe_get_full_fp32_param(torch.nn.Parameter(torch.ones(2))) is None  # no engine manages it
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_bf16_section_keeps_float32_masters_that_safe_get_returns(stage: int) -> None:
+    """The bf16 section is precision "bf16-master": a bfloat16 model, outputs in bfloat16 (as DeepSpeed's engine
+    returns them), and ``safe_get_full_fp32_param`` the float32 master copy, not the rounded weight: after a step
+    whose update is far below a bfloat16 step, the weights did not move and the master copies did."""
+    from unidist.compat.deepspeed.utils import safe_get_full_fp32_param
+
+    model = _model()
+    start = [p.detach().to(torch.bfloat16).float() for p in model.parameters()]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-6),
+                                      config={"train_batch_size": 4, "bf16": {"enabled": True},
+                                              "zero_optimization": {"stage": stage}})
+    out = engine(torch.randn(4, 4))
+    assert out.dtype == torch.bfloat16
+    engine.backward(out.float().pow(2).mean())
+    engine.step()
+    for p, s in zip(engine.module.parameters(), start, strict=True):
+        master = safe_get_full_fp32_param(p)
+        assert p.dtype == torch.bfloat16 and master is not None and master.dtype == torch.float32
+        assert torch.equal(master.to(torch.bfloat16).float(), s)  # the weights rounded back to where they were
+        assert not torch.equal(master, s)  # the master copies moved by lr x gradient

@@ -120,6 +120,11 @@ class DistributedOptimizer(WindowedOptimizer):
         finally:
             self._no_sync = previous
 
+    def full_param(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s master copy where the precision keeps one (``masters.py``), else the parameter (copies)."""
+        master = self.masters.master_of(param) if self.masters is not None else None
+        return (master if master is not None else param).detach().clone()
+
     # ------------------------------------------------------------------ optimizer protocol (step_window.py)
     def _after_step(self) -> None:
         if self.masters is not None:

@@ -140,6 +140,15 @@ class Prepared(OptimizerView, PreparedOptimizer):
         grad = param.grad
         return None if grad is None else grad.detach().clone()
 
+    def full_param(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s whole value as the optimizer steps it (a copy, on every rank): here the parameter itself;
+        its float32 master copy where the precision keeps one; ZeRO gathers its shards.
+
+        Args:
+            param: a parameter of the prepared model.
+        """
+        return param.detach().clone()
+
     # ----------------------------------------------------------------- what the fingerprint reads
     def hold_gradient_norm(self, rank: int, size: int) -> None:
         """Before the step: keep what ``fingerprint_grad_sq`` needs where the step consumes it (DeepSpeed's engine

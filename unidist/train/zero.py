@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +37,7 @@ import torch
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.request import SyncOptions
+from unidist.train import zero_state
 from unidist.train.fingerprint import squares
 from unidist.train.gradcore import Compression, InOrder, pack
 from unidist.train.offload import wait_for_copies
@@ -237,12 +238,23 @@ class ZeroOptimizer(WindowedOptimizer):
         every rank calls it, for the same parameter)."""
         if not self._synced:
             self.synchronize()
+        return self._gathered_part(param, lambda u: u.shard.grad if u.shard.grad is not None else
+                                   torch.zeros_like(u.shard))
+
+    def full_param(self, param: torch.Tensor) -> torch.Tensor:
+        """``param`` as the optimizer steps it (the shards: master copies under bf16-master), gathered (a
+        collective, as ``full_grad``); a parameter in no unit (frozen) as it is."""
+        found = self._gathered_part(param, lambda u: u.shard)
+        return found if found is not None else param.detach().clone()
+
+    def _gathered_part(self, param: torch.Tensor, of: Callable[[Unit], torch.Tensor]) -> torch.Tensor | None:
+        """``param``'s slice of its unit's flat ``of(unit)`` (a shard-sized tensor) gathered from every rank."""
         for unit in self.units:
             for i, p in enumerate(unit.params):
                 if p is param:
-                    shard = unit.shard.grad if unit.shard.grad is not None else torch.zeros_like(unit.shard)
+                    shard = of(unit).detach().to(unit.device).contiguous()
                     full = torch.empty(unit.chunk * self.dp.size, dtype=shard.dtype, device=shard.device)
-                    self.dp.allgather(shard.detach().contiguous(), out=full)
+                    self.dp.allgather(shard, out=full)
                     start = unit.offset(i)
                     return full[start:start + unit.numels[i]].view(unit.shapes[i]).clone()
         return None
@@ -320,52 +332,12 @@ class ZeroOptimizer(WindowedOptimizer):
             self.fetcher.let_go(self.units)
 
     def full_state_dict(self) -> dict[str, Any]:
-        """The optimizer's ``state_dict()`` as one process holding every parameter would return it."""
-        index = {id(p): i for i, p in enumerate(p for g in self.full_groups for p in g)}
-        state: dict[int, dict[str, Any]] = {}
-        for unit in self.units:
-            shard_state = self.optimizer.state.get(unit.shard, {})
-            for key in sorted(shard_state):
-                value = shard_state[key]
-                if isinstance(value, torch.Tensor) and value.shape == unit.shard.shape:
-                    flat = torch.empty(unit.chunk * self.dp.size, dtype=value.dtype, device=unit.device)
-                    self.dp.allgather(value.detach().to(unit.device).contiguous(), out=flat)
-                    offset = 0
-                    for p, shape, n in zip(unit.params, unit.shapes, unit.numels, strict=True):
-                        state.setdefault(index[id(p)], {})[key] = flat[offset:offset + n].view(shape).clone()
-                        offset += n
-                else:  # per-parameter scalars (Adam's step) are the same for every member of the unit
-                    for p in unit.params:
-                        state.setdefault(index[id(p)], {})[key] = value.clone() if isinstance(
-                            value, torch.Tensor) else value
-        groups = []
-        start = 0
-        for g, params in zip(self.optimizer.param_groups, self.full_groups, strict=True):
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(start, start + len(params)))})
-            start += len(params)
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
+        """The optimizer's ``state_dict()`` as one process holding every parameter would return it (zero_state.py)."""
+        return zero_state.consolidated(self)
 
     def load_full_state(self, full: dict[int, dict[str, Any]]) -> None:
-        """Shard a one-process optimizer state (keys: parameter indices) onto this rank's shards."""
-        index = {id(p): i for i, p in enumerate(p for g in self.full_groups for p in g)}
-        for unit in self.units:
-            per_param = [full.get(index[id(p)], {}) for p in unit.params]
-            keys = set().union(*per_param)
-            target: dict[str, Any] = {}
-            for key in sorted(keys):
-                values = [s.get(key) for s in per_param]
-                tensors = [v for v in values if isinstance(v, torch.Tensor)]
-                if len(tensors) == len(values) and all(t.shape == shape for t, shape in zip(
-                        tensors, unit.shapes, strict=True)) and any(len(shape) for shape in unit.shapes):
-                    flat = torch.zeros(unit.chunk * self.dp.size, dtype=tensors[0].dtype, device=unit.device)
-                    torch.cat([t.reshape(-1).to(unit.device) for t in tensors], out=flat[: unit.numel])
-                    target[key] = flat[unit.lo:unit.lo + unit.chunk].to(unit.shard.device, copy=True)
-                else:
-                    v = next(v for v in values if v is not None)
-                    target[key] = v.clone() if isinstance(v, torch.Tensor) else v
-            if target:
-                self.optimizer.state[unit.shard] = target
+        """Shard a one-process optimizer state (keys: parameter indices) onto this rank's shards (zero_state.py)."""
+        zero_state.shard_into(self, full)
 
     def __repr__(self) -> str:
         return (f"ZeroOptimizer({type(self.optimizer).__name__}, stage={self.stage}, units={len(self.units)}, "

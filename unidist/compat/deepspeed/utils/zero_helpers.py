@@ -39,6 +39,9 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
         return theirs.safe_get_full_fp32_param(param)  # type: ignore[no-any-return]
     if engine is None:
         return None
+    if engine.optimizer is not None:  # the value the optimizer steps: the master copy under bf16 (ZeRO gathers)
+        full: torch.Tensor = engine.optimizer.full_param(param)
+        return full.float()
     with engine.manager.gathered_parameters(engine.prepared_model):
         return param.detach().float().clone()
 
