@@ -396,5 +396,5 @@ def refuse_sparse(model: torch.nn.Module) -> None:
             raise InvalidArgumentError(
                 f"prepare(): {name or 'the model'} is {type(module).__name__}(sparse=True), whose sparse gradients "
                 "unidist's gradient buckets and ZeRO shards cannot reduce; build it with sparse=False (the default: "
-                "the same update, as a dense gradient), or on the horovod backend use zero_stage=0 without group=, "
-                "where Horovod's own optimizer allgathers sparse gradients")
+                "the same update, as a dense gradient), or on the horovod backend use zero_stage=0 without group= and "
+                "a precision without master copies, where Horovod's own optimizer allgathers sparse gradients")

@@ -85,8 +85,8 @@ class HorovodTrainer(Trainer):
 
     def takes_sparse(self, opts: PrepareRequest) -> bool:
         """``hvd.DistributedOptimizer`` allgathers sparse gradients (an ``nn.Embedding(sparse=True)``); unidist's
-        reducer (``reducer='unidist'``) does not."""
-        return opts.reducer != "unidist"
+        reducer (``reducer='unidist'``, and any mode with master copies, which runs on it) does not."""
+        return opts.reducer != "unidist" and not Precision.of(opts.precision).keeps_masters
 
     def _prepare(self, model: torch.nn.Module, optimizer: Any, opts: PrepareRequest
                  ) -> tuple[torch.nn.Module, Prepared]:
