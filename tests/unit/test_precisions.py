@@ -5,6 +5,8 @@ float32's)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -60,3 +62,35 @@ def test_deepspeed_sections_map_both_ways() -> None:
         else:
             assert section == {}
     assert masters_of("bfloat16") is MODES["bf16-master"] and masters_of("float16") is None
+
+
+def test_master_copies_skip_frozen_parameters_and_survive_a_checkpoint(tmp_path: Path) -> None:
+    """bf16-master at stage 0 with a frozen layer: the optimizer keeps the frozen parameter itself (no copy, no step),
+    and a fresh prepare that loads the checkpoint holds the same float32 copies, not the rounded weights."""
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        model[0].requires_grad_(False)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    with unidist.init(environ={"UNIDIST_DEVICE": "cpu"}) as mgr:
+        model, opt = mgr.prepare(*build(), precision="bf16-master")
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        stepped = [p for g in opt.param_groups for p in g["params"]]
+        assert all(any(p is q for q in stepped) for p in frozen)  # the group holds the frozen ones themselves
+        assert {p.dtype for p in stepped if p.requires_grad} == {torch.float32}
+        for _ in range(2):
+            mgr.backward(model(torch.randn(5, 4)).mean())
+            opt.step()
+            opt.zero_grad()
+        copies = [p.detach().clone() for p in stepped if p.requires_grad]
+        assert any(not torch.equal(c, c.to(torch.bfloat16).float()) for c in copies)  # finer than the weights
+        mgr.save_checkpoint(tmp_path / "ck", model, opt)
+        opt.remove_hooks()
+        model2, opt2 = mgr.prepare(*build(), precision="bf16-master")
+        mgr.load_checkpoint(tmp_path / "ck", model2, opt2)
+        again = [p.detach() for g in opt2.param_groups for p in g["params"] if p.requires_grad]
+        assert all(torch.equal(a, b) for a, b in zip(copies, again, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(),
+                                                     strict=True))

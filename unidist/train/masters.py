@@ -31,8 +31,11 @@ class Masters:
         for group in optimizer.param_groups:
             params = []
             for p in group["params"]:
+                if not p.requires_grad:  # frozen: never stepped, so no copy (the group keeps the parameter)
+                    params.append(p)
+                    continue
                 if id(p) not in made:
-                    master = torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=p.requires_grad)
+                    master = torch.nn.Parameter(p.detach().to(dtype, copy=True))
                     made[id(p)] = master
                     self.pairs.append((p, master))
                 params.append(made[id(p)])
@@ -46,9 +49,9 @@ class Masters:
 
     def add_group(self, group: dict[str, Any]) -> None:
         """A param group added after prepare (``add_param_group``): its parameters get copies too."""
-        fresh = [p for p in group["params"] if id(p) not in self.of]
+        fresh = [p for p in group["params"] if id(p) not in self.of and p.requires_grad]
         for p in fresh:
-            master = torch.nn.Parameter(p.detach().to(self.dtype, copy=True), requires_grad=p.requires_grad)
+            master = torch.nn.Parameter(p.detach().to(self.dtype, copy=True))
             self.pairs.append((p, master))
             self.of[id(p)] = master
         group["params"] = [self.of.get(id(p), p) for p in group["params"]]
@@ -95,13 +98,15 @@ class MastersLayout(FullLayout):
         names = param_names(module)
         self.masters = masters
         super().__init__(rank, size, module, optimizer, ranks,
-                         names={id(m): names[id(p)] for p, m in masters.pairs if id(p) in names})
+                         names={**names, **{id(m): names[id(p)] for p, m in masters.pairs if id(p) in names}})
 
     def pieces(self) -> Pieces:
         out = super().pieces()
+        copies = {id(m) for _, m in self.masters.pairs}
         if self.optimizer is not None:
             for m, name in zip(self.params, self.opt_names, strict=True):
-                out["optim"].setdefault(name, {})[MASTER] = even_slice(m, self.rank, self.size)
+                if id(m) in copies:  # a frozen parameter, in the group itself, has none
+                    out["optim"].setdefault(name, {})[MASTER] = even_slice(m, self.rank, self.size)
         return out
 
     def load(self, read: Read, meta: dict[str, Any], state_keys: dict[str, list[str]]) -> None:
@@ -111,5 +116,5 @@ class MastersLayout(FullLayout):
             return
         with torch.no_grad():
             for m, name in zip(self.params, self.opt_names, strict=True):
-                if MASTER in state_keys.get(name, []):
+                if MASTER in state_keys.get(name, []) and m.requires_grad:
                     m.copy_(read("optim", name, MASTER, 0, m.numel()).view(m.shape))
