@@ -19,13 +19,19 @@ __all__ = ["ShardUnit", "Sharded", "ZeroLayout"]
 
 
 class ShardUnit(Protocol):
-    """What the layout reads of one ZeRO unit (zero_unit.py's ``Unit``): its parameters, their full shapes, which
-    part of each this rank owns, and its shard of the flat buffer."""
+    """What the layout (and zero_state.py) reads of one ZeRO unit (zero_unit.py's ``Unit``): its parameters, their
+    full shapes and sizes, which part of each this rank owns, and its shard of the flat buffer."""
 
     @property
     def params(self) -> Sequence[torch.Tensor]: ...
     @property
     def shapes(self) -> Sequence[torch.Size]: ...
+    @property
+    def numels(self) -> Sequence[int]: ...
+    @property
+    def numel(self) -> int: ...
+    @property
+    def lo(self) -> int: ...
     @property
     def shard(self) -> torch.Tensor: ...
     @property
@@ -41,7 +47,7 @@ class ShardUnit(Protocol):
 
 
 class Sharded(Protocol):
-    """What the layout reads of a ZeroOptimizer (typed here, so this file does not import zero.py)."""
+    """What the layout (and zero_state.py) reads of a ZeroOptimizer (typed here, so neither imports zero.py)."""
 
     @property
     def dp(self) -> Any: ...

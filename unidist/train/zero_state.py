@@ -5,29 +5,16 @@ handed to prepare with state already in it: a resumed Adam)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+
+from unidist.train.zero_layout import Sharded
 
 __all__ = ["consolidated", "shard_into"]
 
 
-class ZeroOptimizer(Protocol):
-    """What this reads of a ZeroOptimizer (zero.py; typed here, so this file does not import it): its data-parallel
-    communicator, the wrapped optimizer stepping the shards, the units (zero_unit.Unit) and the one-process groups."""
-
-    @property
-    def dp(self) -> Any: ...
-    @property
-    def optimizer(self) -> torch.optim.Optimizer: ...
-    @property
-    def units(self) -> Sequence[Any]: ...
-    @property
-    def full_groups(self) -> Sequence[Sequence[torch.Tensor]]: ...
-
-
-def consolidated(zero: ZeroOptimizer) -> dict[str, Any]:
+def consolidated(zero: Sharded) -> dict[str, Any]:
     """The optimizer's ``state_dict()`` as one process holding every parameter would return it."""
     index = {id(p): i for i, p in enumerate(p for g in zero.full_groups for p in g)}
     state: dict[int, dict[str, Any]] = {}
@@ -55,7 +42,7 @@ def consolidated(zero: ZeroOptimizer) -> dict[str, Any]:
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
-def shard_into(zero: ZeroOptimizer, full: dict[int, dict[str, Any]]) -> None:
+def shard_into(zero: Sharded, full: dict[int, dict[str, Any]]) -> None:
     """Shard a one-process optimizer state (keys: parameter indices) onto this rank's shards."""
     index = {id(p): i for i, p in enumerate(p for g in zero.full_groups for p in g)}
     for unit in zero.units:
