@@ -37,7 +37,7 @@ class ExpertLayout(Layout):
                 self.slots[id(p)] = slot
                 self.holders[id(p)] = (mark.comm.rank, mark.comm.size)
         state = module.state_dict(keep_vars=True)
-        self.local = {k: v for k, v in state.items()}
+        self.local = state
         self.global_of = {k: self._name(k, v) for k, v in state.items()}
         self.shapes = {}
         for k, v in state.items():

@@ -40,6 +40,8 @@ class DeepSpeedEngine(torch.nn.Module):
         super().__init__()
         self._mgr = mgr
         self._config = config
+        # DeepSpeed returns a half model's outputs in its dtype (forward): which one, known once
+        self._out_dtype = Precision.of(config.precision()).param_dtype
         self.module = mgr.unwrap(model)
         self._prepared = [model]  # a list: not registered twice as a submodule (it may be the module itself)
         self.optimizer = optimizer
@@ -65,8 +67,7 @@ class DeepSpeedEngine(torch.nn.Module):
         the module's outputs as they are, a bf16 model's in bfloat16, and scripts compute their loss from them;
         unidist's prepared model returns float32, so they go back to the model's dtype (exactly: they were)."""
         out = self._prepared[0](*args, **kwargs)
-        dtype = Precision.of(self._config.precision()).param_dtype
-        return out if dtype is None else cast_floats(out, dtype)
+        return out if self._out_dtype is None else cast_floats(out, self._out_dtype)
 
     # ------------------------------------------------------------------------------ the training loop
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
