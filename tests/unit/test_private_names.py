@@ -33,7 +33,7 @@ ALLOWED = {
     ("unidist/engines/horovod/trainer.py", "self.optimizer._allreduce_delay"): "Horovod optimizer internals",
     # torch's tensor version counter: no public getter (torch.autograd.graph.increment_version is its public
     # writer); a ZeRO-3 prefetch compares it to see a shard rewritten since the prefetch started
-    ("unidist/train/zero_unit.py", "t._version"): "torch's tensor version counter",
+    ("unidist/train/zero_init.py", "t._version"): "torch's tensor version counter",
 }
 
 

@@ -123,6 +123,17 @@ class TrainingEntryPoints:
         """Context manager with the module's full parameters inside (ZeRO stage 3 partitions them)."""
         return self._training().gathered_parameters(module)
 
+    def partitioned_build(self, group: Any = None, enabled: bool = True) -> AbstractContextManager[Any]:
+        """Context manager: modules built inside it are partitioned as they are built (as ``deepspeed.zero.Init``),
+        so a model bigger than one rank's memory can be built; ``prepare(..., zero_stage=3)`` shards it from there
+        (any other prepare makes it whole first). Every rank must build the same modules in the same order.
+
+        Args:
+            group: the Group prepare will be given (``group=``); None: the world.
+            enabled: False builds whole (a config switch, as ``zero.Init(enabled=...)``).
+        """
+        return self._training().partitioned_build(group, enabled)
+
     def memory_stats(self) -> dict[str, int]:
         """This rank's bytes for the prepared model: ``param_bytes``, ``grad_bytes`` (gradients and the
         buffers that keep them between steps), ``optimizer_bytes`` (optimizer state, with DeepSpeed's fp32

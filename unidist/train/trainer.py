@@ -28,7 +28,7 @@ from unidist.comm.protocol import Comm
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.request import PrepareRequest, SyncOptions
-from unidist.train import offload
+from unidist.train import offload, zero_init
 from unidist.train.broadcast_state import broadcast_optimizer_state, broadcast_parameters
 from unidist.train.buffer_sync import BufferSync
 from unidist.train.data import Loader
@@ -102,6 +102,8 @@ class Trainer:
             raise InvalidArgumentError(f"prepare(zero_stage={opts.zero_stage}) with Mixture-of-Experts layers: "
                                        "unidist's ZeRO does not shard expert parameters yet; use zero_stage=0 (the "
                                        "experts are already spread over the expert-parallel ranks)")
+        if not (own and opts.zero_stage == 3):  # built partitioned (zero_init.py): only unidist's ZeRO-3 keeps it so
+            zero_init.materialize(model.parameters())
         if own or not self.takes_sparse(opts):
             refuse_sparse(model)
         if opts.sync_batchnorm:
@@ -159,10 +161,13 @@ class Trainer:
             raise InvalidArgumentError(f"prepare(optimizer=...) takes a torch.optim.Optimizer, got "
                                        f"{type(optimizer).__name__}")
         comm: Comm = opts.group if isinstance(opts.group, Group) else self.mgr
-        model = model.to(self.mgr.device)
-        hooks = self._apply_precision(model, opts)
-        # rank 0's weights; an expert's from the first rank holding the same experts (its own group's root)
-        plain, elsewhere = split_by_comm((item, item[1]) for item in model.state_dict(keep_vars=True).items())
+        with zero_init.lightly(model):  # a parameter built partitioned is cast when made whole, not here
+            model = model.to(self.mgr.device)
+            hooks = self._apply_precision(model, opts)
+        # rank 0's weights (built partitioned: rank 0's already); an expert's from the first rank holding the same
+        # experts (its own group's root)
+        plain, elsewhere = split_by_comm((item, item[1]) for item in model.state_dict(keep_vars=True).items()
+                                         if not zero_init.is_partitioned(item[1]))
         broadcast_parameters(comm, plain)
         for mark, named in elsewhere:
             broadcast_parameters(mark.comm, named)
@@ -173,6 +178,7 @@ class Trainer:
         if opts.zero_stage:
             wrapped = ZeroOptimizer(comm, model, optimizer, opts.zero_stage, opts, offload=opts.offload is not None,
                                     master=master)
+            zero_init.materialize(model.parameters())  # what ZeRO does not shard (frozen parameters) whole
         else:
             wrapped = DistributedOptimizer(comm, optimizer, model.named_parameters(), opts)
             if master is not None:
@@ -229,6 +235,13 @@ class Trainer:
         if isinstance(opt, ZeroOptimizer):
             return opt.gathered()
         return contextlib.nullcontext()
+
+    def partitioned_build(self, group: Any = None, enabled: bool = True) -> zero_init.PartitionedBuild:
+        """Modules built inside are partitioned over ``group`` (the world) as built (zero_init.py)."""
+        if group is not None and not (isinstance(group, Group) and group.owner is self.mgr):
+            raise InvalidArgumentError(f"partitioned_build(group=...) takes a Group made by this Manager's "
+                                       f"new_group() or split(), got {group!r}")
+        return zero_init.PartitionedBuild(group if group is not None else self.mgr, enabled)
 
     # ----------------------------------------------------------------- what a rank holds
     def memory_stats(self) -> MemoryStats:

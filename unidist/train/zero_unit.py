@@ -14,6 +14,7 @@ import torch
 
 from unidist.comm import buffers, trace_hooks
 from unidist.ops import ReduceOp
+from unidist.train import zero_init
 from unidist.train.gradcore import Compressor
 from unidist.train.offload import cpu_copy, cpu_empty
 
@@ -22,13 +23,6 @@ if TYPE_CHECKING:
     from unidist.comm.work import Handle
 
 __all__ = ["Unit"]
-
-
-def _writes(t: torch.Tensor) -> int:
-    """How many times ``t`` was written in place: torch's version counter. It has no public getter:
-    ``Tensor._version`` is what autograd's in-place check compares (``torch.autograd.graph.increment_version`` is
-    its public writer), and only its changing matters here, never its value."""
-    return int(t._version)
 
 
 class Unit:
@@ -48,9 +42,13 @@ class Unit:
         self.lo = dp.rank * self.chunk
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
-        full = buffers.zeros(self.chunk * dp.size, self.dtype, self.device)
-        with torch.no_grad():
-            torch.cat([p.detach().reshape(-1) for p in params], out=full[: self.numel])
+        if not keep_full and any(zero_init.is_partitioned(p) for p in params):
+            own = self._from_parts()
+        else:
+            full = buffers.zeros(self.chunk * dp.size, self.dtype, self.device)
+            with torch.no_grad():
+                torch.cat([p.detach().reshape(-1) for p in params], out=full[: self.numel])
+            own = full[self.lo:self.lo + self.chunk]
         self.full: torch.Tensor | None = None
         # a prefetch in flight (stage 3): its handle, its buffer, and the shard's version when it started
         self._pending: tuple[Handle[torch.Tensor], torch.Tensor, int] | None = None
@@ -58,7 +56,6 @@ class Unit:
         self.prefetch_hits = 0
         self.offloaded = offloaded
         self._cpu_grad: torch.Tensor | None = None  # offload: the pinned buffer the reduced gradient comes down to
-        own = full[self.lo:self.lo + self.chunk]
         # the shard is its own tensor when offloaded or a master copy (else, at stages 1-2, a view of ``full``)
         self.copied = offloaded or (master is not None and master != self.dtype)
         if self.copied:
@@ -75,6 +72,19 @@ class Unit:
         self.ready: set[int] = set()
         self.handle: Handle[torch.Tensor] | None = None
         self.used: torch.Tensor | None = None  # after a reduction: which parameters some rank had a gradient for
+
+    def _from_parts(self) -> torch.Tensor:
+        """Stage 3 over parameters built partitioned (zero_init.py): this rank's chunk, filled from each parameter
+        made whole in turn (collective: one parameter whole at a time, never the unit)."""
+        own = torch.zeros(self.chunk, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                value = zero_init.take(p) if zero_init.is_partitioned(p) else p.detach()
+                part = self.owned(i)
+                if part is not None:
+                    s, e, at = part
+                    own[at:at + e - s] = value.reshape(-1)[s:e]
+        return own
 
     # ------------------------------------------------------------------ parameters
     def _bind(self, full: torch.Tensor) -> None:
@@ -97,7 +107,7 @@ class Unit:
                 with trace_hooks.span("zero prefetch wait"):
                     handle.wait()
                 # the shard changed since it started (a checkpoint loaded between a forward and its gather): stale
-                if version == _writes(self.shard):
+                if version == zero_init.writes(self.shard):
                     self.prefetch_hits += 1
                     self._bind(full)
                     return
@@ -113,7 +123,8 @@ class Unit:
             return
         full = torch.empty(self.chunk * self.dp.size, dtype=self.dtype, device=self.device)
         with trace_hooks.span("zero prefetch", bytes=full):
-            self._pending = (self.dp.allgather_async(self._sendable(), out=full), full, _writes(self.shard))
+            self._pending = (self.dp.allgather_async(self._sendable(), out=full), full,
+                             zero_init.writes(self.shard))
         self.prefetches += 1
 
     def release(self) -> None:
