@@ -6,8 +6,9 @@ final weights (gathered under real ZeRO-3), the losses, the engine's counters an
 
 Cases: ``train/<opt>/s<stage>`` (2 epochs of 4 steps, 2 accumulation steps, WarmupLR, DeepSpeed's default clipping
 at 1.0 with gradients of norm ~10-30 so it clips every step); ``nosync/s<stage>`` (a micro-batch inside ``no_sync``
-and one outside, then ``step``); with ``--save DIR`` the Adam case's first epoch is checkpointed; with ``--load DIR``
-``resume/s<stage>`` loads it and runs the second epoch.
+and one outside, then ``step``); ``init/s3`` (the model built inside ``zero.Init``, edited inside
+``GatheredParameters``, one epoch at ZeRO-3); with ``--save DIR`` the Adam case's first epoch is checkpointed; with
+``--load DIR`` ``resume/s<stage>`` loads it and runs the second epoch.
 """
 
 from __future__ import annotations
@@ -44,13 +45,24 @@ deepspeed.init_distributed()
 import torch.distributed as dist  # noqa: E402  (initialized by init_distributed on every launcher)
 
 RANK, SIZE = dist.get_rank(), dist.get_world_size()
+HELD: list[float] = []  # the bytes a model built inside zero.Init holds in its parameters' own data, over the whole
 OPTS = {"Adam": {"lr": 3e-3, "betas": [0.8, 0.999], "weight_decay": 0.1, "torch_adam": True},
         "SGD": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 1e-3}}
 
 
-def model_and_data() -> tuple[torch.nn.Module, Any]:
+def model_and_data(init: bool = False) -> tuple[torch.nn.Module, Any]:
+    """The MLP; ``init``: built inside ``zero.Init`` (partitioned as built), its head then edited as DeepSpeed's
+    users do it there, inside ``GatheredParameters(modifier_rank=0)`` (a slice written, a weight scaled)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    with deepspeed.zero.Init(config_dict_or_path=config("Adam", 3), enabled=init):  # its dtype: the config's
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        with deepspeed.zero.GatheredParameters(list(model[2].parameters()), modifier_rank=0), torch.no_grad():
+            model[2].weight.mul_(1.5)
+            model[2].bias[:2].fill_(0.25)
+    if init:
+        # DeepSpeed's partitioned parameters are empty: their size is ds_numel
+        total = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
+        HELD.append(sum(p.data.untyped_storage().nbytes() for p in model.parameters()) / total)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g) * 3, torch.randint(0, 4, (64,), generator=g))
     return model, data
@@ -93,8 +105,9 @@ def epoch(engine: Any, loader: Any, rec: dict[str, Any]) -> None:
             rec["norms"].append(norm(engine))
 
 
-def train(opt: str, stage: int, epochs: int = 2, save: str | None = None, offload: bool = False) -> dict[str, Any]:
-    model, data = model_and_data()
+def train(opt: str, stage: int, epochs: int = 2, save: str | None = None, offload: bool = False,
+          init: bool = False) -> dict[str, Any]:
+    model, data = model_and_data(init)
     cfg = config(opt, stage)
     if offload:  # a key only DeepSpeed's engine honours, handed to it under the deepspeed launcher
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
@@ -121,6 +134,8 @@ def train(opt: str, stage: int, epochs: int = 2, save: str | None = None, offloa
     engine.eval()
     rec["eval_flag"] = engine.module.training
     rec["weights"] = weights(engine)
+    if init:
+        rec["held"] = HELD[-1]
     return rec
 
 
@@ -194,6 +209,8 @@ def main() -> None:
             out[f"train/{opt}/s{stage}"] = train(opt, stage, save=save)
         if stage < 2:
             out[f"nosync/s{stage}"] = nosync(stage)
+        if stage == 3:  # the model built partitioned (zero.Init), then trained at ZeRO-3
+            out["init/s3"] = train("Adam", 3, epochs=1, init=True)
         if stage in (0, 2) and not args.real:
             out[f"fp16/s{stage}"] = fp16(stage)
         if args.load is not None:

@@ -175,8 +175,8 @@ NAMES: tuple[tuple[str, str, str], ...] = (
      "DeepSpeed's pipeline instruction set (the schedule here is unidist.parallel.Pipeline's)"),
     ('deepspeed.runtime.pipe.schedule.TrainSchedule', 'refused',
      "DeepSpeed's pipeline instruction set (the schedule here is unidist.parallel.Pipeline's)"),
-    ('deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology', 'refused',
-     "DeepSpeed's 3D topologies (pass `num_stages`)"),
+    ('deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology', 'works',
+     'for `PipelineModule(topology=)`: pipe x data, `num_mp=1`'),
     ('deepspeed.runtime.state_dict_factory', 'refused', "DeepSpeed's Megatron checkpoint loader"),
     ('deepspeed.runtime.state_dict_factory.MegatronSDLoader', 'refused', "DeepSpeed's Megatron checkpoint loader"),
     ('deepspeed.runtime.state_dict_factory.MegatronSDLoader.sanity_check', 'refused',
@@ -214,7 +214,7 @@ NAMES: tuple[tuple[str, str, str], ...] = (
     ('deepspeed.utils.timer.BACKWARD_MICRO_TIMER', 'refused', "DeepSpeed's timers"),
     ('deepspeed.zero', 'works', '`GatheredParameters`, `Init`'),
     ('deepspeed.zero.GatheredParameters', 'works', 'full parameters in the block, `modifier_rank`'),
-    ('deepspeed.zero.Init', 'works', 'accepted; the model is built whole and partitioned by `initialize`'),
+    ('deepspeed.zero.Init', 'works', 'modules built partitioned; `initialize` at stage 3 shards from the parts'),
 )
 
 
