@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/records.sh                 # all (about 20 minutes; run it on a quiet machine)
 #   bash benchmarks/records.sh check faults    # some: check, timeline, checkpoint, faults, zoo, step, verify,
-#                                              # startup, ds_scripts
+#                                              # startup, ds_scripts, build
 #
 # Python comes from BENCH_BIN (a directory with python, mpiexec and every engine; default: .tox/py/bin, whose
 # environment has mpi4py and torch; the fault table and the model zoo's need every engine (and transformers), so
@@ -17,7 +17,7 @@ export PATH="$bin:$PATH" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DS_ACCELER
 out=benchmarks/records
 record() { "$bin/python" -m unidist.bench.record "$@"; }
 want() { [ $# -eq 0 ] || [[ " $* " == *" $name "* ]]; }
-for name in check timeline checkpoint faults zoo step verify startup ds_scripts; do
+for name in check timeline checkpoint faults zoo step verify startup ds_scripts build; do
     want "${@}" || continue
     case $name in
     check) record $out/check.md -- mpiexec -n 2 python -m unidist.bench.check --rounds 21 ;;
@@ -56,5 +56,9 @@ for name in check timeline checkpoint faults zoo step verify startup ds_scripts;
     ds_scripts)  # DeepSpeed pipeline and MoE scripts' step: real DeepSpeed beside the compat layer on mpi and torch
         record $out/ds_pipeline.md -- python benchmarks/ds_scripts.py --kind pipeline --rounds 5
         record $out/ds_moe.md -- python benchmarks/ds_scripts.py --kind moe --rounds 5 ;;
+    build)  # a model built partitioned (zero.Init: unidist's, DeepSpeed's) beside built whole: peak memory, time
+        record $out/partitioned_build.md -- python benchmarks/partitioned_build.py --ranks 2 --layers 24 --width 1024
+        record $out/partitioned_build_4.md -- python benchmarks/partitioned_build.py --ranks 4 --layers 24 \
+            --width 1024 ;;
     esac
 done

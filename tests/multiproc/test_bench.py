@@ -10,6 +10,7 @@ torch 2, deepspeed 1, horovod 2; and ``bench startup`` on each backend (two shor
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import sys
@@ -278,3 +279,18 @@ def test_ds_scripts_time_deepspeed_and_the_compat_layer(kind: str) -> None:
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert [r[1].strip() for r in rows[1:]] == ["deepspeed", "mpich"], proc.stdout
     assert rows[1][3].strip() == "1.00" and all(float(r[2]) > 0 for r in rows[1:]), proc.stdout
+
+
+# ------------------------------------------------------------------------ partitioned_build (zero.Init's memory)
+@pytest.mark.deepspeed
+@pytest.mark.skipif(os.environ.get("FULL_MATRIX") != "1", reason="FULL_MATRIX=1 (records.sh build runs it in full)")
+def test_partitioned_build_table() -> None:
+    """``python benchmarks/partitioned_build.py``, a tiny GPT-2: built whole, by unidist's zero.Init and by
+    DeepSpeed's, each row a peak and a time (records.sh build measures GPT-2 medium)."""
+    require("deepspeed", "transformers", "mpi4py")
+    proc = run([sys.executable, str(ROOT / "benchmarks" / "partitioned_build.py"), "--ranks", "2", "--layers", "2",
+                "--width", "128"], env={"DS_ACCELERATOR": "cpu"}, timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r[0].strip() for r in rows[1:]] == ["whole", "unidist", "deepspeed"], proc.stdout
+    assert all(float(r[3]) > 0 for r in rows[1:]), proc.stdout
