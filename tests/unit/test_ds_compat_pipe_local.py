@@ -13,7 +13,12 @@ from helpers import compat_local_manager, require
 
 import unidist.compat.deepspeed as deepspeed
 from unidist.compat.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec, partition
-from unidist.compat.deepspeed.pipe.topology import check_stages
+from unidist.compat.deepspeed.pipe.topology import check_stages, stages_of
+from unidist.compat.deepspeed.runtime.pipe.topology import (
+    PipeDataParallelTopology,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+)
 from unidist.compat.deepspeed.utils import RepeatingLoader
 from unidist.errors import InvalidArgumentError
 
@@ -115,10 +120,30 @@ def test_bad_input_is_refused_before_any_collective() -> None:
         PipelineModule(layers=[PipelineModule(layers=_layers(), num_stages=1)], num_stages=1)
     with pytest.raises(InvalidArgumentError, match="topology"):
         PipelineModule(layers=_layers(), topology=object())
+    with pytest.raises(InvalidArgumentError, match=r"tensor parallelism.*num_mp=1"):
+        stages_of(PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=2), 4, None)
+    with pytest.raises(InvalidArgumentError, match=r"covers 4 ranks .* the world has 1"):
+        PipelineModule(layers=_layers(), topology=PipeDataParallelTopology(num_pp=2, num_dp=2))
+    with pytest.raises(InvalidArgumentError, match="'pipe' before 'data'"):
+        stages_of(ProcessTopology(["data", "pipe"], [2, 2]), 4, None)
+    with pytest.raises(InvalidArgumentError, match=r"\['sequence'\]"):
+        stages_of(ProcessTopology(["pipe", "sequence"], [2, 2]), 4, None)
+    with pytest.raises(InvalidArgumentError, match="disagree"):
+        stages_of(PipeDataParallelTopology(num_pp=2, num_dp=2), 4, 4)
     net = PipelineModule(layers=_layers(), loss_fn=torch.nn.CrossEntropyLoss(), num_stages=1)
     with pytest.raises(InvalidArgumentError, match="incompatible with pipeline parallelism"):
         deepspeed.initialize(model=net, model_parameters=list(net.parameters()),
                              config={**CONFIG, "zero_optimization": {"stage": 2}})
+
+
+def test_a_topology_gives_the_stages_as_num_stages_does() -> None:
+    """Megatron-DeepSpeed passes PipeModelDataParallelTopology(num_pp, num_mp, num_dp) instead of num_stages: with
+    num_mp=1 its rank order is pipe x data, the grid num_stages makes."""
+    assert stages_of(PipeModelDataParallelTopology(num_pp=2, num_mp=1, num_dp=2), 4, None) == 2
+    assert stages_of(PipeDataParallelTopology(num_pp=4, num_dp=1), 4, 4) == 4
+    net = PipelineModule(layers=_layers(), loss_fn=torch.nn.CrossEntropyLoss(),
+                         topology=PipeModelDataParallelTopology(num_pp=1, num_mp=1, num_dp=1))
+    assert net.num_stages == 1
 
 
 def test_tied_layers_share_one_module_and_seed_layers_seeds_each_build() -> None:

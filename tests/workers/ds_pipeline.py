@@ -1,8 +1,9 @@
 """A DeepSpeed pipeline script with what the upstream example lacks: TiedLayerSpec (an embedding reused as the
 output projection, on the first and last stages), LayerSpecs built per stage, (hidden, integer mask) tuples between
 stages, ``partition_method="type:..."`` (ZeRO 0),
-``seed_layers`` and ``activation_checkpoint_interval`` (ZeRO 1), and gradients large enough that clipping
-(DeepSpeed's default 1.0) acts.
+``seed_layers`` and ``activation_checkpoint_interval`` (ZeRO 1), gradients large enough that clipping
+(DeepSpeed's default 1.0) acts, ``eval_batch(return_logits=True)``, and at ZeRO 1 the grid given as
+Megatron-DeepSpeed gives it (``topology=PipeModelDataParallelTopology(num_pp, num_mp=1, num_dp)``).
 
 Run by tests/multiproc/test_ds_pipeline.py as DeepSpeed's own script (``UNIDIST_TEST_REAL_DS=1``: ``import
 deepspeed``) under the deepspeed launcher, and with the compat import under mpiexec/torchrun. Prints
@@ -15,6 +16,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,9 +24,11 @@ from torch import nn
 if os.environ.get("UNIDIST_TEST_REAL_DS") == "1":
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 else:
     import unidist.compat.deepspeed as deepspeed
     from unidist.compat.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from unidist.compat.deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 VOCAB, WIDTH, SEQ = 32, 16, 6
 
@@ -73,7 +77,10 @@ def train(stage: int, stages: int, out: Path) -> None:
     how = {"partition_method": "type:block"} if stage == 0 else {"partition_method": "uniform", "seed_layers": True,
                                                                   "base_seed": 77, "activation_checkpoint_interval": 2,
                                                                   "checkpointable_layers": ["Block"]}
-    net = PipelineModule(layers=layers, loss_fn=loss_fn, num_stages=stages, **how)
+    # ZeRO 1 names its grid as Megatron-DeepSpeed does: a pipe x data x model topology (model 1)
+    grid: dict[str, Any] = {"num_stages": stages} if stage == 0 else {"topology": PipeModelDataParallelTopology(
+        num_pp=stages, num_mp=1, num_dp=deepspeed.comm.get_world_size() // stages)}
+    net = PipelineModule(layers=layers, loss_fn=loss_fn, **grid, **how)
     config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 100,
               "optimizer": {"type": "Adam", "params": {"lr": 0.02, "weight_decay": 0.0, "torch_adam": True}},
               "zero_optimization": {"stage": stage}}
@@ -88,8 +95,13 @@ def train(stage: int, stages: int, out: Path) -> None:
     evaluated = engine.eval_batch(iter(batches))  # 4 micro-batches (the accumulation steps), no training
     if engine.global_rank == 0:
         print(f"pipe {stage} eval {float(evaluated):.9g}", flush=True)
+    again, logits = engine.eval_batch(iter(batches), return_logits=True)  # the last stage's last micro-batch
+    assert float(again) == float(evaluated)
     weights = {name: [float(p.double().sum()), float(p.double().pow(2).sum())]
                for name, p in net.state_dict().items()}
+    # the outputs on the last stage (4 rows x SEQ x VOCAB), None on the first: (sum, squares, count)
+    weights["eval logits"] = [0.0, 0.0, 0.0] if logits is None else \
+        [float(logits.double().sum()), float(logits.double().pow(2).sum()), float(logits.numel())]
     (out / f"z{stage}-rank{engine.global_rank}.json").write_text(json.dumps(weights))
 
 

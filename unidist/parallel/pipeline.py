@@ -78,6 +78,7 @@ class Pipeline:
         self.loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = loss_fn
         self.stages, self.index = group.size, group.rank
         self.first, self.last = self.index == 0, self.index == self.stages - 1
+        self.eval_outputs: Any = None  # the last stage's outputs of the last eval micro-batch (eval_microbatches)
         # key -> (each part's shape and dtype, whether a tuple)
         self._incoming: dict[tuple[Any, ...], tuple[list[tuple[tuple[int, ...], torch.dtype]], bool]] = {}
         self._announced: set[tuple[Any, ...]] = set()
@@ -232,8 +233,12 @@ class Pipeline:
             inputs: the first stage's inputs (other stages pass None), as ``train_microbatches``'s.
             targets: the last stage's targets (other stages pass None).
             count: how many micro-batches (default ``microbatches``); every stage passes the same.
+
+        The last stage keeps the last micro-batch's outputs in ``eval_outputs`` (None on the other stages), as
+        DeepSpeed's ``eval_batch(return_logits=True)`` returns them.
         """
         m = count if count is not None else self.microbatches
+        self.eval_outputs = None
         self._announced.discard(_PER_STEP)
         self._incoming.pop(_PER_STEP, None)
         total = torch.zeros(1)
@@ -246,6 +251,7 @@ class Pipeline:
                     raise InvalidArgumentError("Pipeline.eval_microbatches needs loss_fn")
                 label: Any = None if targets is None else targets[j]
                 total += self.loss_fn(out, label).detach().float().reshape(1)
+                self.eval_outputs = out
         return float(self.group.broadcast(total / m if self.last else total, root=self.stages - 1)[0])
 
     def _train(self, inputs: list[Any], targets: list[Any], key: tuple[Any, ...]) -> float:

@@ -180,17 +180,18 @@ class PipelineEngine(DeepSpeedEngine):
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any], return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None
-                   ) -> torch.Tensor:
+                   ) -> Any:
         """The mean loss over the next micro-batches of ``data_iter`` without training, on every rank.
 
         Args:
             data_iter: the evaluation batches. num_micro_batches: how many (default gradient_accumulation_steps).
-            return_logits, compute_loss=False, reduce_output other than "avg", bcast_loss=False: not supported.
+            return_logits: also return the last stage's outputs of the last micro-batch, as DeepSpeed does:
+                ``(loss, outputs)``, outputs None on the other stages.
+            compute_loss=False, reduce_output other than "avg", bcast_loss=False: not supported.
         """
-        if return_logits or not compute_loss or reduce_output != "avg" or not bcast_loss:
+        if not compute_loss or reduce_output != "avg" or not bcast_loss:
             raise DeepSpeedUnsupportedError("eval_batch: unidist.compat.deepspeed returns the averaged loss only "
-                                            "(return_logits=False, compute_loss=True, reduce_output='avg', "
-                                            "bcast_loss=True)")
+                                            "(compute_loss=True, reduce_output='avg', bcast_loss=True)")
         self.module.eval()
         count = num_micro_batches or self.micro_batches
         saved = self.data_iterator
@@ -199,7 +200,11 @@ class PipelineEngine(DeepSpeedEngine):
             inputs, labels = self._micro_batches(count)
         finally:
             self.data_iterator = saved
-        return self._dp_mean(self._pipeline.eval_microbatches(inputs, labels, count))
+        loss = self._dp_mean(self._pipeline.eval_microbatches(inputs, labels, count))
+        if return_logits:
+            outputs, self._pipeline.eval_outputs = self._pipeline.eval_outputs, None
+            return loss, outputs
+        return loss
 
     def _clip_as_deepspeed(self) -> None:
         """DeepSpeed 0.19.8's fp32 clip (runtime/utils.py ``clip_grad_norm_`` with the pipe grid as ``mpu``):

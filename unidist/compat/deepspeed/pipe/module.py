@@ -27,7 +27,7 @@ from unidist.compat.deepspeed import state
 from unidist.compat.deepspeed.pipe import partition
 from unidist.compat.deepspeed.pipe.handoff import deepspeed_pipeline_module
 from unidist.compat.deepspeed.pipe.specs import LayerSpec, TiedLayerSpec
-from unidist.compat.deepspeed.pipe.topology import PipeGrid, check_stages
+from unidist.compat.deepspeed.pipe.topology import PipeGrid, check_stages, stages_of
 from unidist.compat.deepspeed.seed import set_random_seed
 from unidist.errors import InvalidArgumentError
 
@@ -79,9 +79,8 @@ class PipelineModule(nn.Module):
                  checkpointable_layers: list[str] | None = None, dynamic_shape: bool = False) -> None:
         super().__init__()
         mgr = state.manager()
-        if topology is not None:
-            raise InvalidArgumentError("PipelineModule(topology=...) is not supported by unidist.compat.deepspeed; "
-                                       "pass num_stages (the rest of the world is data parallel)")
+        if topology is not None:  # DeepSpeed's grid: pipe x data (x model of 1), its rank order
+            num_stages = stages_of(topology, mgr.size, num_stages)
         if num_stages is None:
             raise InvalidArgumentError("PipelineModule needs num_stages (DeepSpeed: 'must provide num_stages or "
                                        "topology')")
