@@ -243,7 +243,10 @@ def test_clipping_only_in_a_deepspeed_config_diverges_under_deepspeed_only(tmp_p
     assert clipped["divergence"]["value"] == pytest.approx(1 - 1 / steps[0]["grad_norm"], rel=1e-6)
 
 
+# CI time: these two run with FULL_MATRIX=1 (both passed 2026-11-29 before the cut); CI keeps the zoo, the planted
+# mistakes and DeepSpeed-only clipping, and tests/unit/test_verify_* keep the causes' wording
 @pytest.mark.mpi
+@pytest.mark.skipif(os.environ.get("FULL_MATRIX") != "1", reason="FULL_MATRIX=1: workdirs and nondeterminism (41 s)")
 def test_launches_cannot_see_each_others_files_and_a_second_run_tells_nondeterminism(tmp_path: Path) -> None:
     """A script with dropout that resumes from its own checkpoint directory (``CKPT``): with a relative one, each
     launch writes in its own working directory and two such launches agree; with an absolute one, the second
@@ -271,6 +274,7 @@ def test_launches_cannot_see_each_others_files_and_a_second_run_tells_nondetermi
 
 
 @pytest.mark.mpi
+@pytest.mark.skipif(os.environ.get("FULL_MATRIX") != "1", reason="FULL_MATRIX=1: --keep-random (26 s)")
 def test_dropout_kept_as_written_is_named_as_the_cause(tmp_path: Path) -> None:
     require("mpi4py")
     proc, result = verify(tmp_path, SCRIPTS / "dropout_mlp.py", MPIEXEC, flags=("--keep-random",))
