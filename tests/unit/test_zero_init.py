@@ -109,3 +109,20 @@ def test_compat_init_partitions_a_built_module_and_refuses_nvme() -> None:
         assert zero_init.is_partitioned(lin.weight)
         with pytest.raises(DeepSpeedUnsupportedError, match="NVMe"):
             deepspeed.zero.Init(remote_device="nvme")
+
+
+def test_gathered_inside_the_build_keeps_deepspeeds_meaning() -> None:
+    """GatheredParameters inside zero.Init (DeepSpeed scripts edit a layer there): with a modifier rank the edits
+    stay; without one they are dropped, as DeepSpeed drops them."""
+    with _mgr() as mgr:
+        with mgr.partitioned_build():
+            lin = torch.nn.Linear(3, 3)
+            with zero_init.gathered([lin.weight, lin.bias]), torch.no_grad():
+                before = lin.weight.detach().clone()
+                lin.weight.fill_(7.0)
+            with zero_init.gathered([lin.weight], modifier_rank=0), torch.no_grad():
+                assert torch.equal(lin.weight.detach(), before)
+                lin.weight[1].zero_()
+        assert zero_init.is_partitioned(lin.weight) and not any(lin.weight.stride())  # inside, stride gathers
+        zero_init.materialize([lin.weight])
+        assert float(lin.weight[1].detach().abs().sum()) == 0.0 and torch.equal(lin.weight[0], before[0])

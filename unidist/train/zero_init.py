@@ -53,6 +53,7 @@ class _Part:
 
 _ATTR = "_unidist_zero_init_part"  # a partitioned parameter's _Part, on the parameter (dies with it)
 _BY_STORAGE: dict[int, weakref.ref[torch.nn.Parameter]] = {}  # a placeholder's storage -> its parameter
+_HELD: set[int] = set()  # ids of the parameters ``gathered`` holds whole now
 
 # calls that read no values: they run on the placeholder itself (its shape, dtype and device are the parameter's)
 _T: Any = torch.Tensor  # its properties' descriptors (typed stubs see values)
@@ -96,9 +97,9 @@ def _part(p: torch.nn.Parameter) -> _Part:
 
 def _owner(t: torch.Tensor) -> torch.nn.Parameter | None:
     """The partitioned parameter ``t`` is, or aliases whole (``p.data``, ``p.detach()``); a view of another shape
-    is refused."""
+    is refused. A parameter ``gathered`` holds whole is its own data meanwhile: None."""
     if is_partitioned(t):
-        return t  # type: ignore[return-value]
+        return None if id(t) in _HELD else t  # type: ignore[return-value]
     if t.numel() == 0 or not _BY_STORAGE or any(t.stride()):
         return None
     ref = _BY_STORAGE.get(t.untyped_storage().data_ptr())
@@ -197,11 +198,13 @@ def materialize(params: Iterable[torch.nn.Parameter]) -> int:
 @contextlib.contextmanager
 def gathered(params: Iterable[torch.nn.Parameter], modifier_rank: int | None = None) -> Iterator[None]:
     """The partitioned parameters of ``params`` whole inside the block; after it, ``modifier_rank``'s values
-    (None: the block only read them, and what it wrote is dropped, as DeepSpeed's ``GatheredParameters``)."""
+    (None: the block only read them, and what it wrote is dropped, as DeepSpeed's ``GatheredParameters``).
+    Inside a build too: while held here, the write-through leaves them alone (``_HELD``)."""
     held = [(p, _part(p)) for p in dict.fromkeys(params) if is_partitioned(p)]
-    for p, part in held:
-        p.data = _full(p, part)
+    _HELD.update(id(p) for p, _ in held)
     try:
+        for p, part in held:
+            p.data = _full(p, part)
         yield
     finally:
         for p, part in held:
@@ -212,6 +215,7 @@ def gathered(params: Iterable[torch.nn.Parameter], modifier_rank: int | None = N
                 with torch.no_grad():
                     part.comm.broadcast_(p.data, modifier_rank)
             _partition(p, part.comm)
+        _HELD.difference_update(id(p) for p, _ in held)
 
 
 @contextlib.contextmanager
@@ -300,7 +304,7 @@ class _WriteThrough(TorchFunctionMode):
         if func == _SET_DATA:  # p.data = value: the new value, partitioned again (its placeholder: nothing to do)
             target, value = args
             func(target, value)
-            if is_partitioned(target) and value is not _part(target).placeholder:
+            if is_partitioned(target) and id(target) not in _HELD and value is not _part(target).placeholder:
                 _partition(target, _part(target).comm)
             return None
         leaves, _ = tree_flatten((args, kwargs))
