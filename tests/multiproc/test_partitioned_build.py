@@ -45,6 +45,7 @@ def test_built_partitioned_trains_as_built_whole(launch_id: str, models: str, st
                               "--out", str(out)), env=launch.env, timeout=600)
     assert proc.returncode == 0 and out.exists(), proc.describe()
     got = json.loads(out.read_text())
+    assert got.pop("modifier") is True
     assert sorted(got) == sorted(models.split(","))
     for name, row in got.items():
         assert row["world"] == 2

@@ -5,7 +5,8 @@ For each zoo model named in ``--models``: built partitioned (recording the bytes
 and the placeholders' one element each) and built whole; both prepared at ``--stage`` in ``--precision``, trained 3
 steps with the zoo's optimizer; rank 0 writes ``<out>`` (JSON): per model the bytes held after the build, the
 whole model's bytes, how far training moved the whole build, and the largest difference of the full state dicts
-before and after training.
+before and after training; and ``modifier``: whether an edit the last rank made alone inside
+``gathered(modifier_rank=last)`` in a build reached every rank.
 """
 
 from __future__ import annotations
@@ -48,7 +49,15 @@ def diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 with unidist.init() as mgr:
-    out = {}
+    out: dict[str, object] = {}
+    # GatheredParameters' modifier rank inside the build: the last rank's edit, made on it alone, reaches every rank
+    with mgr.partitioned_build():
+        lin = torch.nn.Linear(5, 3)
+        with zero_init.gathered([lin.weight], modifier_rank=mgr.size - 1), torch.no_grad():
+            if mgr.rank == mgr.size - 1:
+                lin.weight.fill_(5.0)
+    zero_init.materialize([lin.weight])
+    out["modifier"] = mgr.allreduce(torch.tensor([float((lin.weight == 5.0).all())]), "min").item() == 1.0
     for name in args.models.split(","):
         entry = ZOO[name]
         with mgr.partitioned_build():
