@@ -93,6 +93,11 @@ def test_disabled_builds_whole_and_a_foreign_group_is_refused() -> None:
         assert not zero_init.is_partitioned(lin.weight)
         with pytest.raises(InvalidArgumentError, match="partitioned_build"):
             mgr.partitioned_build(group="world")
+        with mgr.partitioned_build():
+            built = torch.nn.Linear(2, 2)
+        group = mgr.new_group([0])
+        with pytest.raises(InvalidArgumentError, match="pass the same group to both"):
+            mgr.prepare(built, torch.optim.SGD(built.parameters(), lr=0.1), zero_stage=3, group=group)
 
 
 def test_compat_init_partitions_a_built_module_and_refuses_nvme() -> None:

@@ -161,6 +161,10 @@ class Trainer:
             raise InvalidArgumentError(f"prepare(optimizer=...) takes a torch.optim.Optimizer, got "
                                        f"{type(optimizer).__name__}")
         comm: Comm = opts.group if isinstance(opts.group, Group) else self.mgr
+        if any(zero_init.is_partitioned(p) and zero_init.comm_of(p) is not comm for p in model.parameters()):
+            raise InvalidArgumentError(  # every rank sees the same: refused before any collective, not a hang
+                "prepare(zero_stage=3) of a model built with partitioned_build() over other ranks than prepare's "
+                "group: pass the same group to both (partitioned_build(group=g) and prepare(..., group=g))")
         with zero_init.lightly(model):  # a parameter built partitioned is cast when made whole, not here
             model = model.to(self.mgr.device)
             hooks = self._apply_precision(model, opts)

@@ -36,8 +36,8 @@ from unidist.errors import InvalidArgumentError
 if TYPE_CHECKING:
     from unidist.comm.protocol import Comm
 
-__all__ = ["PartitionedBuild", "gathered", "is_partitioned", "lightly", "materialize", "partition_module", "take",
-           "world_of", "writes"]
+__all__ = ["PartitionedBuild", "comm_of", "gathered", "is_partitioned", "lightly", "materialize", "partition_module",
+           "take", "world_of", "writes"]
 
 
 @dataclass
@@ -88,6 +88,11 @@ def writes(t: torch.Tensor) -> int:
 def world_of(p: torch.nn.Parameter) -> int:
     """How many ranks share partitioned parameter ``p`` (each holds 1/that of it)."""
     return _part(p).comm.size
+
+
+def comm_of(p: torch.nn.Parameter) -> Comm:
+    """The communicator partitioned parameter ``p`` was built over."""
+    return _part(p).comm
 
 
 def _part(p: torch.nn.Parameter) -> _Part:
