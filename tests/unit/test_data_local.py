@@ -5,6 +5,7 @@ CUDA (tests/multiproc/test_gpu.py)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, NamedTuple
 
 import pytest
@@ -104,3 +105,44 @@ def test_an_iterable_dataset_is_refused_with_the_way_out() -> None:
     with unidist.init(environ={"UNIDIST_DEVICE": "cpu"}) as mgr, pytest.raises(InvalidArgumentError,
                                                                                 match="map-style"):
         mgr.loader(Stream())
+
+
+def _ids(loader: Loader, batches: int) -> list[int]:
+    """The entries of the loader's next ``batches`` batches (fetching no more: a batch fetched counts as read)."""
+    return [i for batch in itertools.islice(loader, batches) for i in batch.tolist()]
+
+
+def test_a_loader_resumes_mid_epoch_at_any_number_of_ranks() -> None:
+    """The position counts the entries of the epoch's order all ranks consumed together; a loader given it goes on
+    with the rest of that epoch (each entry once, spread over its own ranks), then the next epoch as usual."""
+    data = list(range(20))
+    two = [Loader(data, rank=r, size=2, device=torch.device("cpu"), batch_size=2, shuffle=True, seed=4)
+           for r in range(2)]
+    seen = [i for loader in two for i in _ids(loader, 3)]  # 3 batches each, then stopped mid-epoch
+    assert [loader.state_dict() for loader in two] == [{"epoch": 0, "samples": 12}] * 2
+    one = Loader(data, rank=0, size=1, device=torch.device("cpu"), batch_size=4, shuffle=True, seed=4)
+    one.load_state_dict(two[0].state_dict())
+    rest = [i for batch in one for i in batch.tolist()]
+    assert sorted(seen + rest) == data and len(rest) == 8  # the epoch's other 8 entries, once each
+    assert one.state_dict() == {"epoch": 1, "samples": 0} and one.epoch == 1
+    assert sorted(i for batch in one for i in batch.tolist()) == data  # then a whole epoch
+    with pytest.raises(InvalidArgumentError, match="not a loader position"):
+        one.load_state_dict({"epoch": 0, "samples": 21})
+
+
+def test_checkpoints_keep_a_loaders_position_and_refuse_other_loaders(tmp_path: Any) -> None:
+    from unidist.errors import CheckpointError
+
+    with unidist.init(environ={"UNIDIST_DEVICE": "cpu"}) as mgr:
+        model = torch.nn.Linear(2, 2)
+        loader = mgr.loader(list(range(10)), batch_size=2, shuffle=True, seed=1)
+        _ids(loader, 2)
+        with pytest.raises(InvalidArgumentError, match=r"loader\(\.\.\.\)"):
+            mgr.save_checkpoint(tmp_path / "bad", model, loader=torch.utils.data.DataLoader(list(range(4))))
+        mgr.save_checkpoint(tmp_path / "ck", model, loader=loader)
+        mgr.save_checkpoint(tmp_path / "plain", model)
+        again = mgr.loader(list(range(10)), batch_size=2, shuffle=True, seed=1)
+        assert mgr.load_checkpoint(tmp_path / "ck", model, loader=again) == {}
+        assert again.state_dict() == {"epoch": 0, "samples": 4}
+        with pytest.raises(CheckpointError, match="no loader position"):
+            mgr.load_checkpoint(tmp_path / "plain", model, loader=again)

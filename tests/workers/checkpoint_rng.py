@@ -1,18 +1,22 @@
-"""A model with dropout, numpy noise and ``random`` draws in every step, checkpointed mid-run (issue 47 part 4),
-for tests/multiproc/test_checkpoint_rng.py.
+"""A model with dropout, numpy noise and ``random`` draws in every step, its data from ``mgr.loader`` (shuffled,
+6 batches an epoch at 2 ranks), checkpointed mid-epoch (issue 47 part 4), for tests/multiproc/test_checkpoint_rng.py.
 
 Each rank seeds its three generators with its rank (as scripts do), so every rank's states differ.
 ``--phase save``: 8 steps uninterrupted (``<out>/whole-rank<R>.pt``: the final weights), then, seeded again, 4
-steps and a checkpoint in ``--ckpt``, then 4 more steps (the writer's own continuation; must equal the whole run).
-``--phase resume``: seeded otherwise (the restore must overwrite it), loads the checkpoint and takes steps 5-8:
-``<out>/resumed-rank<R>.pt``. Any world size: rows of a step are split over the ranks.
+steps and a checkpoint in ``--ckpt`` (with ``loader=``), then 4 more steps (the writer's own continuation; must
+equal the whole run). ``--phase resume``: seeded otherwise (the restore must overwrite it), loads the checkpoint
+(``loader=``) and takes steps 5-8: ``<out>/resumed-rank<R>.pt``. Each phase also writes the dataset rows each
+step read on this rank (``<out>/<kind>-rows-rank<R>.json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +29,7 @@ parser.add_argument("--ckpt", type=Path, required=True)
 parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--stage", type=int, default=0)
 args = parser.parse_args(unidist.script_args())
-STEPS, SAVE_AT, ROWS = 8, 4, 8
+STEPS, SAVE_AT = 8, 4
 
 
 def seed(mgr: unidist.Manager, base: int) -> None:
@@ -43,14 +47,29 @@ def build(mgr: unidist.Manager) -> tuple[torch.nn.Module, torch.optim.Optimizer]
     return mgr.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), zero_stage=args.stage)
 
 
-def step(mgr: unidist.Manager, model: torch.nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
-    data = torch.Generator().manual_seed(100 + i)
-    x, y = torch.randn(ROWS, 16, generator=data) * 3, torch.randint(0, 4, (ROWS,), generator=data)
-    mine = list(mgr.shard(ROWS, shuffle=False))
-    noise = torch.from_numpy(np.random.randn(len(mine), 16).astype(np.float32)) * random.random()
-    opt.zero_grad()
-    mgr.backward(torch.nn.functional.cross_entropy(model(x[mine] + noise), y[mine]))
-    opt.step()
+DATA = torch.Generator().manual_seed(100)
+DATASET = torch.utils.data.TensorDataset(torch.randn(48, 16, generator=DATA) * 3,
+                                         torch.randint(0, 4, (48,), generator=DATA), torch.arange(48))
+
+
+def batches(loader: object) -> Iterator[Any]:
+    """The loader's batches, epoch after epoch, from one iterator (as a training loop's nested for loops read them)."""
+    while True:
+        yield from loader  # type: ignore[misc]
+
+
+def steps(mgr: unidist.Manager, model: torch.nn.Module, opt: torch.optim.Optimizer, feed: Iterator[Any], first: int,
+          last: int) -> list[list[int]]:
+    """Steps [first, last) on the next batches of ``feed``; the rows each read."""
+    rows: list[list[int]] = []
+    for _ in range(first, last):
+        x, y, idx = next(feed)
+        noise = torch.from_numpy(np.random.randn(len(x), 16).astype(np.float32)) * random.random()
+        opt.zero_grad()
+        mgr.backward(torch.nn.functional.cross_entropy(model(x + noise), y))
+        opt.step()
+        rows.append(idx.tolist())
+    return rows
 
 
 def weights(mgr: unidist.Manager, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -58,24 +77,27 @@ def weights(mgr: unidist.Manager, model: torch.nn.Module) -> dict[str, torch.Ten
 
 
 with unidist.init() as mgr:
+    rows: dict[str, list[list[int]]] = {}
     if args.phase == "save":
         seed(mgr, 0)
         model, opt = build(mgr)
-        for i in range(STEPS):
-            step(mgr, model, opt, i)
+        rows["whole"] = steps(mgr, model, opt, batches(mgr.loader(DATASET, batch_size=4, shuffle=True, seed=5)), 0,
+                              STEPS)
         torch.save(weights(mgr, model), args.out / f"whole-rank{mgr.rank}.pt")
         seed(mgr, 0)
         model, opt = build(mgr)
-        for i in range(SAVE_AT):
-            step(mgr, model, opt, i)
-        mgr.save_checkpoint(args.ckpt, model, opt)
-        for i in range(SAVE_AT, STEPS):
-            step(mgr, model, opt, i)
+        loader = mgr.loader(DATASET, batch_size=4, shuffle=True, seed=5)
+        feed = batches(loader)
+        rows["saved"] = steps(mgr, model, opt, feed, 0, SAVE_AT)
+        mgr.save_checkpoint(args.ckpt, model, opt, loader=loader)
+        rows["continued"] = steps(mgr, model, opt, feed, SAVE_AT, STEPS)
         torch.save(weights(mgr, model), args.out / f"continued-rank{mgr.rank}.pt")
     else:
         seed(mgr, 12345)
         model, opt = build(mgr)
-        mgr.load_checkpoint(args.ckpt, model, opt)
-        for i in range(SAVE_AT, STEPS):
-            step(mgr, model, opt, i)
+        loader = mgr.loader(DATASET, batch_size=4, shuffle=True, seed=5)
+        mgr.load_checkpoint(args.ckpt, model, opt, loader=loader)
+        rows["resumed"] = steps(mgr, model, opt, batches(loader), SAVE_AT, STEPS)
         torch.save(weights(mgr, model), args.out / f"resumed-rank{mgr.rank}.pt")
+    for kind, got in rows.items():
+        (args.out / f"{kind}-rows-rank{mgr.rank}.json").write_text(json.dumps(got))

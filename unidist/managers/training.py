@@ -160,18 +160,22 @@ class TrainingEntryPoints:
     # ----------------------------------------------------------------- checkpoints (unidist.checkpoint)
     @overload
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: Literal[True] = True, **extra: Any) -> Path: ...
+                        keep: int | None = None, blocking: Literal[True] = True, loader: Any = None,
+                        **extra: Any) -> Path: ...
 
     @overload
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: Literal[False], **extra: Any) -> SaveHandle: ...
+                        keep: int | None = None, blocking: Literal[False], loader: Any = None,
+                        **extra: Any) -> SaveHandle: ...
 
     @overload
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: bool, **extra: Any) -> Path | SaveHandle: ...
+                        keep: int | None = None, blocking: bool, loader: Any = None,
+                        **extra: Any) -> Path | SaveHandle: ...
 
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: bool = True, **extra: Any) -> Path | SaveHandle:
+                        keep: int | None = None, blocking: bool = True, loader: Any = None, **extra: Any
+                        ) -> Path | SaveHandle:
         """Save model (and optimizer) state to the directory ``path``, atomically; every rank calls it.
 
         The format depends on neither the backend, nor the world size, nor the ZeRO stage: each rank writes
@@ -196,14 +200,19 @@ class TrainingEntryPoints:
                 (unidist.checkpoint.background; typed ``Any`` here, as managers/ imports no layer above it;
                 ``wait()`` -> path, raising the writer's error as a CheckpointError on every rank; ``done()``:
                 this rank's files are written).
+            loader: a loader from ``mgr.loader``: its position (epoch, and how far into it) is saved, so
+                ``load_checkpoint(..., loader=)`` resumes mid-epoch at the next batch.
             extra: anything else to restore (step counters, ``scheduler.state_dict()``): tensors, numbers,
                 strings, lists and dicts, as ``torch.load(weights_only=True)`` accepts.
+
+        Every rank's random generators (torch, CUDA, numpy, ``random``) are saved too and restored by
+        ``load_checkpoint``.
         """
         return self._training().save_checkpoint(
-            path, model, optimizer, keep=keep, extra=extra, blocking=blocking)
+            path, model, optimizer, keep=keep, extra=extra, blocking=blocking, loader=loader)
 
-    def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
-                        ) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
+                        loader: Any = None) -> dict[str, Any]:
         """Load a checkpoint saved by any backend, world size and ZeRO stage into the prepared model (and
         optimizer), and return its ``extra``. Every rank checks the whole checkpoint first: a mismatch is a
         CheckpointMismatchError naming the first differing parameter, a damaged file a CheckpointCorruptError
@@ -213,8 +222,10 @@ class TrainingEntryPoints:
             path: a checkpoint directory (``latest_checkpoint(dir)`` finds the newest).
             model: what ``prepare`` returned.
             optimizer: what ``prepare`` returned, or None for the weights only.
+            loader: a loader from ``mgr.loader``, put where the saved one was (``save_checkpoint(..., loader=)``):
+                its next iteration goes on at the next batch, at this run's number of ranks.
         """
-        return self._training().load_checkpoint(path, model, optimizer)
+        return self._training().load_checkpoint(path, model, optimizer, loader=loader)
 
     def latest_checkpoint(self, directory: str | os.PathLike[str]) -> Path | None:
         """The newest complete checkpoint directly inside ``directory``, or None (no collective).

@@ -4,7 +4,8 @@ What Accelerate's ``prepare(dataloader)`` and Fabric's ``setup_dataloaders`` giv
 the rank's disjoint share of the dataset (``ShardSampler``: the same permutation on every rank, a new one each
 epoch), pinned CPU memory when the device is a GPU, and each batch moved there (``unidist.tree.to_device``:
 dicts, tuples, dataclasses and ``ModelOutput``-like batches keep their type). Iterating again starts the next epoch;
-``set_epoch`` sets it (a resumed run).
+``set_epoch`` sets it (a resumed run); ``state_dict``/``load_state_dict`` (``save_checkpoint(..., loader=)``) keep
+the position inside an epoch too, so a run resumed mid-epoch goes on at the next batch.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class Loader:
         self.loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
             dataset, batch_size=batch_size, sampler=self.sampler, drop_last=drop_last, **kwargs)  # type: ignore[arg-type]
         self._next_epoch = 0
+        self._resume: tuple[int, int] | None = None  # (epoch, entries of its order consumed) for the next iteration
+        self._running: list[int] | None = None  # [epoch, start, batches yielded] while an epoch is iterated
 
     @property
     def dataset(self) -> Any:
@@ -79,11 +82,49 @@ class Loader:
             raise InvalidArgumentError(f"set_epoch({epoch!r}) takes an int >= 0")
         self._next_epoch = epoch
 
+    def state_dict(self) -> dict[str, int]:
+        """Where the data stands: the epoch and how many entries of its order the ranks have consumed together
+        (batches yielded x batch size x ranks); 0 between epochs. ``save_checkpoint(..., loader=)`` keeps it."""
+        if self._running is not None:
+            epoch, start, taken = self._running
+            done = start + taken * (self.batch_size or 1) * self.sampler.size
+            if done < self.sampler.n:
+                return {"epoch": epoch, "samples": done}
+            return {"epoch": epoch + 1, "samples": 0}
+        if self._resume is not None and self._resume[0] == self._next_epoch:  # loaded, not iterated yet
+            return {"epoch": self._resume[0], "samples": self._resume[1]}
+        return {"epoch": self._next_epoch, "samples": 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """The next iteration continues ``state``'s epoch after the entries consumed, at this loader's number of
+        ranks (each remaining entry once), then epochs go on as usual."""
+        epoch, samples = state.get("epoch"), state.get("samples")
+        if not (isinstance(epoch, int) and isinstance(samples, int) and epoch >= 0 and 0 <= samples <= self.sampler.n):
+            raise InvalidArgumentError(f"Loader.load_state_dict({state!r}): not a loader position of this dataset "
+                                       f"({self.sampler.n} entries): pass what state_dict() returned")
+        self._next_epoch = epoch
+        self._resume = (epoch, samples) if samples else None
+
     def __iter__(self) -> Iterator[Any]:
-        self.sampler.set_epoch(self._next_epoch)
+        epoch = self._next_epoch
+        self.sampler.set_epoch(epoch)
+        start = self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
+        self._resume = None
+        self.sampler.begin_at(start)
         self._next_epoch += 1
-        for batch in self.loader:
+        self._running = running = [epoch, start, 0]
+        if start:  # resumed mid-epoch: the run that saved drew the iterator's seed from torch's generator at the
+            # epoch's start, before the saved state; drawing it again here would shift every later random op
+            kept = torch.get_rng_state()
+            batches = iter(self.loader)
+            torch.set_rng_state(kept)
+        else:
+            batches = iter(self.loader)
+        for batch in batches:
+            running[2] += 1
             yield to_device(batch, self.device)
+        if self._running is running:
+            self._running = None
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -25,17 +25,31 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         self.n, self.rank, self.size = n, rank, size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
-        self.per_rank = n // size if drop_last else -(-n // size)
+        self.start = 0  # entries of this epoch's order already consumed (a run resumed mid-epoch)
+        self.per_rank = self._share(n)
+
+    def _share(self, rest: int) -> int:
+        return rest // self.size if self.drop_last else -(-rest // self.size)
 
     def set_epoch(self, epoch: int) -> None:
         """Call at the start of every epoch so each gets a new order (the same on every rank)."""
         self.epoch = epoch
+
+    def begin_at(self, start: int) -> None:
+        """This epoch's order without its first ``start`` entries, spread over the ranks: what a run stopped
+        mid-epoch had not yet consumed (at any number of ranks: the consumed entries are the order's first ones,
+        ranks taking them in turn). 0: the whole epoch."""
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= self.n:
+            raise InvalidArgumentError(f"ShardSampler.begin_at({start!r}) takes an int in [0, {self.n}]")
+        self.start = start
+        self.per_rank = self._share(self.n - start)
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
             order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
         else:
             order = list(range(self.n))
+        order = order[self.start:]
         total = self.per_rank * self.size
         if total > len(order) and order:
             order += (order * (total // len(order) + 1))[: total - len(order)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import logging
 import os
 import weakref
 from collections.abc import Iterable, Mapping, Sized
@@ -29,7 +28,7 @@ from unidist.comm.protocol import Comm
 from unidist.errors import InvalidArgumentError
 from unidist.ops import ReduceOp
 from unidist.request import PrepareRequest, SyncOptions
-from unidist.train import offload, rng, zero_init
+from unidist.train import offload, resume, zero_init
 from unidist.train.broadcast_state import broadcast_optimizer_state, broadcast_parameters
 from unidist.train.buffer_sync import BufferSync
 from unidist.train.data import Loader
@@ -46,7 +45,6 @@ from unidist.train.zero import ZeroOptimizer
 
 __all__ = ["ENGINE_OPTIONS", "SCALER_KEY", "Trainer"]
 
-_log = logging.getLogger("unidist")
 SCALER_KEY = "unidist.loss_scaler"  # an fp16 loss scale inside a checkpoint's extra
 
 # Options only one engine understands, by name -> the backend that does (refused elsewhere).
@@ -279,11 +277,11 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoints (unidist.checkpoint)
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, extra: dict[str, Any] | None = None, blocking: bool = True
-                        ) -> Path | SaveHandle:
+                        keep: int | None = None, extra: dict[str, Any] | None = None, blocking: bool = True,
+                        loader: Any = None) -> Path | SaveHandle:
         """``Manager.save_checkpoint``: the prepared optimizer's layout, written by unidist.checkpoint. An fp16 loss
-        scale is saved with the optimizer (in ``extra``, under ``SCALER_KEY``), every rank's random generators under
-        ``rng.KEY`` (train/rng.py), and both resumed by ``load_checkpoint``.
+        scale is saved with the optimizer (in ``extra``, under ``SCALER_KEY``), every rank's random generators and
+        ``loader``'s position beside it (train/resume.py), all resumed by ``load_checkpoint``.
         A background save still in flight is published first (one in flight at a time, as torch's
         ``async_save``); ``blocking=False`` returns the new one's handle (unidist/checkpoint/background.py)."""
         if not isinstance(blocking, bool):
@@ -292,8 +290,9 @@ class Trainer:
         scaler = optimizer.scaler if isinstance(optimizer, Prepared) else None
         if scaler is not None:
             extra = {**(extra or {}), SCALER_KEY: scaler.state_dict()}
-        # every rank's random generators (train/rng.py): a resumed run draws what the uninterrupted one would
-        extra = {**(extra or {}), rng.KEY: self.mgr.allgather_object(rng.capture())}
+        # every rank's random generators and the loader's position (train/resume.py): a resumed run draws and
+        # reads what the uninterrupted one would
+        extra = {**(extra or {}), **resume.carried(self.mgr, loader)}
         layout = self.checkpoint_layout(model, optimizer)
         self._event("save", model, path)
         if blocking:
@@ -326,19 +325,17 @@ class Trainer:
         self.pending.abandon()
         self.pending = None
 
-    def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None
-                        ) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
+                        loader: Any = None) -> dict[str, Any]:
         """``Manager.load_checkpoint``: returns the checkpoint's ``extra`` (the loss scale and every rank's random
         generators restored, not returned).
         A background save in flight is published first (it may be the checkpoint asked for)."""
+        if loader is not None:
+            resume.check_loader(loader, "load_checkpoint")  # before anything is read or changed
         self.finish_pending()
         self._event("load", model, path)
         extra = checkpoint.load(self.mgr, path, self.checkpoint_layout(model, optimizer))
-        states = extra.pop(rng.KEY, None)
-        if states is not None:  # every rank's generators where they were at the save (a checkpoint before: none)
-            said = rng.restore(states, self.mgr.rank, self.mgr.size)
-            if said is not None:
-                _log.warning(said)
+        resume.restore(self.mgr, extra, loader, path)
         saved = extra.pop(SCALER_KEY, None)
         scaler = optimizer.scaler if isinstance(optimizer, Prepared) else None
         if saved is not None and scaler is not None:
@@ -426,3 +423,4 @@ def refuse_sparse(model: torch.nn.Module) -> None:
                 "unidist's gradient buckets and ZeRO shards cannot reduce; build it with sparse=False (the default: "
                 "the same update, as a dense gradient), or on the horovod backend use zero_stage=0 without group= and "
                 "a precision without master copies, where Horovod's own optimizer allgathers sparse gradients")
+
