@@ -1,7 +1,7 @@
 """Every rank's random number generators, saved in a checkpoint and restored from it.
 
 A resumed run draws the same dropout masks, shuffles and noise as the uninterrupted one only if each rank's
-generators continue where they were: torch's CPU generator, each CUDA device's (where CUDA is initialised),
+generators continue where they were: torch's CPU generator, the rank's CUDA device's (where CUDA is initialised),
 numpy's global ``RandomState`` and Python's ``random`` (Accelerate's ``save_state`` and Megatron's checkpoints keep
 the same four). ``capture`` turns one rank's states into tensors and plain numbers (a checkpoint loads with
 ``torch.load(weights_only=True)``); the trainer gathers every rank's into the checkpoint's ``extra`` under
@@ -28,8 +28,9 @@ def capture() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "random": {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss": gauss},
     }
+    # this rank's device only: reading every visible device's would open a CUDA context on each, in every rank
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     try:
         import numpy as np
     except ImportError:
@@ -46,7 +47,7 @@ def _set(state: dict[str, Any]) -> None:
     random.setstate((r["version"], tuple(int(w) for w in r["words"].tolist()), r["gauss"]))
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
+        torch.cuda.set_rng_state(cuda)  # the current device: the rank's, as at the save
     n = state.get("numpy")
     if n is not None:
         import numpy as np
