@@ -39,7 +39,7 @@ def held(model: torch.nn.Module) -> int:
     for p in model.parameters():
         total += p.untyped_storage().nbytes()
         if zero_init.is_partitioned(p):
-            total += -(-p.numel() // zero_init.world_of(p)) * p.element_size()
+            total += -(-p.numel() // zero_init.comm_of(p).size) * p.element_size()
     return total
 
 

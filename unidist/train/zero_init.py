@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from unidist.comm.protocol import Comm
 
 __all__ = ["PartitionedBuild", "comm_of", "gathered", "is_partitioned", "lightly", "materialize", "partition_module",
-           "take", "world_of", "writes"]
+           "take", "writes"]
 
 
 @dataclass
@@ -68,9 +68,14 @@ _LOOKS = frozenset({
 _SET_DATA = _T.data.__set__
 
 
-def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of ``shape`` over one element: every stride zero."""
-    return torch.empty(1, dtype=dtype, device=device).as_strided(shape, (0,) * len(shape))
+def _placeholder(p: torch.nn.Parameter, shape: torch.Size, old: torch.Tensor | None = None) -> torch.Tensor:
+    """A tensor of ``shape`` in ``p``'s dtype and device over one element (every stride zero), known as ``p``'s
+    (an alias of it leads back to ``p``); ``old``, the one it replaces, is forgotten."""
+    if old is not None:
+        _BY_STORAGE.pop(old.untyped_storage().data_ptr(), None)
+    holder = torch.empty(1, dtype=p.dtype, device=p.device).as_strided(shape, (0,) * len(shape))
+    _BY_STORAGE[holder.untyped_storage().data_ptr()] = weakref.ref(p)
+    return holder
 
 
 def is_partitioned(p: torch.Tensor) -> bool:
@@ -85,13 +90,8 @@ def writes(t: torch.Tensor) -> int:
     return int(t._version)
 
 
-def world_of(p: torch.nn.Parameter) -> int:
-    """How many ranks share partitioned parameter ``p`` (each holds 1/that of it)."""
-    return _part(p).comm.size
-
-
 def comm_of(p: torch.nn.Parameter) -> Comm:
-    """The communicator partitioned parameter ``p`` was built over."""
+    """The communicator partitioned parameter ``p`` was built over (each of its ranks holds 1/size of it)."""
     return _part(p).comm
 
 
@@ -157,10 +157,7 @@ def _partition(p: torch.nn.Parameter, comm: Comm) -> None:
         if old is not None and old.placeholder.dtype == full.dtype and old.placeholder.device == full.device:
             holder = old.placeholder
         else:
-            if old is not None:
-                _BY_STORAGE.pop(old.placeholder.untyped_storage().data_ptr(), None)
-            holder = _placeholder(p.shape, p.dtype, p.device)
-            _BY_STORAGE[holder.untyped_storage().data_ptr()] = weakref.ref(p)
+            holder = _placeholder(p, p.shape, old.placeholder if old is not None else None)
         if old is not None and old.data.dtype == full.dtype and old.chunk == chunk and old.comm is comm:
             data = old.data  # written again: the slice goes where it was (no new allocation to fragment the heap)
         else:
@@ -235,9 +232,7 @@ def lightly(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         for p, part in held:
-            _BY_STORAGE.pop(part.placeholder.untyped_storage().data_ptr(), None)
-            part.placeholder = _placeholder(part.shape, p.dtype, p.device)
-            _BY_STORAGE[part.placeholder.untyped_storage().data_ptr()] = weakref.ref(p)
+            part.placeholder = _placeholder(p, part.shape, part.placeholder)
             p.data = part.placeholder
 
 
