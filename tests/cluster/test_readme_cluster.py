@@ -7,7 +7,8 @@ lines in order in one shell, in a directory where ``examples/`` is the repositor
 recipe runs in a Slurm allocation of both nodes: node1's shell has the variables sbatch gives a batch script
 (tests/cluster/jobs.py ``allocation``), and srun is the stand-in. Every host's shell must exit 0, and the
 script's own output must show every rank on its node: hello_collectives' checks, train_digits' accuracy (a
-recipe running both shows both).
+recipe running both shows both). A recipe that fails is run once more (see test_recipe) and its first failure
+reported as a warning if the second run passes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import warnings
 
 import pytest
 from docsource import runnable
@@ -53,11 +55,10 @@ def test_recipes_found() -> None:
     assert len(RECIPES) >= 5 and all(_lines(r) for r in RECIPES), RECIPES
 
 
-@pytest.mark.parametrize("recipe", [pytest.param(r, id=_lines(r)[-1][1][:70], marks=getattr(pytest.mark, _engine(r)))
-                                    for r in RECIPES])
-def test_recipe(nodes: Cluster, recipe: str) -> None:
-    require(REQUIRES[_engine(recipe)])
-    work = nodes.shared / f"recipe-{abs(hash(recipe))}"
+def _run(nodes: Cluster, recipe: str, attempt: int) -> tuple[bool, str, str]:
+    """Run the recipe on its hosts: (every shell exited 0, the hosts' outputs, a one-line summary of how each
+    host ended: its exit code and its last error-looking line)."""
+    work = nodes.shared / f"recipe-{abs(hash(recipe))}-{attempt}"
     work.mkdir()
     for name in ("examples", "launch_scripts"):
         (work / name).symlink_to(ROOT / name)
@@ -77,7 +78,26 @@ def test_recipe(nodes: Cluster, recipe: str) -> None:
                 p.kill()
             outputs[host] = proc.communicate()[0] + "\n[timed out]"
     text = "\n".join(f"===== {h}: {shlex.join(per_host[h])}\n{outputs[h]}" for h in outputs)
-    assert all(p.returncode == 0 for p in procs.values()), text[-8000:]
+    ends = []
+    for host, proc in procs.items():
+        lines = [ln.strip() for ln in outputs[host].splitlines() if ln.strip()]
+        bad = [ln for ln in lines if re.search(r"Error|error:|timed out|Traceback|refused|failed", ln)]
+        ends.append(f"{host} exit {proc.returncode}: {(bad or lines or [''])[-1][:200]}")
+    return all(p.returncode == 0 for p in procs.values()), text, "; ".join(ends)
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, id=_lines(r)[-1][1][:70], marks=getattr(pytest.mark, _engine(r)))
+                                    for r in RECIPES])
+def test_recipe(nodes: Cluster, recipe: str) -> None:
+    require(REQUIRES[_engine(recipe)])
+    ok, text, ends = _run(nodes, recipe, 0)
+    if not ok:
+        # Four ranks and two launchers per host share this machine's 2 cores: a recipe that fails is run once
+        # more, and the first failure is reported as a warning (in the session's warnings summary) if the second
+        # run passes, so that a real defect fails twice and an intermittent one is still seen.
+        ok, text, again = _run(nodes, recipe, 1)
+        assert ok, f"failed twice: first {ends} | then {again}\n{text[-8000:]}"
+        warnings.warn(f"cluster recipe {_lines(recipe)[-1][1][:70]!r} failed once, then passed: {ends}", stacklevel=1)
     if "hello_collectives" in recipe:
         ranks = re.findall(r"\[rank (\d)/4\] backend=\w+ local_rank=(\d) node=(\d)", text)
         # jobs: node1's lines (torchrun and deepspeed --no_ssh are one job started on both nodes)
