@@ -85,7 +85,8 @@ class CheckpointError(UnidistError, RuntimeError):
 
 class CheckpointMismatchError(CheckpointError, ValueError):
     """The checkpoint does not fit the model or optimizer: names the first mismatching parameter. Nothing
-    was modified."""
+    was modified, except when the values loaded disagree with the digests the writer recorded (the message
+    says so: load another checkpoint before training)."""
 
 
 class CheckpointCorruptError(CheckpointError):

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from unidist.checkpoint import digest
 from unidist.checkpoint.agree import World
 from unidist.checkpoint.agree import agree as _agree
 from unidist.checkpoint.files import (
@@ -53,8 +54,9 @@ from unidist.checkpoint.files import (
     resolve,
     save_bytes,
     save_tensors,
+    writer,
 )
-from unidist.checkpoint.layout import FullLayout, Layout, Pieces
+from unidist.checkpoint.layout import MASTER, FullLayout, Layout, Pieces
 from unidist.checkpoint.local_disks import agreed_manifest, fetch, host_id, host_name, rank_domains, storage
 from unidist.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, InvalidArgumentError
 
@@ -190,6 +192,7 @@ def write(staged: Staged, rank: int, size: int, pace: Pace | None = None
         nbytes, sha = save_tensors(pieces, shard, pace) if pace is not None else save_tensors(pieces, shard)
         info = {"file": shard.name, "bytes": nbytes, "sha256": sha,
                 **({"part": staged.part} if len(staged.parts) > 1 else {}),
+                "digests": digest.to_hex(digest.of_pieces(pieces)),
                 "model": {k: [s, s + t.numel()] for k, (s, t) in pieces["model"].items()},
                 "optim": {n: {k: [s, s + t.numel()] for k, (s, t) in st.items()} for n, st in pieces["optim"].items()}}
         if staged.meta:
@@ -221,13 +224,15 @@ def finish(mgr: World, staged: Staged, info: dict[str, Any] | None, problem: Bas
             try:
                 meta_size, meta_sha = digest_bytes(staged.meta)
                 keys = [_state_keys([i for i in infos if i.get("part", 0) == k]) for k in range(len(parts))]
-                manifest = {"format": FORMAT, "version": VERSION, "created_ns": time.time_ns(), "backend": mgr.backend,
-                            "world_size": mgr.size, "zero_stage": staged.zero_stage,
-                            "state": staged.descriptions[0], "state_keys": keys[0],
+                sums = [digest.to_hex(digest.add(digest.from_hex(i["digests"]) for i in infos
+                                                 if i.get("part", 0) == k)) for k in range(len(parts))]
+                manifest = {"format": FORMAT, "version": VERSION, "writer": writer(), "created_ns": time.time_ns(),
+                            "backend": mgr.backend, "world_size": mgr.size, "zero_stage": staged.zero_stage,
+                            "state": staged.descriptions[0], "state_keys": keys[0], "digests": sums[0],
                             "files": infos, "meta": {"file": "meta.pt", "bytes": meta_size, "sha256": meta_sha}}
                 if len(parts) > 1:
-                    manifest["parts"] = [{"ranks": list(ranks), "state": d, "state_keys": k}
-                                         for ranks, d, k in zip(parts, staged.descriptions, keys, strict=True)]
+                    manifest["parts"] = [{"ranks": list(ranks), "state": d, "state_keys": k, "digests": h}
+                                         for ranks, d, k, h in zip(parts, staged.descriptions, keys, sums, strict=True)]
                 if len(found) > 1:
                     manifest["storage"] = storage(found, views, infos)
                 else:
@@ -374,8 +379,47 @@ def load(mgr: World, path: str | os.PathLike[str], layout: Layout) -> dict[str, 
     if reader is None:  # unreachable: _agree raised
         raise CheckpointError(f"{where}: could not be read")
     layout.load(reader.read, inner_meta, state_keys)
-    mgr.barrier()
+    _prove(mgr, layout, [(p.get("digests") if saved_parts else manifest.get("digests"))
+                         for p in (saved_parts or [manifest])], parts, where, inner_meta if with_optimizer else None)
     return dict(meta.get("extra", {}))
+
+
+def _prove(mgr: World, layout: Layout, saved: list[dict[str, Any] | None], parts: list[tuple[int, ...]],
+           where: Path, meta: dict[str, Any] | None) -> None:
+    """After a load, every rank's slices of what the model and optimizer now hold add up, part by part, to the
+    digests the writer recorded (one gather of a few integers per tensor), and the optimizer's scalars equal the
+    saved ones; otherwise a CheckpointMismatchError on every rank names the tensors. A format-1 manifest has
+    no digests: only the scalars are compared."""
+    terms = digest.of_pieces(layout.pieces())  # a collective on DeepSpeed engines: every rank, same order
+    everyone = mgr.allgather_object(terms)
+    wrong: list[str] = []
+    for ranks, want in zip(parts, saved, strict=True):
+        if want is None:
+            continue
+        got = digest.add(everyone[r] for r in ranks)
+        expected = digest.from_hex(want)
+        if layout.optimizer is None:
+            expected["optim"] = {}
+        wrong += digest.differences(expected, got, skip=(MASTER,))
+    if meta is not None:
+        now = layout.meta()["scalars"]
+        wrong += [f"optimizer scalar {k!r} of {n!r}" for n, st in meta["scalars"].items() for k, v in st.items()
+                  if not _same(now.get(n, {}).get(k), v)]
+    problem = None
+    if wrong:
+        problem = CheckpointMismatchError(
+            f"{where}: after the load, {wrong[0]}{f' and {len(wrong) - 1} more' if len(wrong) > 1 else ''} "
+            "differ from what the writer saved (the manifest's digests): the files do not hold what was saved, "
+            "or the load put values in the wrong place. The model and optimizer now hold these wrong values: load "
+            f"another checkpoint before training. All: {', '.join(wrong[:20])}{' ...' if len(wrong) > 20 else ''}")
+    _agree(mgr, problem)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and \
+            torch.equal(a.detach().cpu(), b.detach().cpu())
+    return bool(a == b)
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:

@@ -15,6 +15,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,11 +25,12 @@ import torch
 
 from unidist.errors import CheckpointCorruptError, CheckpointError
 
-__all__ = ["FORMAT", "MANIFEST", "VERSION", "Pace", "checkpoints_in", "digest_bytes", "file_digest", "fsync_dir",
-           "latest", "load_bytes", "load_tensors", "publish", "read_manifest", "remove_old", "resolve", "save_bytes",
-           "save_tensors"]
+__all__ = ["FORMAT", "MANIFEST", "OLDEST", "VERSION", "Pace", "checkpoints_in", "digest_bytes", "file_digest",
+           "fsync_dir", "latest", "load_bytes", "load_tensors", "publish", "read_manifest", "remove_old", "resolve",
+           "save_bytes", "save_tensors", "writer"]
 
-FORMAT, VERSION, MANIFEST = "unidist-checkpoint", 1, "manifest.json"
+# the format written (2: a digest of every tensor and the writer's versions) and the oldest one read (1: no digests)
+FORMAT, VERSION, OLDEST, MANIFEST = "unidist-checkpoint", 2, 1, "manifest.json"
 
 Pace = Callable[[float], None]  # told the seconds a slice of a shard took to write; may sleep (background.py)
 
@@ -148,9 +150,23 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointCorruptError(f"{file} cannot be read: {err}") from err
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{file} is not a unidist checkpoint manifest")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{file} has format version {manifest.get('version')}; this unidist reads {VERSION}")
+    version = manifest.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < OLDEST:
+        raise CheckpointError(f"{file} has format version {version!r}, which no unidist wrote")
+    if version > VERSION:
+        wrote = manifest.get("writer", {})
+        raise CheckpointError(
+            f"{file} has format version {version} (written by unidist {wrote.get('unidist', '?')}, torch "
+            f"{wrote.get('torch', '?')}); this unidist ({writer()['unidist']}) reads versions {OLDEST}-{VERSION}: "
+            "load it with the unidist that wrote it, or a newer one")
     return manifest
+
+
+def writer() -> dict[str, str]:
+    """The versions a manifest records of what wrote it (the package is imported before any of its layers, so
+    its version is read where it is declared without this layer importing the top one)."""
+    return {"unidist": str(getattr(sys.modules.get("unidist"), "__version__", "unknown")),
+            "torch": torch.__version__}
 
 
 def publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:

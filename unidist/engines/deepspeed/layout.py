@@ -37,10 +37,18 @@ class DeepSpeedLayout(Layout):
         self.opt_names = [names[id(p)] for p in self.params]
         self.opt_groups = [gi for gi, g in enumerate(full_groups) for _ in g]
         self.flat = self._flat_views()
-        found: tuple[Any, dict[str, Any]] = next(((q, st) for q, st in self.inner.state.items() if st), (None, {}))
-        master, self.flat_state = found
-        self.keys = sorted(k for k, v in self.flat_state.items()
-                           if master is not None and per_element(v, master.shape))
+
+    @property
+    def flat_state(self) -> dict[str, Any]:
+        """The state of the first flat group DeepSpeed's optimizer has stepped (read when asked: a fresh engine
+        has none until its first step or a load makes it)."""
+        return next((st for st in self.inner.state.values() if st), {})
+
+    @property
+    def keys(self) -> list[str]:
+        """The per-element optimizer state keys (Adam's ``exp_avg``...), as the engine holds them now."""
+        master = next((q for q, st in self.inner.state.items() if st), None)
+        return sorted(k for k, v in self.flat_state.items() if master is not None and per_element(v, master.shape))
 
     def pieces(self) -> Pieces:
         from deepspeed.utils import safe_get_full_fp32_param
@@ -58,9 +66,10 @@ class DeepSpeedLayout(Layout):
                 full = full.to(v.dtype)
             model[k] = even_slice(full if full is not None else v, self.rank, self.size)
         optim: dict[str, dict[str, Any]] = {}
+        keys = self.keys
         for p, name in zip(self.params, self.opt_names, strict=True) if self.optimizer is not None else ():
             # a frozen parameter is in no partition and has no state (DeepSpeed answers None for it)
-            found = {key: self._full_state(p, key) for key in self.keys} if p.requires_grad else {}
+            found = {key: self._full_state(p, key) for key in keys} if p.requires_grad else {}
             if id(p) in masters:
                 found[MASTER] = masters[id(p)]
             optim[name] = {key: even_slice(v, self.rank, self.size) for key, v in found.items() if v is not None}
@@ -113,7 +122,8 @@ class DeepSpeedLayout(Layout):
     def meta(self) -> dict[str, Any]:
         if self.optimizer is None:
             return {"param_groups": [], "scalars": {}}
-        scalars = {k: v for k, v in self.flat_state.items() if k not in self.keys}
+        keys = self.keys
+        scalars = {k: v for k, v in self.flat_state.items() if k not in keys}
         return {"param_groups": self.settings(), "scalars": {name: scalars for p, name in
                                                              zip(self.params, self.opt_names, strict=True)
                                                              if p.requires_grad}}
