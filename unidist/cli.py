@@ -361,6 +361,21 @@ def _add_launch_options(p: argparse.ArgumentParser, n_default: int | None) -> No
     p.add_argument("--dry-run", action="store_true", help="print the command(s) instead of running them")
 
 
+def _checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """``unidist checkpoint``'s subcommands (run by unidist.checkpoint.tool, imported only then: it needs torch)."""
+    sub = parser.add_subparsers(dest="action", required=True)
+    p_inspect = sub.add_parser("inspect", help="format, writer, world size, stage, tensors and sizes, and every "
+                                               "check that needs no model (exit 1 if one fails)")
+    p_inspect.add_argument("checkpoint", help="a checkpoint directory (one with manifest.json)")
+    p_inspect.add_argument("--tensors", action="store_true", help="list every model tensor with its digest")
+    p_inspect.add_argument("--part", type=int, help="with several data-parallel parts: which one")
+    p_export = sub.add_parser("export", help="the model's full state dict, under the model's own names, to one "
+                                             ".safetensors or .pt file")
+    p_export.add_argument("checkpoint", help="a checkpoint directory (one with manifest.json)")
+    p_export.add_argument("out", help="the file to write: NAME.safetensors or NAME.pt")
+    p_export.add_argument("--part", type=int, help="with several data-parallel parts: which one")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="unidist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -385,6 +400,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_verify = sub.add_parser("verify", help="run a script under every usable launcher (or --launch ...) and check "
                                              "that each trains as one process does, step by step")
     verify.add_arguments(p_verify)
+    p_checkpoint = sub.add_parser("checkpoint", help="inspect a checkpoint, or export its model to one "
+                                                     ".safetensors or .pt file")
+    _checkpoint_arguments(p_checkpoint)
     argv = script_args() if argv is None else list(argv)  # without a launcher's --local_rank=N
     bench_args: list[str] = []
     if argv[:1] == ["bench"] and "--" in argv:  # the benchmark's own options (a REMAINDER would take -n too)
@@ -404,6 +422,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return timeline_main(ns)
     if ns.command == "verify":
         return verify.main(ns, launch_command)
+    if ns.command == "checkpoint":
+        from unidist.checkpoint import tool
+
+        return tool.main(ns)
     if ns.command == "info":
         report = info(os.environ)
         code = 0

@@ -95,7 +95,8 @@ def test_trains_like_one_process(zoo: Zoo, model: str) -> None:
     """Per cell: the weights and buffers of one process (max |w - w_one_process|, float32 and bf16-mixed against
     tests/zoo/reference.py), identical on every rank, the output's type kept and its floats float32, frozen parameters
     unchanged with no optimizer state, unused ones unchanged, tied ones one tensor, and a checkpoint that loads into
-    another stage to the same weights, still tied."""
+    another stage to the same weights, still tied, and exports (``unidist checkpoint export``) to a safetensors file
+    holding exactly those weights."""
     launch, _, _ = zoo
     if ZOO[model].transformers:
         _needs_transformers()
@@ -135,6 +136,7 @@ def test_trains_like_one_process(zoo: Zoo, model: str) -> None:
         if "roundtrip" in cell:
             rt = cell["roundtrip"]
             assert rt["diff"] == 0.0 and rt["tied"], (where, rt)
+            assert rt["export"] == [0.0, True], (where, rt)  # `unidist checkpoint export`, read by safetensors
     # the LoRA model's frozen weights were there to check (and no other model has any)
     assert any(cell.get("frozen") for _, cell in cells) == (model == "lora"), model
 

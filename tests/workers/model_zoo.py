@@ -146,8 +146,17 @@ def _roundtrip(mgr: Any, entry: Entry, prepared: Any, popt: Any, saved: dict[str
                where: Path) -> dict[str, Any]:
     """Save to ``where``, load into a fresh model prepared at ``stage``: the same weights, tied names still tied."""
     mgr.save_checkpoint(where, prepared, popt)
+    exported = None
     if mgr.rank == 0:  # what another launch resuming this checkpoint must find (--resume-from)
         torch.save({k: v.cpu() for k, v in saved.items()}, f"{where}.full.pt")
+        # `unidist checkpoint export`: the shards this launch wrote, as one file safetensors' own reader loads
+        from safetensors.torch import load_file
+
+        from unidist.checkpoint import tool
+
+        out = tool.export(tool.Opened(where), f"{where}.safetensors", progress=lambda *_: None)
+        got = load_file(out)
+        exported = _diff(got, saved) if sorted(got) == sorted(saved) else (float("inf"), False)
     model = entry.build()
     with torch.no_grad():
         for p in model.parameters():
@@ -155,7 +164,8 @@ def _roundtrip(mgr: Any, entry: Entry, prepared: Any, popt: Any, saved: dict[str
     fresh, fopt = mgr.prepare(model, entry.optimizer(model), zero_stage=stage, sync_batchnorm=entry.sync_batchnorm)
     mgr.load_checkpoint(where, fresh, fopt)
     got = {k: v.cpu() for k, v in mgr.full_state_dict(fresh).items()}
-    out = {"stage": stage, "diff": _diff(got, saved)[0], "tied": _tied(entry, mgr.unwrap(fresh))}
+    out = {"stage": stage, "diff": _diff(got, saved)[0], "tied": _tied(entry, mgr.unwrap(fresh)),
+           "export": mgr.broadcast_object(exported, 0)}
     if hasattr(fopt, "remove_hooks"):
         fopt.remove_hooks()
     return out
