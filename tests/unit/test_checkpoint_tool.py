@@ -120,7 +120,7 @@ def test_export_reports_progress_per_tensor(saved: tuple[Path, dict[str, torch.T
 
 @pytest.mark.parametrize(("args", "says"), [
     (["export", "{ck}", "{tmp}/model.bin"], "must end in .safetensors or .pt"),
-    (["inspect", "{tmp}"], "is not a unidist checkpoint (no manifest.json)"),
+    (["inspect", "{tmp}"], "is neither a unidist checkpoint (no manifest.json) nor a DeepSpeed one"),
     (["inspect", "{tmp}/nothing"], "is not a complete unidist checkpoint"),
     (["inspect", "{ck}", "--part", "3"], "--part 3: "),
 ])

@@ -39,11 +39,13 @@ from typing import Any
 
 import torch
 
-from unidist.checkpoint import digest
+from unidist.checkpoint import digest, foreign
 from unidist.checkpoint.agree import World
 from unidist.checkpoint.agree import agree as _agree
+from unidist.checkpoint.deepspeed_files import DeepSpeedFiles
 from unidist.checkpoint.files import (
     FORMAT,
+    MANIFEST,
     VERSION,
     Pace,
     digest_bytes,
@@ -351,6 +353,17 @@ def load(mgr: World, path: str | os.PathLike[str], layout: Layout) -> dict[str, 
     inner_meta: dict[str, Any] = {"param_groups": [], "scalars": {}}
     meta: dict[str, Any] = {}
     part, parts = _parts(mgr, layout)  # its errors are the same on every rank
+    # another engine's checkpoint (foreign.py) where no rank's host has a manifest: every rank looks, then all agree
+    found: DeepSpeedFiles | None = None
+    unreadable: BaseException | None = None
+    if not (where / MANIFEST).is_file():
+        try:
+            found = foreign.detect(where)
+        except CheckpointError as err:
+            unreadable = err
+    _agree(mgr, unreadable)
+    if mgr.allgather_object(found is not None) == [True] * mgr.size:
+        return foreign.load(mgr, found, layout, where)  # type: ignore[arg-type]  # found on every rank
     manifest = agreed_manifest(mgr, where)  # read here, or received from a host that has it (hosts.py)
     try:
         saved_parts = manifest.get("parts")

@@ -6,7 +6,7 @@ tensors and sizes, and every check a load makes without a model (each file's siz
 digest terms and, per tensor, their sum against the manifest's digest: see digest.py). ``export`` writes the
 model's full state dict under the model's own names to one ``.safetensors`` or ``.pt`` file, assembling one
 tensor at a time from memory-mapped shards, so a sharded ZeRO checkpoint becomes one file without the job
-that wrote it (DeepSpeed ships zero_to_fp32.py for this; FSDP users call ``dcp_to_torch_save``).
+that wrote it (DeepSpeed ships its zero_to_fp32 script for this; FSDP users call ``dcp_to_torch_save``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from unidist.checkpoint import digest
+from unidist.checkpoint.deepspeed_files import DeepSpeedFiles, find
 from unidist.checkpoint.files import MANIFEST, file_digest, read_manifest, resolve
 from unidist.errors import CheckpointCorruptError, CheckpointError, CheckpointMissingError, InvalidArgumentError
 
-__all__ = ["SAFETENSORS_DTYPES", "Opened", "export", "inspect_lines"]
+__all__ = ["SAFETENSORS_DTYPES", "DeepSpeedOpened", "Opened", "export", "inspect_lines", "open_checkpoint"]
 
 # torch dtype -> safetensors' name for it (the format's table: https://github.com/huggingface/safetensors)
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -50,8 +51,8 @@ class Opened:
     def __init__(self, path: str | os.PathLike[str], part: int | None = None) -> None:
         self.path = resolve(Path(path).absolute())
         if not (self.path / MANIFEST).is_file() and Path(path).is_dir():
-            raise CheckpointError(f"{path} is not a unidist checkpoint (no {MANIFEST}); DeepSpeed and torch DCP "
-                                  "directories are not read by this unidist yet")
+            raise CheckpointError(f"{path} is neither a unidist checkpoint (no {MANIFEST}) nor a DeepSpeed one (no "
+                                  "latest file or mp_rank_00_model_states.pt)")
         self.manifest = read_manifest(self.path)
         self.parts: list[dict[str, Any]] = self.manifest.get("parts") or [self.manifest]
         if part is None and len(self.parts) > 1:
@@ -139,38 +140,111 @@ def _size(n: float) -> str:
     return f"{n} B"
 
 
-def inspect_lines(ck: Opened, tensors: bool = False) -> tuple[list[str], bool]:
-    """What ``unidist checkpoint inspect`` prints, and whether every check passed."""
+def _header(ck: Opened) -> list[str]:
     m, state = ck.manifest, ck.state
     wrote = m.get("writer", {})
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m["created_ns"] / 1e9))
-    lines = [f"{ck.path}: a unidist checkpoint (format {m['version']}), written by unidist "
-             f"{wrote.get('unidist', '< 0.1 (format 1)')} with torch {wrote.get('torch', '?')} on {when}",
-             f"saved by {m['world_size']} rank(s) on the {m['backend']} backend at ZeRO stage {m['zero_stage']}"
-             + (f"; part {ck.part} of {len(ck.parts)}" if len(ck.parts) > 1 else "")]
+    opt = state.get("optimizer")
+    keys = ck.parts[ck.part].get("state_keys", {})
+    per = sorted({k for v in keys.values() for k in v})
+    return [f"{ck.path}: a unidist checkpoint (format {m['version']}), written by unidist "
+            f"{wrote.get('unidist', '< 0.1 (format 1)')} with torch {wrote.get('torch', '?')} on {when}",
+            f"saved by {m['world_size']} rank(s) on the {m['backend']} backend at ZeRO stage {m['zero_stage']}"
+            + (f"; part {ck.part} of {len(ck.parts)}" if len(ck.parts) > 1 else ""),
+            f"optimizer: {opt['class']} over {len(opt['params'])} parameters; per-element state "
+            f"{', '.join(per) or 'none'}" if opt else "optimizer: none saved",
+            f"files: {len(ck.files)} shard(s) and {m['meta']['file']}, "
+            f"{_size(sum(f['bytes'] for f in ck.files) + m['meta']['bytes'])}"]
+
+
+def inspect_lines(ck: Opened | DeepSpeedOpened, tensors: bool = False) -> tuple[list[str], bool]:
+    """What ``unidist checkpoint inspect`` prints, and whether every check passed."""
+    head = ck.header() if isinstance(ck, DeepSpeedOpened) else _header(ck)
     model = ck.model()
     elements = sum(int(torch.Size(s).numel()) for _, s, _ in model)
     nbytes = sum(int(torch.Size(s).numel()) * torch.empty(0, dtype=d).element_size() for _, s, d in model)
     dtypes = sorted({str(d).removeprefix("torch.") for _, _, d in model})
-    lines.append(f"model: {len(model)} tensors, {elements:,} elements, {_size(nbytes)} ({', '.join(dtypes)})")
-    opt = state.get("optimizer")
-    keys = ck.parts[ck.part].get("state_keys", {})
-    per = sorted({k for v in keys.values() for k in v})
-    lines.append(f"optimizer: {opt['class']} over {len(opt['params'])} parameters; per-element state "
-                 f"{', '.join(per) or 'none'}" if opt else "optimizer: none saved")
-    total = sum(f["bytes"] for f in ck.files) + m["meta"]["bytes"]
-    lines.append(f"files: {len(ck.files)} shard(s) and {m['meta']['file']}, {_size(total)}")
-    ok = True
+    lines = [*head[:2], f"model: {len(model)} tensors, {elements:,} elements, {_size(nbytes)} ({', '.join(dtypes)})",
+             *head[2:]]
+    ok, files_ok = True, 0
     for what, passed, detail in ck.check():
         ok &= passed
-        if not passed or what == "digests":
+        if what.endswith(".pt") and passed:
+            files_ok += 1
+        else:
             lines.append(f"{'check' if passed else 'FAILED'} {what}: {detail}")
     if ok:
-        lines.insert(-1, f"check files: {len(ck.files) + 1} files, sizes and sha256 match")
+        lines.insert(-1, f"check files: {files_ok} files, " + ("sizes and sha256 match" if isinstance(ck, Opened)
+                                                                 else "each read by torch.load(weights_only=True)"))
     if tensors:
-        want = ck.parts[ck.part].get("digests", {"model": {}})
-        lines += [f"  {k}  {list(s)}  {str(d).removeprefix('torch.')}  {want['model'].get(k, '')}" for k, s, d in model]
+        notes = ck.parts[ck.part].get("digests", {"model": {}})["model"] if isinstance(ck, Opened) else {}
+        lines += [f"  {k}  {list(s)}  {str(d).removeprefix('torch.')}  {notes.get(k, '')}".rstrip()
+                  for k, s, d in model]
     return lines, ok
+
+
+class DeepSpeedOpened:
+    """A checkpoint real DeepSpeed wrote (deepspeed_files.py), read offline: weights as its float32 masters (what
+    DeepSpeed's zero_to_fp32 script gives), buffers and frozen weights as saved."""
+
+    def __init__(self, tag_dir: Path) -> None:
+        self.files = DeepSpeedFiles(tag_dir)
+        self.path = tag_dir
+
+    def model(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        f = self.files
+        out = []
+        for name, shape in f.model_shapes().items():
+            source = f.canonical(name)
+            dtype = f.module[source].dtype if source in f.buffers or source in f.frozen else torch.float32
+            out.append((name, shape, dtype))
+        return out
+
+    def tensor(self, name: str) -> torch.Tensor:
+        shape, dtype = next((s, d) for k, s, d in self.model() if k == name)
+        return self.files.read("model", name, "", 0, int(torch.Size(shape).numel())).to(dtype).view(shape)
+
+    def header(self) -> list[str]:
+        f = self.files
+        opt = ((f.head.get("ds_config") or {}).get("optimizer") or {}).get("type", "the script's own")
+        keys = sorted({k for v in f.state_keys().values() for k in v})
+        names = sorted(p.name for p in self.path.glob("*.pt"))
+        return [f"{self.path}: {f.describe()}", f"saved by {f.world} rank(s) with DeepSpeed's engine",
+                f"optimizer: DeepSpeed's {opt} over {len(f.params)} parameters; per-element state "
+                f"{', '.join(keys) or 'none'}",
+                f"files: {len(names)} ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}), "
+                f"{_size(sum((self.path / n).stat().st_size for n in names))}"]
+
+    def check(self) -> Iterator[tuple[str, bool, str]]:
+        """Every file was read when opened (a bad one raised there); here every tensor is read whole from the
+        partitions: DeepSpeed's format records no digests, only names, shapes and where each partition lies."""
+        for name in sorted(p.name for p in self.path.glob("*.pt")):
+            yield name, True, "read"
+        count = 0
+        try:
+            for name, _, _ in self.model():
+                self.tensor(name)
+                count += 1
+            for name, keys in self.files.state_keys().items():
+                for key in keys:
+                    self.files.read("optim", name, key, 0, int(torch.Size(self.files.shapes[
+                        self.files.canonical(name)]).numel()))
+                    count += 1
+        except CheckpointError as err:
+            yield "partitions", False, str(err)
+            return
+        yield "partitions", True, (f"{count} tensors, each read whole from the partitions (DeepSpeed's format "
+                                   "records no digests)")
+
+
+def open_checkpoint(path: str | os.PathLike[str], part: int | None = None) -> Opened | DeepSpeedOpened:
+    """The checkpoint at ``path``: unidist's own, or one real DeepSpeed wrote."""
+    where = resolve(Path(path).absolute())
+    if not (where / MANIFEST).is_file():
+        tag_dir = find(where)
+        if tag_dir is not None:
+            return DeepSpeedOpened(tag_dir)
+    return Opened(path, part)
 
 
 def _bar(done: int, of: int, name: str) -> None:
@@ -182,7 +256,7 @@ def _bar(done: int, of: int, name: str) -> None:
     sys.stderr.flush()
 
 
-def export(ck: Opened, out: str | os.PathLike[str], progress: Progress | None = None) -> Path:
+def export(ck: Opened | DeepSpeedOpened, out: str | os.PathLike[str], progress: Progress | None = None) -> Path:
     """The model's full state dict to ``out`` (``.safetensors`` or ``.pt``), written to a temporary file beside
     it and renamed when complete. ``progress``: called after each tensor (None: a bar on stderr if a terminal)."""
     target = Path(out)
@@ -212,7 +286,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
-def _safetensors(ck: Opened, model: list[tuple[str, tuple[int, ...], torch.dtype]], f: Any, tmp: Path,
+def _safetensors(ck: Opened | DeepSpeedOpened, model: list[tuple[str, tuple[int, ...], torch.dtype]], f: Any, tmp: Path,
                  progress: Progress | None) -> None:
     """The header first (every shape and dtype is in the manifest), then each tensor's bytes as assembled."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": str(ck.path)}}
@@ -230,7 +304,7 @@ def _safetensors(ck: Opened, model: list[tuple[str, tuple[int, ...], torch.dtype
             progress(i + 1, len(model), name)
 
 
-def _torch_save(ck: Opened, model: list[tuple[str, tuple[int, ...], torch.dtype]], f: Any, tmp: Path,
+def _torch_save(ck: Opened | DeepSpeedOpened, model: list[tuple[str, tuple[int, ...], torch.dtype]], f: Any, tmp: Path,
                 progress: Progress | None) -> None:
     """torch.save needs every tensor at once: they are assembled into memory-mapped scratch files beside the
     output, one per dtype (torch.save refuses one storage viewed as two dtypes), pages the kernel can write
@@ -264,7 +338,7 @@ def main(ns: Any) -> int:
     """Run ``unidist checkpoint inspect|export`` (the arguments: unidist/cli.py): 0 done, 1 a check failed, 2
     the checkpoint cannot be read."""
     try:
-        ck = Opened(ns.checkpoint, ns.part)
+        ck = open_checkpoint(ns.checkpoint, ns.part)
         if ns.action == "inspect":
             lines, ok = inspect_lines(ck, ns.tensors)
             print("\n".join(lines))

@@ -7,6 +7,8 @@ holding the newest tag (no newline), ``load_checkpoint(dir)`` reading it and ret
 and ZeRO partition files: that is what lets a checkpoint written under one launcher, world size and ZeRO stage
 resume under any other, the deepspeed launcher included (there unidist consolidates DeepSpeed's partitions with
 DeepSpeed's own calls). The engine's counters and the scheduler's state travel in the checkpoint's ``extra``.
+``load_checkpoint`` also reads what real DeepSpeed wrote (unidist.checkpoint.deepspeed_files), its counters and
+scheduler state included.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from unidist.checkpoint.foreign import DEEPSPEED_KEY
 from unidist.compat.deepspeed.exceptions import DeepSpeedUnsupportedError
 from unidist.compat.deepspeed.missing import uncovered
 from unidist.errors import CheckpointError, InvalidArgumentError
@@ -92,8 +95,11 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: Any, load_module_st
     with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
     extra = mgr.load_checkpoint(path, engine.prepared_model, engine.optimizer if with_optimizer else None)
     part = extra.get(_KEY)
-    if part is None:  # a checkpoint mgr.save_checkpoint wrote directly: weights (and optimizer) only
-        return str(path), {}
+    if part is None:
+        written = extra.pop(DEEPSPEED_KEY, None)  # real DeepSpeed wrote it: its engine counters and scheduler
+        if written is None:  # a checkpoint mgr.save_checkpoint wrote directly: weights (and optimizer) only
+            return str(path), {}
+        part = {"client_state": extra, "counters": written, "lr_scheduler": written.get("lr_scheduler")}
     if not load_module_only:
         engine.restore_counters(part["counters"])
         saved = part.get("lr_scheduler")

@@ -1,0 +1,137 @@
+"""Checkpoints real DeepSpeed wrote resume in unidist (issue 47 part 1; tests/workers/ds_interop.py).
+
+Real DeepSpeed 0.19.8 under its launcher (2 ranks) writes four checkpoints with ``engine.save_checkpoint``: ZeRO 0
+float32, 1 bf16, 2 float32, 3 bf16, of a model with a tied embedding, a LayerNorm and a buffer, AdamW, gradients
+clipped at 1.0 (DeepSpeed's default, active: targets of scale 10), and records through its own calls what it saved
+(each float32 master and Adam moment) and where its own run ends three steps later. Each reader loads all four at
+another world size, ZeRO stage or engine and must hold exactly what DeepSpeed saved (0.0 difference: a load that
+put one element elsewhere, skipped the optimizer or dropped a master copy fails here), the client state and step,
+and end within rounding of DeepSpeed's own continuation (float32: 1e-6; bf16, whose gradients round differently
+at another world size: 3e-3 on weights of scale 4).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import LAUNCHES, WORKERS, require, run
+from workers.ds_interop_model import build
+
+pytestmark = pytest.mark.deepspeed  # the writer is real DeepSpeed: its env runs every reader
+
+WORKER = str(WORKERS / "ds_interop.py")
+CASES = ("0-fp32", "1-bf16", "2-fp32", "3-bf16")
+TOL = {"fp32": 1e-6, "bf16": 3e-3}
+# (reader launch, its ZeRO stage, through the compat engine): one process, MPI, torch and DeepSpeed's own engine
+READERS = [("local-1", 0, False), ("mpiexec-3", 3, False), ("torchrun-2", 1, False), ("deepspeed-2", 2, False),
+           ("mpiexec-2", 3, True)]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    require("deepspeed")
+    where = tmp_path_factory.mktemp("ds-written")
+    launch = LAUNCHES["deepspeed-2"]
+    proc = run(launch.command(WORKER, "--phase", "write", "--dir", str(where)), env=launch.env, timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    return where
+
+
+@pytest.mark.parametrize(("reader", "stage", "compat"), READERS,
+                         ids=[f"{r}-stage{s}{'-compat' if c else ''}" for r, s, c in READERS])
+def test_deepspeed_checkpoints_resume_here(written: Path, tmp_path: Path, reader: str, stage: int,
+                                           compat: bool) -> None:
+    launch = LAUNCHES[reader]
+    require(*launch.engines)
+    proc = run(launch.command(WORKER, "--phase", "resume", "--dir", str(written), "--stage", str(stage),
+                              "--out", str(tmp_path), *(["--compat"] if compat else [])), env=launch.env, timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    # the format is said in one line per load, on rank 0
+    for case in CASES:
+        stage_of, precision = case.split("-")
+        line = (f"load_checkpoint({written / case / 'global_step3'}): a DeepSpeed 0.19.8 checkpoint (ZeRO stage "
+                f"{stage_of}, 2 rank(s), {'bfloat16' if precision == 'bf16' else 'float32'} weights, global step 3)")
+        assert (proc.stdout + proc.stderr).count(line) == 1, (line, proc.describe())
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(launch.size)]
+    for rank, report in enumerate(reports):
+        for case in CASES:
+            got = report[case]
+            assert (got["loaded"], got["exp_avg"], got["exp_avg_sq"]) == (0.0, 0.0, 0.0), (rank, case, got)
+            assert (got["extra_step"], got["note"], got["global_steps"], got["lr"]) == (3, case, 3, 0.01), got
+            assert got["final"] <= TOL[case.split("-")[1]], (rank, case, got)
+            assert got["final_scale"] > 1.0, got  # the weights moved far enough that the tolerance means something
+
+
+# ------------------------------------------------------------------------------ bad input, in this process
+def _fresh(mgr: object, width: int = 32) -> tuple[object, object]:
+    import torch
+
+    import unidist
+
+    assert isinstance(mgr, unidist.Manager)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, width), torch.nn.LayerNorm(width))
+    return mgr.prepare(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_another_models_checkpoint_is_refused_naming_the_tensor(written: Path) -> None:
+    import unidist
+
+    with unidist.init(environ={"UNIDIST_DEVICE": "cpu"}) as mgr:
+        model, opt = _fresh(mgr)
+        with pytest.raises(unidist.CheckpointMismatchError, match=r"the model has '0.weight' \(16, 32\) but the "
+                                                                  r"checkpoint does not: is it this model's\?"):
+            mgr.load_checkpoint(written / "2-fp32", model, opt)
+
+
+def test_a_truncated_or_missing_partition_is_named_and_nothing_loads(written: Path, tmp_path: Path) -> None:
+    import shutil
+
+    import torch
+
+    import unidist
+
+    ck = tmp_path / "ck"
+    shutil.copytree(written / "3-bf16", ck)
+    part = ck / "global_step3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    part.write_bytes(part.read_bytes()[:1000])
+    with unidist.init(environ={"UNIDIST_DEVICE": "cpu"}) as mgr:
+        model = build()
+        model, opt = mgr.prepare(model, torch.optim.AdamW(model.parameters()), precision="bf16-master")
+        before = {k: v.clone() for k, v in mgr.unwrap(model).state_dict().items()}
+        with pytest.raises(unidist.CheckpointCorruptError, match=f"{part} cannot be read"):
+            mgr.load_checkpoint(ck, model, opt)
+        assert all(torch.equal(v, before[k]) for k, v in mgr.unwrap(model).state_dict().items())  # nothing loaded
+        part.unlink()
+        with pytest.raises(unidist.CheckpointCorruptError, match=f"{part} is missing: the checkpoint was written by 2 "
+                                                                 "ranks"):
+            mgr.load_checkpoint(ck, model, opt)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_export_equals_deepspeeds_own_consolidation(written: Path, tmp_path: Path, case: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``unidist checkpoint export`` of what DeepSpeed wrote is what DeepSpeed's own zero_to_fp32 makes of it (the
+    module's state dict at stage 0, where that tool does not apply), bit for bit, read back by safetensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    from unidist.cli import main
+
+    assert main(["checkpoint", "inspect", str(written / case)]) == 0
+    said = capsys.readouterr().out
+    assert "check partitions: " in said and "FAILED" not in said, said
+    out = tmp_path / "model.safetensors"
+    assert main(["checkpoint", "export", str(written / case), str(out)]) == 0
+    got = load_file(out)
+    if case.startswith("0-"):
+        want = torch.load(written / case / "global_step3" / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        want = get_fp32_state_dict_from_zero_checkpoint(str(written / case))
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype and torch.equal(got[name], value), name

@@ -1,0 +1,201 @@
+"""Checkpoints real DeepSpeed wrote, resumed by unidist (tests/multiproc/test_ds_interop.py).
+
+    --phase write  (real DeepSpeed, under the deepspeed launcher): for each (stage, precision) of --cases, a fresh
+                   engine trains SAVE_AT steps, ``engine.save_checkpoint(DIR/<case>, client_state={"step": ...})``,
+                   records what it saved through DeepSpeed's own calls (``safe_get_full_fp32_param`` and
+                   ``safe_get_full_optimizer_state``: each weight's float32 master and its Adam moments) and goes on
+                   to step STEPS, recording its final float32 weights: the writer's own continuation.
+    --phase resume (unidist on any launcher): for each case, a fresh model prepared at --stage (precision
+                   "bf16-master" for a bf16 case, as DeepSpeed's bf16 keeps float32 masters), started elsewhere,
+                   ``mgr.load_checkpoint(DIR/<case>)`` (the parent with ``latest``), then the same steps; writes
+                   per case max |loaded - saved| (weights, Adam moments), the step and client state read back, and
+                   max |final - the writer's final|. ``--compat``: the DeepSpeed script's own resume instead, the
+                   writer's config at --stage through ``unidist.compat.deepspeed`` and ``engine.load_checkpoint``.
+
+The model has what DeepSpeed's files treat apart: an embedding tied to the output layer (``shared_params``), a
+LayerNorm, a buffer. Gradients are large (targets of scale 10) and both sides clip at 1.0, DeepSpeed's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from ds_interop_model import VOCAB, build
+
+SAVE_AT, STEPS, BATCH = 3, 6, 12
+LR, BETAS, EPS, WD, CLIP = 1e-2, (0.9, 0.99), 1e-8, 0.01, 1.0
+
+p = argparse.ArgumentParser()
+p.add_argument("--phase", choices=["write", "resume"], required=True)
+p.add_argument("--dir", type=Path, required=True)
+p.add_argument("--cases", default="0-fp32,1-bf16,2-fp32,3-bf16")
+p.add_argument("--stage", type=int, default=0)
+p.add_argument("--out", type=Path)
+p.add_argument("--compat", action="store_true", help="resume through unidist.compat.deepspeed's engine.load_checkpoint")
+p.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher appends it
+args = p.parse_args()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, VOCAB, (BATCH, 5), generator=g), torch.randn(BATCH, 5, VOCAB, generator=g) * 10
+
+
+def loss_of(model: Any, step: int, rank: int, size: int) -> torch.Tensor:
+    x, y = batch(step)
+    per = BATCH // size
+    rows = slice(rank * per, (rank + 1) * per)
+    out = model(x[rows])
+    return torch.nn.functional.mse_loss(out.float(), y[rows])
+
+
+def config(stage: int, precision: str, size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"train_micro_batch_size_per_gpu": BATCH // size, "gradient_clipping": CLIP,
+                           "zero_optimization": {"stage": stage},
+                           "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                                     "weight_decay": WD, "torch_adam": True}}}
+    if precision == "bf16":
+        out["bf16"] = {"enabled": True}
+    return out
+
+
+def write() -> None:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as unidist's deepspeed manager does
+    deepspeed.init_distributed()
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    for case in args.cases.split(","):
+        stage, precision = int(case.split("-")[0]), case.split("-")[1]
+        model = build()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=config(stage, precision, size))
+
+        def full(engine: Any, stage: int) -> dict[str, torch.Tensor]:  # stage 0 (float32): the parameter itself
+            return {n: (safe_get_full_fp32_param(q) if stage else q).detach().float().clone().cpu()
+                    for n, q in engine.module.named_parameters()}
+
+        def moments(engine: Any, stage: int, key: str) -> dict[str, torch.Tensor]:
+            return {n: (safe_get_full_optimizer_state(q, key) if stage else engine.optimizer.state[q][key])
+                    .detach().clone().cpu() for n, q in engine.module.named_parameters()}
+
+        for step in range(STEPS):
+            if step == SAVE_AT:
+                engine.save_checkpoint(str(args.dir / case), client_state={"step": step, "note": case})
+                saved = {"weights": full(engine, stage), **{k: moments(engine, stage, k)
+                                                            for k in ("exp_avg", "exp_avg_sq")}}
+            engine.backward(loss_of(engine, step, rank, size))
+            engine.step()
+        final = full(engine, stage)
+        if rank == 0:
+            torch.save({"saved": saved, "final": final}, args.dir / f"{case}.reference.pt")
+        dist.barrier()
+
+
+def resume_compat() -> None:
+    """The DeepSpeed script's resume, on unidist.compat.deepspeed: engine.load_checkpoint(dir) reads ``latest``."""
+    import unidist.compat.deepspeed as deepspeed
+    from unidist.compat.deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    deepspeed.init_distributed()
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    report: dict[str, Any] = {"backend": "compat", "size": size}
+    for case in args.cases.split(","):
+        model = build()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=config(args.stage, case.split("-")[1], size))
+        _, client = engine.load_checkpoint(str(args.dir / case))
+        named = dict(engine.module.named_parameters())
+        ref = torch.load(args.dir / f"{case}.reference.pt", weights_only=True)
+        got: dict[str, Any] = {"extra_step": client.get("step"), "note": client.get("note"),
+                               "global_steps": engine.global_steps, "lr": engine.get_lr()[0]}
+        got["loaded"] = max(float((safe_get_full_fp32_param(q) - ref["saved"]["weights"][n]).abs().max())
+                            for n, q in named.items())
+        for key in ("exp_avg", "exp_avg_sq"):
+            got[key] = max(float((safe_get_full_optimizer_state(q, key) - ref["saved"][key][n]).abs().max())
+                           for n, q in named.items())
+        for step in range(engine.global_steps, STEPS):
+            engine.backward(loss_of(engine, step, rank, size))
+            engine.step()
+        got["final"] = max(float((safe_get_full_fp32_param(q) - ref["final"][n]).abs().max())
+                           for n, q in named.items())
+        got["final_scale"] = max(float(w.abs().max()) for w in ref["final"].values())
+        report[case] = got
+    (args.out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def resume() -> None:
+    import unidist
+
+    with unidist.init() as mgr:
+        report: dict[str, Any] = {"backend": mgr.backend, "size": mgr.size}
+        for case in args.cases.split(","):
+            precision = "bf16-master" if case.endswith("bf16") else "32"
+            model = build()
+            with torch.no_grad():
+                for q in model.parameters():
+                    q.add_(1.0)  # a different start: only the checkpoint can make it equal
+            opt = torch.optim.AdamW(model.parameters(), lr=0.5, betas=BETAS, eps=EPS, weight_decay=WD)
+            model, opt = mgr.prepare(model, opt, zero_stage=args.stage, precision=precision, clip_grad_norm=CLIP)
+            extra = mgr.load_checkpoint(args.dir / case, model, opt)
+            ref = torch.load(args.dir / f"{case}.reference.pt", weights_only=True)
+            loaded = _masters(mgr, model, opt)
+            got: dict[str, Any] = {"extra_step": extra.get("step"), "note": extra.get("note"),
+                                   "global_steps": extra["deepspeed"]["global_steps"],
+                                   "lr": opt.param_groups[0]["lr"],
+                                   "loaded": max(float((loaded[n] - w).abs().max())
+                                                 for n, w in ref["saved"]["weights"].items())}
+            for key in ("exp_avg", "exp_avg_sq"):
+                mine = _state(mgr, model, opt, key)
+                got[key] = max(float((mine[n] - w).abs().max()) for n, w in ref["saved"][key].items())
+            for step in range(int(extra["step"]), STEPS):
+                mgr.backward(loss_of(model, step, mgr.rank, mgr.size))
+                opt.step()
+                opt.zero_grad()
+            final = _masters(mgr, model, opt)
+            got["final"] = max(float((final[n] - w).abs().max()) for n, w in ref["final"].items())
+            got["final_scale"] = max(float(w.abs().max()) for w in ref["final"].values())
+            report[case] = got
+        (args.out / f"rank{mgr.rank}.json").write_text(json.dumps(report))
+
+
+def _masters(mgr: Any, model: Any, opt: Any) -> dict[str, torch.Tensor]:
+    """Each parameter's float32 value as the optimizer steps it (the master copy under bf16-master); DeepSpeed's
+    own call under the deepspeed backend, whose engine holds them."""
+    named = dict(mgr.unwrap(model).named_parameters())
+    if mgr.backend == "deepspeed":
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {n: safe_get_full_fp32_param(q).float().cpu() for n, q in named.items()}
+    return {n: opt.full_param(q).float().cpu() for n, q in named.items()}
+
+
+def _state(mgr: Any, model: Any, opt: Any, key: str) -> dict[str, torch.Tensor]:
+    """Each parameter's whole optimizer state ``key`` (parameters in the optimizer's order: the model's)."""
+    named = dict(mgr.unwrap(model).named_parameters())
+    if mgr.backend == "deepspeed":
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        return {n: safe_get_full_optimizer_state(q, key).float().cpu() for n, q in named.items()}
+    full = mgr.full_optimizer_state_dict(opt)["state"]
+    return {n: full[i][key].float().cpu() for i, n in enumerate(named)}
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.phase == "write":
+        write()
+    elif args.compat:
+        resume_compat()
+    else:
+        resume()

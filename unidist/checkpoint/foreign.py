@@ -1,0 +1,118 @@
+"""Loading a checkpoint another engine wrote: the format found from the files, said in one log line, checked against
+what its own files declare, and read into any layout through the same ``Layout.load`` as unidist's own format.
+
+A foreign format has no digests: what is checked is what its files declare. Before anything changes, every model
+entry and every optimizer parameter is matched by name and shape (numel included) on every rank, and a checkpoint
+with no optimizer state when an optimizer is passed is refused; after the load, each parameter's optimizer scalars
+(Adam's step) must equal the file's. The foreign files are memory-mapped and read slice by slice, so a rank whose
+layout shards the state reads only its part.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unidist.checkpoint.agree import World, agree
+from unidist.checkpoint.deepspeed_files import DeepSpeedFiles, find
+from unidist.checkpoint.layout import Layout
+from unidist.errors import CheckpointError, CheckpointMismatchError, InvalidArgumentError
+
+__all__ = ["DEEPSPEED_KEY", "detect", "load"]
+
+_log = logging.getLogger("unidist")
+DEEPSPEED_KEY = "deepspeed"  # extra's entry for DeepSpeed's engine counters and scheduler state
+# DeepSpeed's optimizer "type" -> the optimizer classes whose state it holds (a class not listed is not refused)
+FAMILIES = {"adam": {"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam"}, "adamw": {"Adam", "AdamW", "FusedAdam",
+            "DeepSpeedCPUAdam"}, "sgd": {"SGD"}, "adagrad": {"Adagrad", "DeepSpeedCPUAdagrad"},
+            "lamb": {"FusedLamb", "Lamb"}}
+
+
+def detect(path: Path) -> DeepSpeedFiles | None:
+    """The foreign checkpoint at ``path``, or None when it is not one this unidist reads (then it is read, or
+    refused, as unidist's own)."""
+    tag_dir = find(path)
+    return DeepSpeedFiles(tag_dir) if tag_dir is not None else None
+
+
+def _fits(src: DeepSpeedFiles, layout: Layout, with_optimizer: bool, path: Path) -> None:
+    """The first difference between what the files declare and the model/optimizer, as a CheckpointMismatchError."""
+    saved = src.model_shapes()
+    for name, want in layout.describe()["model"].items():
+        got = saved.get(name)
+        if got is None:
+            raise CheckpointMismatchError(f"{path}: the model has {name!r} {tuple(want['shape'])} but the checkpoint "
+                                          "does not: is it this model's?")
+        if tuple(got) != tuple(want["shape"]):
+            raise CheckpointMismatchError(f"{path}: {name!r} is {tuple(got)} in the checkpoint and "
+                                          f"{tuple(want['shape'])} in the model")
+    mine = layout.describe()["model"]
+    extra = [n for n in saved if n not in mine]
+    if extra:
+        raise CheckpointMismatchError(f"{path}: the checkpoint has {extra[0]!r}, which the model does not")
+    if not with_optimizer:
+        return
+    if not src.state_keys():
+        raise CheckpointMismatchError(f"{path} holds no optimizer state; load it with optimizer=None (the weights "
+                                      "only)")
+    opt_type = str(((src.head.get("ds_config") or {}).get("optimizer") or {}).get("type", "")).lower()
+    target = type(layout.optimizer).__name__
+    if opt_type in FAMILIES and target not in FAMILIES[opt_type]:
+        raise CheckpointMismatchError(f"{path} holds the state of DeepSpeed's {opt_type!r} optimizer and this one is "
+                                      f"{target}: pass one of {sorted(FAMILIES[opt_type])}, or optimizer=None")
+    want_opt = layout.describe()["optimizer"]
+    groups = {n: gi for gi, g in enumerate(src.groups) for n in g}
+    for alias, name in zip(want_opt["params"], [src.canonical(n) for n in want_opt["params"]], strict=True):
+        group = want_opt["groups"][want_opt["params"].index(alias)]
+        if name not in groups:
+            raise CheckpointMismatchError(f"{path}: the optimizer updates {name!r}, which the checkpoint's does not")
+        if groups[name] != group:
+            raise CheckpointMismatchError(f"{path}: {name!r} is in param group {groups[name]} in the checkpoint and "
+                                          f"in group {group} here")
+    if len(groups) != len(want_opt["params"]):
+        missing = next(n for n in groups if n not in {src.canonical(m) for m in want_opt["params"]})
+        raise CheckpointMismatchError(f"{path}: the checkpoint's optimizer updates {missing!r}, this one does not")
+    if len(src.settings) != len(layout.optimizer.param_groups):
+        raise CheckpointMismatchError(f"{path} has {len(src.settings)} param groups and the optimizer "
+                                      f"{len(layout.optimizer.param_groups)}")
+
+
+def load(mgr: World, src: DeepSpeedFiles, layout: Layout, path: Path) -> dict[str, Any]:
+    """Load ``src`` into ``layout`` (``layout.optimizer`` None: the model only); returns the script's client
+    state with DeepSpeed's counters under ``DEEPSPEED_KEY``. Every rank of ``mgr`` calls it."""
+    with_optimizer = layout.optimizer is not None
+    problem: BaseException | None = None
+    try:
+        if tuple(layout.ranks) != tuple(range(mgr.size)):
+            raise InvalidArgumentError(f"load_checkpoint({str(path)!r}): another engine's checkpoint loads into a "
+                                       "model prepared over the whole world (without prepare(group=...))")
+        _fits(src, layout, with_optimizer, path)
+    except (CheckpointError, InvalidArgumentError) as err:
+        problem = err
+    agree(mgr, problem)
+    if mgr.rank == 0:
+        _log.warning("load_checkpoint(%s): %s", src.dir, src.describe())
+    keys = src.state_keys() if with_optimizer else {}
+    scalars = src.scalars() if with_optimizer else {}
+    meta = {"param_groups": src.settings if with_optimizer else [], "scalars": scalars}
+    layout.load(src.read, meta, keys)
+    wrong = []
+    if with_optimizer:
+        now = layout.meta()["scalars"]
+        wrong = [f"{k!r} of {n!r}" for n, st in scalars.items() for k, v in st.items()
+                 if n in now and not _same(now[n].get(k), v)]
+    agree(mgr, CheckpointMismatchError(f"{path}: after the load, the optimizer scalar {wrong[0]} differs from the "
+                                       "file's: the load went wrong; load another checkpoint before training")
+          if wrong else None)
+    return {**src.client_state(), DEEPSPEED_KEY: src.counters()}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+            torch.equal(a.detach().cpu().to(b.dtype), b.detach().cpu())
+    return bool(a == b)
+
