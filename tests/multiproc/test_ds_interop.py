@@ -1,13 +1,14 @@
 """Checkpoints real DeepSpeed wrote resume in unidist (issue 47 part 1; tests/workers/ds_interop.py).
 
-Real DeepSpeed 0.19.8 under its launcher (2 ranks) writes four checkpoints with ``engine.save_checkpoint``: ZeRO 0
-float32, 1 bf16, 2 float32, 3 bf16, of a model with a tied embedding, a LayerNorm and a buffer, AdamW, gradients
-clipped at 1.0 (DeepSpeed's default, active: targets of scale 10), and records through its own calls what it saved
-(each float32 master and Adam moment) and where its own run ends three steps later. Each reader loads all four at
-another world size, ZeRO stage or engine and must hold exactly what DeepSpeed saved (0.0 difference: a load that
-put one element elsewhere, skipped the optimizer or dropped a master copy fails here), the client state and step,
-and end within rounding of DeepSpeed's own continuation (float32: 1e-6; bf16, whose gradients round differently
-at another world size: 3e-3 on weights of scale 4).
+Real DeepSpeed 0.19.8 under its launcher (2 ranks) writes five checkpoints with ``engine.save_checkpoint``: ZeRO 0
+float32, 1 bf16, 2 float32, 2 fp16 (a loss scale of 128), 3 bf16, of a model with a tied embedding, a LayerNorm
+and a buffer, AdamW, gradients clipped at 1.0 (DeepSpeed's default, active: targets of scale 10), and records
+through its own calls what it saved (each float32 master and Adam moment) and where its own run ends three steps
+later. Each reader loads all five at another world size, ZeRO stage or engine and must hold exactly what DeepSpeed
+saved (0.0 difference: a load that put one element elsewhere, skipped the optimizer or dropped a master copy fails
+here), the client state and step, and end within rounding of DeepSpeed's own continuation (float32: 1e-6; bf16,
+whose gradients round differently at another world size: 3e-3 on weights of scale 4; fp16, resumed in float32:
+1e-3).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from workers.ds_interop_model import build
 pytestmark = pytest.mark.deepspeed  # the writer is real DeepSpeed: its env runs every reader
 
 WORKER = str(WORKERS / "ds_interop.py")
-CASES = ("0-fp32", "1-bf16", "2-fp32", "3-bf16")
-TOL = {"fp32": 1e-6, "bf16": 3e-3}
+CASES = ("0-fp32", "1-bf16", "2-fp32", "2-fp16", "3-bf16")
+TOL = {"fp32": 1e-6, "bf16": 3e-3, "fp16": 1e-3}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # (reader launch, its ZeRO stage, through the compat engine): one process, MPI, torch and DeepSpeed's own engine
 READERS = [("local-1", 0, False), ("mpiexec-3", 3, False), ("torchrun-2", 1, False), ("deepspeed-2", 2, False),
            ("mpiexec-2", 3, True)]
@@ -52,7 +54,7 @@ def test_deepspeed_checkpoints_resume_here(written: Path, tmp_path: Path, reader
     for case in CASES:
         stage_of, precision = case.split("-")
         line = (f"load_checkpoint({written / case / 'global_step3'}): a DeepSpeed 0.19.8 checkpoint (ZeRO stage "
-                f"{stage_of}, 2 rank(s), {'bfloat16' if precision == 'bf16' else 'float32'} weights, global step 3)")
+                f"{stage_of}, 2 rank(s), {DTYPES[precision]} weights, global step 3)")
         assert (proc.stdout + proc.stderr).count(line) == 1, (line, proc.describe())
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(launch.size)]
     for rank, report in enumerate(reports):

@@ -33,7 +33,7 @@ LR, BETAS, EPS, WD, CLIP = 1e-2, (0.9, 0.99), 1e-8, 0.01, 1.0
 p = argparse.ArgumentParser()
 p.add_argument("--phase", choices=["write", "resume"], required=True)
 p.add_argument("--dir", type=Path, required=True)
-p.add_argument("--cases", default="0-fp32,1-bf16,2-fp32,3-bf16")
+p.add_argument("--cases", default="0-fp32,1-bf16,2-fp32,2-fp16,3-bf16")
 p.add_argument("--stage", type=int, default=0)
 p.add_argument("--out", type=Path)
 p.add_argument("--compat", action="store_true", help="resume through unidist.compat.deepspeed's engine.load_checkpoint")
@@ -61,6 +61,8 @@ def config(stage: int, precision: str, size: int) -> dict[str, Any]:
                                                                      "weight_decay": WD, "torch_adam": True}}}
     if precision == "bf16":
         out["bf16"] = {"enabled": True}
+    if precision == "fp16":  # a fixed scale: a dynamic one's first overflow skips a step a float32 resume would take
+        out["fp16"] = {"enabled": True, "loss_scale": 128}
     return out
 
 
@@ -140,6 +142,7 @@ def resume() -> None:
     with unidist.init() as mgr:
         report: dict[str, Any] = {"backend": mgr.backend, "size": mgr.size}
         for case in args.cases.split(","):
+            # DeepSpeed's fp16 (half weights, float32 masters, a loss scale) resumes here in float32
             precision = "bf16-master" if case.endswith("bf16") else "32"
             model = build()
             with torch.no_grad():
