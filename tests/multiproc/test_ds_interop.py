@@ -1,4 +1,4 @@
-"""Checkpoints real DeepSpeed wrote resume in unidist (issue 47 part 1; tests/workers/ds_interop.py).
+"""Checkpoints real DeepSpeed wrote resume in unidist (issue 47 part 1; tests/workers/ckpt_interop.py).
 
 Real DeepSpeed 0.19.8 under its launcher (2 ranks) writes five checkpoints with ``engine.save_checkpoint``: ZeRO 0
 float32, 1 bf16, 2 float32, 2 fp16 (a loss scale of 128), 3 bf16, of a model with a tied embedding, a LayerNorm
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 from helpers import LAUNCHES, WORKERS, require, run
-from workers.ds_interop_model import build
+from workers.ckpt_interop_model import build
 
 pytestmark = pytest.mark.deepspeed  # the writer is real DeepSpeed: its env runs every reader
 
-WORKER = str(WORKERS / "ds_interop.py")
+WORKER = str(WORKERS / "ckpt_interop.py")
 CASES = ("0-fp32", "1-bf16", "2-fp32", "2-fp16", "3-bf16")
 TOL = {"fp32": 1e-6, "bf16": 3e-3, "fp16": 1e-3}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

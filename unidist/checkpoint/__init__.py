@@ -42,7 +42,6 @@ import torch
 from unidist.checkpoint import digest, foreign
 from unidist.checkpoint.agree import World
 from unidist.checkpoint.agree import agree as _agree
-from unidist.checkpoint.deepspeed_files import DeepSpeedFiles
 from unidist.checkpoint.files import (
     FORMAT,
     MANIFEST,
@@ -354,7 +353,7 @@ def load(mgr: World, path: str | os.PathLike[str], layout: Layout) -> dict[str, 
     meta: dict[str, Any] = {}
     part, parts = _parts(mgr, layout)  # its errors are the same on every rank
     # another engine's checkpoint (foreign.py) where no rank's host has a manifest: every rank looks, then all agree
-    found: DeepSpeedFiles | None = None
+    found: foreign.Foreign | None = None
     unreadable: BaseException | None = None
     if not (where / MANIFEST).is_file():
         try:

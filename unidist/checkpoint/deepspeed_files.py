@@ -32,9 +32,14 @@ import torch
 from unidist.checkpoint.layout import MASTER
 from unidist.errors import CheckpointCorruptError, CheckpointError
 
-__all__ = ["DeepSpeedFiles", "find"]
+__all__ = ["DEEPSPEED_KEY", "DeepSpeedFiles", "find"]
 
 LATEST = "latest"
+DEEPSPEED_KEY = "deepspeed"  # the load's extra entry holding DeepSpeed's engine counters and scheduler state
+# DeepSpeed's optimizer "type" -> the optimizer classes whose state it holds (a class not listed is refused)
+FAMILIES = {"adam": {"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam"}, "adamw": {"Adam", "AdamW", "FusedAdam",
+            "DeepSpeedCPUAdam"}, "sgd": {"SGD"}, "adagrad": {"Adagrad", "DeepSpeedCPUAdagrad"},
+            "lamb": {"FusedLamb", "Lamb"}}
 HEAD = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # stages 0-2, stage 3
 # DeepSpeed's own keys in the model-states file; every other top-level key is the script's client_state
 OWN = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
@@ -299,15 +304,32 @@ class DeepSpeedFiles:
         order = list(self.module) or list(out)
         return {n: out[n] for n in order if n in out} | {n: s for n, s in out.items() if n not in order}
 
-    def client_state(self) -> dict[str, Any]:
-        return {k: v for k, v in self.head.items() if k not in OWN}
+    def bind(self, names: list[str]) -> None:
+        """Tied weights are named in DeepSpeed's files (``shared_params``): nothing to work out."""
 
-    def counters(self) -> dict[str, Any]:
-        """DeepSpeed's engine counters and scheduler state, as the compat engine restores them."""
-        return {"global_steps": int(self.head.get("global_steps") or 0),
-                "global_samples": int(self.head.get("global_samples") or 0),
-                "skipped_steps": int(self.head.get("skipped_steps") or 0),
-                "lr_scheduler": self.head.get("lr_scheduler")}
+    def dtype_of(self, name: str) -> torch.dtype:
+        """A model entry's dtype as read: float32 masters for trainable weights, the saved dtype otherwise."""
+        source = self.canonical(name)
+        return self.module[source].dtype if source in self.buffers or source in self.frozen else torch.float32
+
+    def optimizer_classes(self) -> set[str] | None:
+        """The optimizer classes whose state this is, from the config's optimizer type (None: not known)."""
+        kind = str(((self.head.get("ds_config") or {}).get("optimizer") or {}).get("type", "")).lower()
+        return FAMILIES.get(kind)
+
+    def optimizer_name(self) -> str:
+        return f"DeepSpeed's {((self.head.get('ds_config') or {}).get('optimizer') or {}).get('type', 'own')}"
+
+    def extra(self) -> dict[str, Any]:
+        """The script's client_state, and under ``DEEPSPEED_KEY`` the engine's counters and scheduler state."""
+        counters = {"global_steps": int(self.head.get("global_steps") or 0),
+                    "global_samples": int(self.head.get("global_samples") or 0),
+                    "skipped_steps": int(self.head.get("skipped_steps") or 0),
+                    "lr_scheduler": self.head.get("lr_scheduler")}
+        return {**{k: v for k, v in self.head.items() if k not in OWN}, DEEPSPEED_KEY: counters}
+
+    def files(self) -> list[Path]:
+        return sorted(self.dir.glob("*.pt"))
 
     def describe(self) -> str:
         dtype = next((str(t.dtype).removeprefix("torch.") for n, t in self.module.items() if n in self.shapes),

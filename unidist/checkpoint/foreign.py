@@ -12,33 +12,67 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from unidist.checkpoint.agree import World, agree
-from unidist.checkpoint.deepspeed_files import DeepSpeedFiles, find
+from unidist.checkpoint.dcp_files import DCPFiles
+from unidist.checkpoint.dcp_files import find as find_dcp
+from unidist.checkpoint.deepspeed_files import DEEPSPEED_KEY, DeepSpeedFiles
+from unidist.checkpoint.deepspeed_files import find as find_deepspeed
 from unidist.checkpoint.layout import Layout
 from unidist.errors import CheckpointError, CheckpointMismatchError, InvalidArgumentError
 
-__all__ = ["DEEPSPEED_KEY", "detect", "load"]
+__all__ = ["DEEPSPEED_KEY", "Foreign", "detect", "load"]
 
 _log = logging.getLogger("unidist")
-DEEPSPEED_KEY = "deepspeed"  # extra's entry for DeepSpeed's engine counters and scheduler state
-# DeepSpeed's optimizer "type" -> the optimizer classes whose state it holds (a class not listed is not refused)
-FAMILIES = {"adam": {"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam"}, "adamw": {"Adam", "AdamW", "FusedAdam",
-            "DeepSpeedCPUAdam"}, "sgd": {"SGD"}, "adagrad": {"Adagrad", "DeepSpeedCPUAdagrad"},
-            "lamb": {"FusedLamb", "Lamb"}}
 
 
-def detect(path: Path) -> DeepSpeedFiles | None:
-    """The foreign checkpoint at ``path``, or None when it is not one this unidist reads (then it is read, or
-    refused, as unidist's own)."""
-    tag_dir = find(path)
-    return DeepSpeedFiles(tag_dir) if tag_dir is not None else None
+class Foreign(Protocol):
+    """What loading needs of another engine's files (deepspeed_files.py, dcp_files.py)."""
+
+    dir: Path
+    groups: list[list[str]]  # the optimizer's parameter names, per param group
+    settings: list[dict[str, Any]]  # each param group's settings
+    params: list[str]
+
+    def describe(self) -> str: ...
+
+    def bind(self, names: list[str]) -> None: ...
+
+    def canonical(self, name: str) -> str: ...
+
+    def model_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    def dtype_of(self, name: str) -> torch.dtype: ...
+
+    def state_keys(self) -> dict[str, list[str]]: ...
+
+    def scalars(self) -> dict[str, dict[str, Any]]: ...
+
+    def optimizer_classes(self) -> set[str] | None: ...
+
+    def optimizer_name(self) -> str: ...
+
+    def extra(self) -> dict[str, Any]: ...
+
+    def files(self) -> list[Path]: ...
+
+    def read(self, kind: str, name: str, key: str, start: int, end: int) -> torch.Tensor: ...
 
 
-def _fits(src: DeepSpeedFiles, layout: Layout, with_optimizer: bool, path: Path) -> None:
+def detect(path: Path) -> Foreign | None:
+    """The foreign checkpoint at ``path`` (DeepSpeed's, or torch DCP's), or None when it is neither (then it is
+    read, or refused, as unidist's own)."""
+    tag_dir = find_deepspeed(path)
+    if tag_dir is not None:
+        return DeepSpeedFiles(tag_dir)
+    dcp_dir = find_dcp(path)
+    return DCPFiles(dcp_dir) if dcp_dir is not None else None
+
+
+def _fits(src: Foreign, layout: Layout, with_optimizer: bool, path: Path) -> None:
     """The first difference between what the files declare and the model/optimizer, as a CheckpointMismatchError."""
     saved = src.model_shapes()
     for name, want in layout.describe()["model"].items():
@@ -58,11 +92,10 @@ def _fits(src: DeepSpeedFiles, layout: Layout, with_optimizer: bool, path: Path)
     if not src.state_keys():
         raise CheckpointMismatchError(f"{path} holds no optimizer state; load it with optimizer=None (the weights "
                                       "only)")
-    opt_type = str(((src.head.get("ds_config") or {}).get("optimizer") or {}).get("type", "")).lower()
-    target = type(layout.optimizer).__name__
-    if opt_type in FAMILIES and target not in FAMILIES[opt_type]:
-        raise CheckpointMismatchError(f"{path} holds the state of DeepSpeed's {opt_type!r} optimizer and this one is "
-                                      f"{target}: pass one of {sorted(FAMILIES[opt_type])}, or optimizer=None")
+    family, target = src.optimizer_classes(), type(layout.optimizer).__name__
+    if family is not None and target not in family:
+        raise CheckpointMismatchError(f"{path} holds the state of {src.optimizer_name()} optimizer and this one is "
+                                      f"{target}: pass one of {sorted(family)}, or optimizer=None")
     want_opt = layout.describe()["optimizer"]
     groups = {n: gi for gi, g in enumerate(src.groups) for n in g}
     for alias, name in zip(want_opt["params"], [src.canonical(n) for n in want_opt["params"]], strict=True):
@@ -80,15 +113,17 @@ def _fits(src: DeepSpeedFiles, layout: Layout, with_optimizer: bool, path: Path)
                                       f"{len(layout.optimizer.param_groups)}")
 
 
-def load(mgr: World, src: DeepSpeedFiles, layout: Layout, path: Path) -> dict[str, Any]:
-    """Load ``src`` into ``layout`` (``layout.optimizer`` None: the model only); returns the script's client
-    state with DeepSpeed's counters under ``DEEPSPEED_KEY``. Every rank of ``mgr`` calls it."""
+def load(mgr: World, src: Foreign, layout: Layout, path: Path) -> dict[str, Any]:
+    """Load ``src`` into ``layout`` (``layout.optimizer`` None: the model only); returns what the files hold
+    beside the model and optimizer (``src.extra()``). Every rank of ``mgr`` calls it."""
     with_optimizer = layout.optimizer is not None
     problem: BaseException | None = None
     try:
         if tuple(layout.ranks) != tuple(range(mgr.size)):
             raise InvalidArgumentError(f"load_checkpoint({str(path)!r}): another engine's checkpoint loads into a "
                                        "model prepared over the whole world (without prepare(group=...))")
+        if with_optimizer:
+            src.bind(list(layout.describe()["optimizer"]["params"]))
         _fits(src, layout, with_optimizer, path)
     except (CheckpointError, InvalidArgumentError) as err:
         problem = err
@@ -107,7 +142,7 @@ def load(mgr: World, src: DeepSpeedFiles, layout: Layout, path: Path) -> dict[st
     agree(mgr, CheckpointMismatchError(f"{path}: after the load, the optimizer scalar {wrong[0]} differs from the "
                                        "file's: the load went wrong; load another checkpoint before training")
           if wrong else None)
-    return {**src.client_state(), DEEPSPEED_KEY: src.counters()}
+    return src.extra()
 
 
 def _same(a: Any, b: Any) -> bool:

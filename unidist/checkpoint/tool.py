@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from unidist.checkpoint import digest
-from unidist.checkpoint.deepspeed_files import DeepSpeedFiles, find
 from unidist.checkpoint.files import MANIFEST, file_digest, read_manifest, resolve
+from unidist.checkpoint.foreign import Foreign, detect
 from unidist.errors import CheckpointCorruptError, CheckpointError, CheckpointMissingError, InvalidArgumentError
 
-__all__ = ["SAFETENSORS_DTYPES", "DeepSpeedOpened", "Opened", "export", "inspect_lines", "open_checkpoint"]
+__all__ = ["SAFETENSORS_DTYPES", "ForeignOpened", "Opened", "export", "inspect_lines", "open_checkpoint"]
 
 # torch dtype -> safetensors' name for it (the format's table: https://github.com/huggingface/safetensors)
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -52,7 +52,7 @@ class Opened:
         self.path = resolve(Path(path).absolute())
         if not (self.path / MANIFEST).is_file() and Path(path).is_dir():
             raise CheckpointError(f"{path} is neither a unidist checkpoint (no {MANIFEST}) nor a DeepSpeed one (no "
-                                  "latest file or mp_rank_00_model_states.pt)")
+                                  "latest file or mp_rank_00_model_states.pt) nor a torch DCP one (no .metadata)")
         self.manifest = read_manifest(self.path)
         self.parts: list[dict[str, Any]] = self.manifest.get("parts") or [self.manifest]
         if part is None and len(self.parts) > 1:
@@ -157,9 +157,9 @@ def _header(ck: Opened) -> list[str]:
             f"{_size(sum(f['bytes'] for f in ck.files) + m['meta']['bytes'])}"]
 
 
-def inspect_lines(ck: Opened | DeepSpeedOpened, tensors: bool = False) -> tuple[list[str], bool]:
+def inspect_lines(ck: Opened | ForeignOpened, tensors: bool = False) -> tuple[list[str], bool]:
     """What ``unidist checkpoint inspect`` prints, and whether every check passed."""
-    head = ck.header() if isinstance(ck, DeepSpeedOpened) else _header(ck)
+    head = ck.header() if isinstance(ck, ForeignOpened) else _header(ck)
     model = ck.model()
     elements = sum(int(torch.Size(s).numel()) for _, s, _ in model)
     nbytes = sum(int(torch.Size(s).numel()) * torch.empty(0, dtype=d).element_size() for _, s, d in model)
@@ -169,13 +169,13 @@ def inspect_lines(ck: Opened | DeepSpeedOpened, tensors: bool = False) -> tuple[
     ok, files_ok = True, 0
     for what, passed, detail in ck.check():
         ok &= passed
-        if what.endswith(".pt") and passed:
+        if what not in ("digests", "pieces") and passed:  # a file
             files_ok += 1
         else:
             lines.append(f"{'check' if passed else 'FAILED'} {what}: {detail}")
     if ok:
         lines.insert(-1, f"check files: {files_ok} files, " + ("sizes and sha256 match" if isinstance(ck, Opened)
-                                                                 else "each read by torch.load(weights_only=True)"))
+                                                                 else "each read"))
     if tensors:
         notes = ck.parts[ck.part].get("digests", {"model": {}})["model"] if isinstance(ck, Opened) else {}
         lines += [f"  {k}  {list(s)}  {str(d).removeprefix('torch.')}  {notes.get(k, '')}".rstrip()
@@ -183,22 +183,16 @@ def inspect_lines(ck: Opened | DeepSpeedOpened, tensors: bool = False) -> tuple[
     return lines, ok
 
 
-class DeepSpeedOpened:
-    """A checkpoint real DeepSpeed wrote (deepspeed_files.py), read offline: weights as its float32 masters (what
-    DeepSpeed's zero_to_fp32 script gives), buffers and frozen weights as saved."""
+class ForeignOpened:
+    """A checkpoint another engine wrote (foreign.py: DeepSpeed's, torch DCP's), read offline: DeepSpeed's weights as
+    its float32 masters (what its zero_to_fp32 script gives), everything else as saved."""
 
-    def __init__(self, tag_dir: Path) -> None:
-        self.files = DeepSpeedFiles(tag_dir)
-        self.path = tag_dir
+    def __init__(self, files: Foreign) -> None:
+        self.files = files
+        self.path = files.dir
 
     def model(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        f = self.files
-        out = []
-        for name, shape in f.model_shapes().items():
-            source = f.canonical(name)
-            dtype = f.module[source].dtype if source in f.buffers or source in f.frozen else torch.float32
-            out.append((name, shape, dtype))
-        return out
+        return [(name, shape, self.files.dtype_of(name)) for name, shape in self.files.model_shapes().items()]
 
     def tensor(self, name: str) -> torch.Tensor:
         shape, dtype = next((s, d) for k, s, d in self.model() if k == name)
@@ -206,44 +200,42 @@ class DeepSpeedOpened:
 
     def header(self) -> list[str]:
         f = self.files
-        opt = ((f.head.get("ds_config") or {}).get("optimizer") or {}).get("type", "the script's own")
         keys = sorted({k for v in f.state_keys().values() for k in v})
-        names = sorted(p.name for p in self.path.glob("*.pt"))
-        return [f"{self.path}: {f.describe()}", f"saved by {f.world} rank(s) with DeepSpeed's engine",
-                f"optimizer: DeepSpeed's {opt} over {len(f.params)} parameters; per-element state "
+        names = [p.name for p in f.files()]
+        return [f"{self.path}: {f.describe()}", "no digests in this format: each tensor is read whole to check it",
+                f"optimizer: {f.optimizer_name()} over {len(f.params)} parameters; per-element state "
                 f"{', '.join(keys) or 'none'}",
                 f"files: {len(names)} ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}), "
-                f"{_size(sum((self.path / n).stat().st_size for n in names))}"]
+                f"{_size(sum(p.stat().st_size for p in f.files()))}"]
 
     def check(self) -> Iterator[tuple[str, bool, str]]:
-        """Every file was read when opened (a bad one raised there); here every tensor is read whole from the
-        partitions: DeepSpeed's format records no digests, only names, shapes and where each partition lies."""
-        for name in sorted(p.name for p in self.path.glob("*.pt")):
-            yield name, True, "read"
+        """Every tensor read whole from the files: the foreign formats record no digests, only names, shapes and
+        where each piece lies (a file that cannot be read raised when the checkpoint was opened)."""
+        for file in self.files.files():
+            yield file.name, True, "read"
         count = 0
         try:
             for name, _, _ in self.model():
                 self.tensor(name)
                 count += 1
             for name, keys in self.files.state_keys().items():
+                numel = int(torch.Size(self.files.model_shapes()[name]).numel())
                 for key in keys:
-                    self.files.read("optim", name, key, 0, int(torch.Size(self.files.shapes[
-                        self.files.canonical(name)]).numel()))
+                    self.files.read("optim", name, key, 0, numel)
                     count += 1
         except CheckpointError as err:
-            yield "partitions", False, str(err)
+            yield "pieces", False, str(err)
             return
-        yield "partitions", True, (f"{count} tensors, each read whole from the partitions (DeepSpeed's format "
-                                   "records no digests)")
+        yield "pieces", True, f"{count} tensors, each read whole from its pieces (the format records no digests)"
 
 
-def open_checkpoint(path: str | os.PathLike[str], part: int | None = None) -> Opened | DeepSpeedOpened:
+def open_checkpoint(path: str | os.PathLike[str], part: int | None = None) -> Opened | ForeignOpened:
     """The checkpoint at ``path``: unidist's own, or one real DeepSpeed wrote."""
     where = resolve(Path(path).absolute())
     if not (where / MANIFEST).is_file():
-        tag_dir = find(where)
-        if tag_dir is not None:
-            return DeepSpeedOpened(tag_dir)
+        found = detect(where)
+        if found is not None:
+            return ForeignOpened(found)
     return Opened(path, part)
 
 
@@ -256,7 +248,7 @@ def _bar(done: int, of: int, name: str) -> None:
     sys.stderr.flush()
 
 
-def export(ck: Opened | DeepSpeedOpened, out: str | os.PathLike[str], progress: Progress | None = None) -> Path:
+def export(ck: Opened | ForeignOpened, out: str | os.PathLike[str], progress: Progress | None = None) -> Path:
     """The model's full state dict to ``out`` (``.safetensors`` or ``.pt``), written to a temporary file beside
     it and renamed when complete. ``progress``: called after each tensor (None: a bar on stderr if a terminal)."""
     target = Path(out)
@@ -286,7 +278,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
-def _safetensors(ck: Opened | DeepSpeedOpened, model: list[tuple[str, tuple[int, ...], torch.dtype]], f: Any, tmp: Path,
+def _safetensors(ck: Opened | ForeignOpened, model: list[tuple[str, tuple[int, ...], torch.dtype]], f: Any, tmp: Path,
                  progress: Progress | None) -> None:
     """The header first (every shape and dtype is in the manifest), then each tensor's bytes as assembled."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": str(ck.path)}}
@@ -304,7 +296,7 @@ def _safetensors(ck: Opened | DeepSpeedOpened, model: list[tuple[str, tuple[int,
             progress(i + 1, len(model), name)
 
 
-def _torch_save(ck: Opened | DeepSpeedOpened, model: list[tuple[str, tuple[int, ...], torch.dtype]], f: Any, tmp: Path,
+def _torch_save(ck: Opened | ForeignOpened, model: list[tuple[str, tuple[int, ...], torch.dtype]], f: Any, tmp: Path,
                 progress: Progress | None) -> None:
     """torch.save needs every tensor at once: they are assembled into memory-mapped scratch files beside the
     output, one per dtype (torch.save refuses one storage viewed as two dtypes), pages the kernel can write

@@ -1,10 +1,15 @@
-"""Checkpoints real DeepSpeed wrote, resumed by unidist (tests/multiproc/test_ds_interop.py).
+"""Checkpoints real DeepSpeed and real FSDP2 + torch DCP wrote, resumed by unidist (tests/multiproc/test_ds_interop.py,
+test_dcp_interop.py).
 
     --phase write  (real DeepSpeed, under the deepspeed launcher): for each (stage, precision) of --cases, a fresh
                    engine trains SAVE_AT steps, ``engine.save_checkpoint(DIR/<case>, client_state={"step": ...})``,
                    records what it saved through DeepSpeed's own calls (``safe_get_full_fp32_param`` and
                    ``safe_get_full_optimizer_state``: each weight's float32 master and its Adam moments) and goes on
                    to step STEPS, recording its final float32 weights: the writer's own continuation.
+    --phase write-dcp (torch's FSDP2 under torchrun, torchtitan's way): the model sharded with ``fully_shard``,
+                   AdamW, ``clip_grad_norm_``; at SAVE_AT ``dcp.save({"model", "optim"} of get_state_dict, "step",
+                   "note")`` into DIR/dcp-fp32, what it saved and its final weights recorded through
+                   ``get_model_state_dict``/``get_optimizer_state_dict`` with full_state_dict=True.
     --phase resume (unidist on any launcher): for each case, a fresh model prepared at --stage (precision
                    "bf16-master" for a bf16 case, as DeepSpeed's bf16 keeps float32 masters), started elsewhere,
                    ``mgr.load_checkpoint(DIR/<case>)`` (the parent with ``latest``), then the same steps; writes
@@ -25,13 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from ds_interop_model import VOCAB, build
+from ckpt_interop_model import VOCAB, build
 
 SAVE_AT, STEPS, BATCH = 3, 6, 12
 LR, BETAS, EPS, WD, CLIP = 1e-2, (0.9, 0.99), 1e-8, 0.01, 1.0
 
 p = argparse.ArgumentParser()
-p.add_argument("--phase", choices=["write", "resume"], required=True)
+p.add_argument("--phase", choices=["write", "write-dcp", "resume"], required=True)
 p.add_argument("--dir", type=Path, required=True)
 p.add_argument("--cases", default="0-fp32,1-bf16,2-fp32,2-fp16,3-bf16")
 p.add_argument("--stage", type=int, default=0)
@@ -102,6 +107,50 @@ def write() -> None:
         dist.barrier()
 
 
+def write_dcp() -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        get_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    case = "dcp-fp32"
+    model = build()
+    fully_shard(model.up)
+    fully_shard(model.down)
+    fully_shard(model)  # the root holds the tied embedding and head
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    names = [n for n, _ in model.named_parameters()]
+
+    def weights() -> dict[str, torch.Tensor]:
+        whole = get_model_state_dict(model, options=full)
+        return {n: whole[n].float() for n in names} if rank == 0 else {}
+
+    for step in range(STEPS):
+        if step == SAVE_AT:
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd, "step": step, "note": case}, checkpoint_id=str(args.dir / case))
+            whole = get_optimizer_state_dict(model, opt, options=full)  # rank 0's; {} elsewhere (cpu_offload)
+            saved = {"weights": weights(), **{k: {n: whole["state"][n][k] for n in names} if rank == 0 else {}
+                                              for k in ("exp_avg", "exp_avg_sq")}}
+        loss_of(model, step, rank, size).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    final = weights()
+    if rank == 0:
+        torch.save({"saved": saved, "final": final}, args.dir / f"{case}.reference.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def resume_compat() -> None:
     """The DeepSpeed script's resume, on unidist.compat.deepspeed: engine.load_checkpoint(dir) reads ``latest``."""
     import unidist.compat.deepspeed as deepspeed
@@ -154,7 +203,9 @@ def resume() -> None:
             ref = torch.load(args.dir / f"{case}.reference.pt", weights_only=True)
             loaded = _masters(mgr, model, opt)
             got: dict[str, Any] = {"extra_step": extra.get("step"), "note": extra.get("note"),
-                                   "global_steps": extra["deepspeed"]["global_steps"],
+                                   # DeepSpeed's counters; a DCP checkpoint's step is the script's own entry
+                                   "global_steps": extra.get("deepspeed", {"global_steps": extra.get("step")})[
+                                       "global_steps"],
                                    "lr": opt.param_groups[0]["lr"],
                                    "loaded": max(float((loaded[n] - w).abs().max())
                                                  for n, w in ref["saved"]["weights"].items())}
@@ -198,6 +249,8 @@ if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if args.phase == "write":
         write()
+    elif args.phase == "write-dcp":
+        write_dcp()
     elif args.compat:
         resume_compat()
     else:

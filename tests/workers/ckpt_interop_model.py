@@ -1,4 +1,4 @@
-"""The model tests/workers/ds_interop.py trains under real DeepSpeed and resumes in unidist: what DeepSpeed's files
+"""The model tests/workers/ckpt_interop.py trains under real DeepSpeed and resumes in unidist: what DeepSpeed's files
 treat apart, an embedding tied to the output layer (``shared_params``), a LayerNorm, a buffer."""
 
 from __future__ import annotations
