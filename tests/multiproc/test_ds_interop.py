@@ -124,7 +124,7 @@ def test_export_equals_deepspeeds_own_consolidation(written: Path, tmp_path: Pat
 
     assert main(["checkpoint", "inspect", str(written / case)]) == 0
     said = capsys.readouterr().out
-    assert "check partitions: " in said and "FAILED" not in said, said
+    assert "check pieces: " in said and "FAILED" not in said, said
     out = tmp_path / "model.safetensors"
     assert main(["checkpoint", "export", str(written / case), str(out)]) == 0
     got = load_file(out)
