@@ -105,3 +105,31 @@ def test_a_missing_writer_file_is_named_before_anything_loads(written: Path, tmp
                                                                  r"one\)"):
             mgr.load_checkpoint(ck, model, opt)
         assert all(torch.equal(v, before[k]) for k, v in mgr.unwrap(model).state_dict().items())
+
+
+# ------------------------------------------------------------------- unidist writes DCP, FSDP2's own script resumes
+WRITERS = [("mpiexec-2", 3), ("deepspeed-2", 2)]
+
+
+@pytest.mark.parametrize(("writer", "stage"), [pytest.param(w, s, marks=MARKS[LAUNCHES[w].backend])
+                                               for w, s in WRITERS], ids=[f"{w}-stage{s}" for w, s in WRITERS])
+def test_fsdp2_resumes_what_unidist_wrote(tmp_path: Path, writer: str, stage: int) -> None:
+    """``save_checkpoint(format="dcp")`` under another engine and stage; torch's FSDP2 on 3 ranks loads it with
+    ``dcp.load`` and ``set_state_dict`` (torchtitan's resume) and must hold exactly what unidist saved and end within
+    1e-6 of unidist's own continuation."""
+    launch, fsdp2 = LAUNCHES[writer], LAUNCHES["torchrun-2"].resized(3)
+    require(*launch.engines)
+    proc = run(launch.command(WORKER, "--phase", "write-unidist-dcp", "--dir", str(tmp_path), "--stage", str(stage)),
+               env=launch.env, timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    assert sorted(p.name for p in (tmp_path / "unidist-dcp").iterdir()) == [".metadata", "__0_0.distcp",
+                                                                           "__1_0.distcp"]
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run(fsdp2.command(WORKER, "--phase", "resume-fsdp2", "--dir", str(tmp_path), "--out", str(out)),
+               env=fsdp2.env, timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    got = json.loads((out / "rank0.json").read_text())["unidist-dcp"]
+    assert (got["loaded"], got["exp_avg"], got["exp_avg_sq"]) == (0.0, 0.0, 0.0), got
+    assert (got["extra_step"], got["note"], got["lr"]) == (3, "unidist-dcp", 0.01), got
+    assert got["final"] <= 1e-6 and got["final_scale"] > 1.0, got

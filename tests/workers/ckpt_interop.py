@@ -10,6 +10,12 @@ test_dcp_interop.py).
                    AdamW, ``clip_grad_norm_``; at SAVE_AT ``dcp.save({"model", "optim"} of get_state_dict, "step",
                    "note")`` into DIR/dcp-fp32, what it saved and its final weights recorded through
                    ``get_model_state_dict``/``get_optimizer_state_dict`` with full_state_dict=True.
+    --phase write-unidist-dcp (unidist on any launcher, at --stage): trains SAVE_AT steps, saves
+                   ``format="dcp"`` into DIR/unidist-dcp, records what it saved and goes on to STEPS, recording its
+                   final weights: the reference for
+    --phase resume-fsdp2 (torch's FSDP2 under torchrun, its own resume): ``get_state_dict`` of a fresh sharded
+                   model, ``dcp.load``, ``set_state_dict``, then the same steps; writes what it loaded and where it
+                   ends against the unidist run's record.
     --phase resume (unidist on any launcher): for each case, a fresh model prepared at --stage (precision
                    "bf16-master" for a bf16 case, as DeepSpeed's bf16 keeps float32 masters), started elsewhere,
                    ``mgr.load_checkpoint(DIR/<case>)`` (the parent with ``latest``), then the same steps; writes
@@ -36,7 +42,8 @@ SAVE_AT, STEPS, BATCH = 3, 6, 12
 LR, BETAS, EPS, WD, CLIP = 1e-2, (0.9, 0.99), 1e-8, 0.01, 1.0
 
 p = argparse.ArgumentParser()
-p.add_argument("--phase", choices=["write", "write-dcp", "resume"], required=True)
+p.add_argument("--phase", choices=["write", "write-dcp", "resume", "write-unidist-dcp", "resume-fsdp2"],
+               required=True)
 p.add_argument("--dir", type=Path, required=True)
 p.add_argument("--cases", default="0-fp32,1-bf16,2-fp32,2-fp16,3-bf16")
 p.add_argument("--stage", type=int, default=0)
@@ -223,6 +230,82 @@ def resume() -> None:
         (args.out / f"rank{mgr.rank}.json").write_text(json.dumps(report))
 
 
+def _fresh_adamw(model: torch.nn.Module, lr: float = LR) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WD)
+
+
+def write_unidist_dcp() -> None:
+    import unidist
+
+    case = "unidist-dcp"
+    with unidist.init() as mgr:
+        model = build()
+        model, opt = mgr.prepare(model, _fresh_adamw(model), zero_stage=args.stage, clip_grad_norm=CLIP)
+        for step in range(STEPS):
+            if step == SAVE_AT:
+                mgr.save_checkpoint(args.dir / case, model, opt, format="dcp", step=step, note=case)
+                saved = {"weights": _masters(mgr, model, opt),
+                         **{k: _state(mgr, model, opt, k) for k in ("exp_avg", "exp_avg_sq")}}
+            mgr.backward(loss_of(model, step, mgr.rank, mgr.size))
+            opt.step()
+            opt.zero_grad()
+        final = _masters(mgr, model, opt)
+        if mgr.rank == 0:
+            torch.save({"saved": saved, "final": final}, args.dir / f"{case}.reference.pt")
+
+
+def resume_fsdp2() -> None:
+    """FSDP2's own resume, as torchtitan's checkpointer does it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    case = "unidist-dcp"
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model = build()
+    with torch.no_grad():
+        for q in model.parameters():
+            q.add_(1.0)  # a different start: only the checkpoint can make it equal
+    fully_shard(model.up)
+    fully_shard(model.down)
+    fully_shard(model)
+    opt = _fresh_adamw(model, lr=0.5)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "step": -1, "note": ""}
+    dcp.load(state, checkpoint_id=str(args.dir / case))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    names = [n for n, _ in model.named_parameters()]
+    ref = torch.load(args.dir / f"{case}.reference.pt", weights_only=True)
+    whole = get_model_state_dict(model, options=full)
+    moments = get_optimizer_state_dict(model, opt, options=full)
+    got: dict[str, Any] = {"extra_step": state["step"], "note": state["note"], "lr": opt.param_groups[0]["lr"]}
+    if rank == 0:
+        got["loaded"] = max(float((whole[n] - ref["saved"]["weights"][n]).abs().max()) for n in names)
+        for key in ("exp_avg", "exp_avg_sq"):
+            got[key] = max(float((moments["state"][n][key] - ref["saved"][key][n]).abs().max()) for n in names)
+    for step in range(int(state["step"]), STEPS):
+        loss_of(model, step, rank, size).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    whole = get_model_state_dict(model, options=full)
+    if rank == 0:
+        got["final"] = max(float((whole[n] - ref["final"][n]).abs().max()) for n in names)
+        got["final_scale"] = max(float(w.abs().max()) for w in ref["final"].values())
+        (args.out / "rank0.json").write_text(json.dumps({"backend": "fsdp2", "size": size, case: got}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _masters(mgr: Any, model: Any, opt: Any) -> dict[str, torch.Tensor]:
     """Each parameter's float32 value as the optimizer steps it (the master copy under bf16-master); DeepSpeed's
     own call under the deepspeed backend, whose engine holds them."""
@@ -251,6 +334,10 @@ if __name__ == "__main__":
         write()
     elif args.phase == "write-dcp":
         write_dcp()
+    elif args.phase == "write-unidist-dcp":
+        write_unidist_dcp()
+    elif args.phase == "resume-fsdp2":
+        resume_fsdp2()
     elif args.compat:
         resume_compat()
     else:

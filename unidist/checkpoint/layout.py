@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MASTER", "FullLayout", "Layout", "Pieces", "Read", "even", "even_slice", "fresh_scalars",
+__all__ = ["MASTER", "FullLayout", "Layout", "Pieces", "Read", "even", "even_slice", "first_names", "fresh_scalars",
            "load_whole_optimizer", "param_names", "per_element"]
 
 # the per-element "optimizer" key under which a parameter's master copy is saved (precision "bf16-master": the
@@ -111,6 +111,15 @@ class Layout:
 
 def param_names(module: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def first_names(module: torch.nn.Module) -> dict[str, str]:
+    """Every parameter name -> the parameter's first name (``named_parameters``' order): the name torch's
+    ``get_state_dict`` keeps a tied weight's optimizer state under (``param_names`` gives its last)."""
+    first: dict[int, str] = {}
+    for n, p in module.named_parameters():
+        first.setdefault(id(p), n)
+    return {n: first[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
 
 
 def fresh_scalars(saved: dict[str, Any]) -> dict[str, Any]:

@@ -161,21 +161,21 @@ class TrainingEntryPoints:
     @overload
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
                         keep: int | None = None, blocking: Literal[True] = True, loader: Any = None,
-                        **extra: Any) -> Path: ...
+                        format: str = "unidist", **extra: Any) -> Path: ...
 
     @overload
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
                         keep: int | None = None, blocking: Literal[False], loader: Any = None,
-                        **extra: Any) -> SaveHandle: ...
+                        format: str = "unidist", **extra: Any) -> SaveHandle: ...
 
     @overload
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
                         keep: int | None = None, blocking: bool, loader: Any = None,
-                        **extra: Any) -> Path | SaveHandle: ...
+                        format: str = "unidist", **extra: Any) -> Path | SaveHandle: ...
 
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
-                        keep: int | None = None, blocking: bool = True, loader: Any = None, **extra: Any
-                        ) -> Path | SaveHandle:
+                        keep: int | None = None, blocking: bool = True, loader: Any = None,
+                        format: str = "unidist", **extra: Any) -> Path | SaveHandle:
         """Save model (and optimizer) state to the directory ``path``, atomically; every rank calls it.
 
         The format depends on neither the backend, nor the world size, nor the ZeRO stage: each rank writes
@@ -202,6 +202,11 @@ class TrainingEntryPoints:
                 this rank's files are written).
             loader: a loader from ``mgr.loader``: its position (epoch, and how far into it) is saved, so
                 ``load_checkpoint(..., loader=)`` resumes mid-epoch at the next batch.
+            format: "unidist" (the default: digests, background saves, retention, hosts without a shared
+                filesystem) or "dcp": a torch distributed checkpoint directory, in ``get_state_dict``'s names,
+                that FSDP2's and DDP's own scripts load with ``dcp.load`` (each rank writes its own slices; a
+                half-precision weight's float32 master copy is written as the weight; ``extra`` entries are top-level
+                entries). ``load_checkpoint`` reads both.
             extra: anything else to restore (step counters, ``scheduler.state_dict()``): tensors, numbers,
                 strings, lists and dicts, as ``torch.load(weights_only=True)`` accepts.
 
@@ -209,7 +214,7 @@ class TrainingEntryPoints:
         ``load_checkpoint``.
         """
         return self._training().save_checkpoint(
-            path, model, optimizer, keep=keep, extra=extra, blocking=blocking, loader=loader)
+            path, model, optimizer, keep=keep, extra=extra, blocking=blocking, loader=loader, format=format)
 
     def load_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
                         loader: Any = None) -> dict[str, Any]:

@@ -20,7 +20,8 @@ import torch
 
 import unidist.checkpoint as checkpoint
 from unidist.checkpoint.background import SaveHandle, save_async
-from unidist.checkpoint.layout import FullLayout, Layout
+from unidist.checkpoint.dcp_writer import save_dcp
+from unidist.checkpoint.layout import FullLayout, Layout, first_names
 from unidist.comm import trace_hooks
 from unidist.comm.group import Group
 from unidist.comm.param_comm import reduce_comm_of, split_by_comm
@@ -278,7 +279,7 @@ class Trainer:
     # ----------------------------------------------------------------- checkpoints (unidist.checkpoint)
     def save_checkpoint(self, path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None, *,
                         keep: int | None = None, extra: dict[str, Any] | None = None, blocking: bool = True,
-                        loader: Any = None) -> Path | SaveHandle:
+                        loader: Any = None, format: str = "unidist") -> Path | SaveHandle:
         """``Manager.save_checkpoint``: the prepared optimizer's layout, written by unidist.checkpoint. An fp16 loss
         scale is saved with the optimizer (in ``extra``, under ``SCALER_KEY``), every rank's random generators and
         ``loader``'s position beside it (train/resume.py), all resumed by ``load_checkpoint``.
@@ -286,6 +287,12 @@ class Trainer:
         ``async_save``); ``blocking=False`` returns the new one's handle (unidist/checkpoint/background.py)."""
         if not isinstance(blocking, bool):
             raise InvalidArgumentError(f"save_checkpoint(blocking={blocking!r}) takes True or False")
+        if format not in ("unidist", "dcp"):
+            raise InvalidArgumentError(f"save_checkpoint(format={format!r}) takes 'unidist' (the default) or 'dcp' "
+                                       "(torch distributed checkpoint, as FSDP2 and DDP scripts load)")
+        if format == "dcp" and (keep is not None or not blocking):
+            raise InvalidArgumentError("save_checkpoint(format='dcp') writes one directory, in the foreground: "
+                                       "keep= and blocking=False apply to unidist's format")
         self.finish_pending()
         scaler = optimizer.scaler if isinstance(optimizer, Prepared) else None
         if scaler is not None:
@@ -295,6 +302,8 @@ class Trainer:
         extra = {**(extra or {}), **resume.carried(self.mgr, loader)}
         layout = self.checkpoint_layout(model, optimizer)
         self._event("save", model, path)
+        if format == "dcp":
+            return save_dcp(self.mgr, path, layout, extra, first_names(self.unwrap(model)))
         if blocking:
             return checkpoint.save(self.mgr, path, layout, keep=keep, extra=extra)
         self.pending = save_async(self.mgr, path, layout, keep=keep, extra=extra)
