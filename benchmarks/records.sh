@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/records.sh                 # all (about 20 minutes; run it on a quiet machine)
 #   bash benchmarks/records.sh check faults    # some: check, timeline, checkpoint, faults, zoo, step, verify,
-#                                              # startup, ds_scripts, build
+#                                              # startup, ds_scripts, build, ckload
 #
 # Python comes from BENCH_BIN (a directory with python, mpiexec and every engine; default: .tox/py/bin, whose
 # environment has mpi4py and torch; the fault table and the model zoo's need every engine (and transformers), so
@@ -17,7 +17,7 @@ export PATH="$bin:$PATH" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DS_ACCELER
 out=benchmarks/records
 record() { "$bin/python" -m unidist.bench.record "$@"; }
 want() { [ $# -eq 0 ] || [[ " $* " == *" $name "* ]]; }
-for name in check timeline checkpoint faults zoo step verify startup ds_scripts build; do
+for name in check timeline checkpoint faults zoo step verify startup ds_scripts build ckload; do
     want "${@}" || continue
     case $name in
     check) record $out/check.md -- mpiexec -n 2 python -m unidist.bench.check --rounds 21 ;;
@@ -60,5 +60,7 @@ for name in check timeline checkpoint faults zoo step verify startup ds_scripts 
         record $out/partitioned_build.md -- python benchmarks/partitioned_build.py --ranks 2 --layers 24 --width 1024
         record $out/partitioned_build_4.md -- python benchmarks/partitioned_build.py --ranks 4 --layers 24 \
             --width 1024 ;;
+    ckload)  # a GPT-2 124M checkpoint with its AdamW state loaded: unidist's format and DCP beside DCP's own load
+        record $out/checkpoint_load.md -- python benchmarks/checkpoint_load.py ;;
     esac
 done

@@ -402,7 +402,8 @@ def _prove(mgr: World, layout: Layout, saved: list[dict[str, Any] | None], parts
     digests the writer recorded (one gather of a few integers per tensor), and the optimizer's scalars equal the
     saved ones; otherwise a CheckpointMismatchError on every rank names the tensors. A format-1 manifest has
     no digests: only the scalars are compared."""
-    terms = digest.of_pieces(layout.pieces())  # a collective on DeepSpeed engines: every rank, same order
+    # views of what the model and optimizer hold (no second copy of the state); a collective on DeepSpeed engines
+    terms = digest.of_pieces(layout.pieces(copy=False))
     everyone = mgr.allgather_object(terms)
     wrong: list[str] = []
     for ranks, want in zip(parts, saved, strict=True):

@@ -155,6 +155,10 @@ class DCPFiles:
         return tuple(int(s) for s in chunk.sizes)
 
     def _chunk(self, key: str, i: int) -> torch.Tensor:
+        """Chunk ``i`` of ``key``; the chunks of one tensor are kept while it is read (its slices, one after the
+        other), not the whole checkpoint's."""
+        if self._chunks and next(iter(self._chunks))[0] != key:
+            self._chunks.clear()
         if (key, i) not in self._chunks:
             value = self._load(self.storage[key][i][1], key)
             if not isinstance(value, torch.Tensor):

@@ -120,7 +120,8 @@ def _write_rank(mgr: World, layout: Layout, tmp: Path) -> list[tuple[str, tuple[
     if not tmp.is_dir():
         raise CheckpointError(f"{tmp} is not visible on this rank's host: format='dcp' needs a filesystem every "
                               "rank shares")
-    pieces = layout.pieces()  # a collective on DeepSpeed engines: every rank, same order
+    # views (each box is copied as it is written, in the foreground); a collective on DeepSpeed engines
+    pieces = layout.pieces(copy=False)
     for name, st in pieces["optim"].items():  # a half-precision weight's float32 master is the weight FSDP2 keeps
         if MASTER in st:
             pieces["model"][name] = st[MASTER]

@@ -255,10 +255,10 @@ class DeepSpeedFiles:
                 whole = torch.cat([self._model3(r)["frozen_param_fragments"][name].reshape(-1)
                                    for r in range(self.world)])
                 return whole[start:end]
-            return self.module[name].reshape(-1)[start:end]
+            return self.module[name].reshape(-1)[start:end].clone()
         if self.stage == 0:
             source = self.masters[name] if kind == "model" or key == MASTER else self.inner[name][key]
-            return source.reshape(-1)[start:end]
+            return source.reshape(-1)[start:end].clone()
         if name not in self.shapes:
             raise CheckpointCorruptError(f"{self.dir}: no parameter {name!r}")
         master = kind == "model" or key == MASTER
@@ -279,7 +279,7 @@ class DeepSpeedFiles:
                 flat = (self._optim(r)["single_partition_of_fp32_groups"][gi] if master
                         else self._flat_state(r, gi)[key])
                 pieces.append(flat[lo - r * size:hi - r * size])
-        out = torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+        out = torch.cat(pieces) if len(pieces) != 1 else pieces[0].clone()  # never a view of a mapped file
         if out.numel() != end - start:
             raise CheckpointCorruptError(f"{self.dir}: the partitions hold {out.numel()} of {name!r}'s elements "
                                          f"[{start}, {end})")

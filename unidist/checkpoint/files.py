@@ -109,8 +109,8 @@ def load_tensors(path: Path, size: int, sha256: str) -> Any:
     if got_sha != sha256:
         raise CheckpointCorruptError(f"checkpoint file {path} does not match its checksum in the manifest "
                                      "(altered or corrupted)")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+    try:  # memory-mapped: a rank's load copies out the slices it holds, the rest of the file is never read in
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
         raise CheckpointCorruptError(f"checkpoint file {path} cannot be read: {type(err).__name__}: {err}") from err
 

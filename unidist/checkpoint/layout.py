@@ -74,9 +74,10 @@ class Layout:
         self.optimizer = None
         return self
 
-    def pieces(self) -> Pieces:
+    def pieces(self, copy: bool = True) -> Pieces:
         """This rank's slices: ``{"model": {name: (start, flat)}, "optim": {pname: {key: (start, flat)}}}``, as
-        copies (never views of live tensors): a background save writes them while training changes the state."""
+        copies (never views of live tensors): a background save writes them while training changes the state;
+        ``copy=False``: views where they can be, for a reader done before the state changes (a load's proof)."""
         raise NotImplementedError
 
     params: list[torch.Tensor]  # the optimizer's parameters, in the order of ``opt_names``
@@ -148,12 +149,13 @@ class FullLayout(Layout):
         self.opt_groups = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]] \
             if optimizer is not None else []
 
-    def pieces(self) -> Pieces:
-        model = {k: even_slice(v, self.rank, self.size) for k, v in self.module.state_dict().items()}
+    def pieces(self, copy: bool = True) -> Pieces:
+        model = {k: even_slice(v, self.rank, self.size, copy) for k, v in self.module.state_dict().items()}
         optim: dict[str, dict[str, Any]] = {}
         for p, name in zip(self.params, self.opt_names, strict=True) if self.optimizer is not None else ():
             st = self.optimizer.state.get(p, {})
-            optim[name] = {k: even_slice(v, self.rank, self.size) for k, v in st.items() if per_element(v, p.shape)}
+            optim[name] = {k: even_slice(v, self.rank, self.size, copy) for k, v in st.items()
+                           if per_element(v, p.shape)}
         return {"model": model, "optim": optim}
 
     def load(self, read: Read, meta: dict[str, Any], state_keys: dict[str, list[str]]) -> None:

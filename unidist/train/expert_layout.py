@@ -58,10 +58,10 @@ class ExpertLayout(Layout):
         slot = self.slots.get(id(t))
         return [key] if slot is None else [slot.global_name(key, place) for place in range(slot.ep_size)]
 
-    def _slice(self, t: torch.Tensor, holder: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def _slice(self, t: torch.Tensor, holder: torch.Tensor, copy: bool = True) -> tuple[int, torch.Tensor]:
         """This rank's even slice of ``t``: among the ranks holding the same expert, or among all."""
         rank, size = self.holders.get(id(holder), (self.rank, self.size))
-        return even_slice(t, rank, size)
+        return even_slice(t, rank, size, copy)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": {k: {"shape": list(s), "dtype": d} for k, (s, d) in self.shapes.items()}}
@@ -84,12 +84,12 @@ class ExpertLayout(Layout):
                     scalars[every] = scalars[name]
         return base
 
-    def pieces(self) -> Pieces:
-        model = {self.global_of[k]: self._slice(v, v) for k, v in self.module.state_dict(keep_vars=True).items()}
+    def pieces(self, copy: bool = True) -> Pieces:
+        model = {self.global_of[k]: self._slice(v, v, copy) for k, v in self.module.state_dict(keep_vars=True).items()}
         optim: dict[str, dict[str, Any]] = {}
         for p, name in zip(self.params, self.opt_names, strict=True) if self.optimizer is not None else ():
             st = self.optimizer.state.get(p, {})
-            optim[name] = {k: self._slice(v, p) for k, v in st.items() if per_element(v, p.shape)}
+            optim[name] = {k: self._slice(v, p, copy) for k, v in st.items() if per_element(v, p.shape)}
         return {"model": model, "optim": optim}
 
     def load(self, read: Read, meta: dict[str, Any], state_keys: dict[str, list[str]]) -> None:

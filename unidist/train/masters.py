@@ -100,13 +100,13 @@ class MastersLayout(FullLayout):
         super().__init__(rank, size, module, optimizer, ranks,
                          names={**names, **{id(m): names[id(p)] for p, m in masters.pairs if id(p) in names}})
 
-    def pieces(self) -> Pieces:
-        out = super().pieces()
+    def pieces(self, copy: bool = True) -> Pieces:
+        out = super().pieces(copy)
         copies = {id(m) for _, m in self.masters.pairs}
         if self.optimizer is not None:
             for m, name in zip(self.params, self.opt_names, strict=True):
                 if id(m) in copies:  # a frozen parameter, in the group itself, has none
-                    out["optim"].setdefault(name, {})[MASTER] = even_slice(m, self.rank, self.size)
+                    out["optim"].setdefault(name, {})[MASTER] = even_slice(m, self.rank, self.size, copy)
         return out
 
     def load(self, read: Read, meta: dict[str, Any], state_keys: dict[str, list[str]]) -> None:

@@ -109,13 +109,14 @@ class ZeroLayout(Layout):
                 model[k] = (s, part.clone() if copy else part)
         return model
 
-    def pieces(self) -> Pieces:
-        model = self.model_pieces()
+    def pieces(self, copy: bool = True) -> Pieces:
+        model = self.model_pieces(copy)
         optim: dict[str, dict[str, Any]] = {}
         for p, name in zip(self.params, self.opt_names, strict=True) if self.optimizer is not None else ():
             if id(p) not in self.where:  # frozen: whole on every rank, outside the shards (its state, if any, too)
                 st = self.optimizer.state.get(p, {})
-                optim[name] = {k: even_slice(v, self.rank, self.size) for k, v in st.items() if per_element(v, p.shape)}
+                optim[name] = {k: even_slice(v, self.rank, self.size, copy) for k, v in st.items()
+                               if per_element(v, p.shape)}
                 continue
             unit, _ = self.where[id(p)]
             st = dict(self.optimizer.state.get(unit.shard, {}))
@@ -129,7 +130,8 @@ class ZeroLayout(Layout):
                         optim[name][key] = (0, value.new_empty(0))
                     else:
                         _, s, e, at = own
-                        optim[name][key] = (s, value.detach()[at:at + e - s].clone())
+                        part = value.detach()[at:at + e - s]
+                        optim[name][key] = (s, part.clone() if copy else part)
         return {"model": model, "optim": optim}
 
     def state_holder(self, p: torch.Tensor) -> torch.Tensor:

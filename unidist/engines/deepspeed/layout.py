@@ -50,7 +50,8 @@ class DeepSpeedLayout(Layout):
         master = next((q for q, st in self.inner.state.items() if st), None)
         return sorted(k for k, v in self.flat_state.items() if master is not None and per_element(v, master.shape))
 
-    def pieces(self) -> Pieces:
+    def pieces(self, copy: bool = True) -> Pieces:
+        """DeepSpeed's calls assemble each full tensor anew: copies whatever ``copy`` says."""
         from deepspeed.utils import safe_get_full_fp32_param
 
         model: dict[str, Any] = {}
