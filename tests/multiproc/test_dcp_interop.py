@@ -13,6 +13,7 @@ torch's own ``dcp_to_torch_save``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from unidist.cli import main
 
 WORKER = str(WORKERS / "ckpt_interop.py")
 CASE = "dcp-fp32"
-READERS = [("local-1", 0), ("mpiexec-3", 3), ("torchrun-2", 1)]
+# CI: MPI at ZeRO 3 and torchrun at ZeRO 1; one process (passed 2026-11-29) with FULL_MATRIX=1
+READERS = [("mpiexec-3", 3), ("torchrun-2", 1), *([("local-1", 0)] if os.environ.get("FULL_MATRIX") == "1" else [])]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +110,8 @@ def test_a_missing_writer_file_is_named_before_anything_loads(written: Path, tmp
 
 
 # ------------------------------------------------------------------- unidist writes DCP, FSDP2's own script resumes
-WRITERS = [("mpiexec-2", 3), ("deepspeed-2", 2)]
+# CI: unidist's own ZeRO-3 under mpiexec; DeepSpeed's engine writing it (passed 2026-11-29) with FULL_MATRIX=1
+WRITERS = [("mpiexec-2", 3), *([("deepspeed-2", 2)] if os.environ.get("FULL_MATRIX") == "1" else [])]
 
 
 @pytest.mark.parametrize(("writer", "stage"), [pytest.param(w, s, marks=MARKS[LAUNCHES[w].backend])

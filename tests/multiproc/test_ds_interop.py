@@ -14,6 +14,7 @@ whose gradients round differently at another world size: 3e-3 on weights of scal
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,10 @@ WORKER = str(WORKERS / "ckpt_interop.py")
 CASES = ("0-fp32", "1-bf16", "2-fp32", "2-fp16", "3-bf16")
 TOL = {"fp32": 1e-6, "bf16": 3e-3, "fp16": 1e-3}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-# (reader launch, its ZeRO stage, through the compat engine): one process, MPI, torch and DeepSpeed's own engine
-READERS = [("local-1", 0, False), ("mpiexec-3", 3, False), ("torchrun-2", 1, False), ("deepspeed-2", 2, False),
-           ("mpiexec-2", 3, True)]
+# (reader launch, its ZeRO stage, through the compat engine): CI runs MPI at ZeRO 3, DeepSpeed's own engine and the
+# compat engine; one process and torchrun (passed 2026-11-29, docs/checkpoints.md's table) with FULL_MATRIX=1
+READERS = [("mpiexec-3", 3, False), ("deepspeed-2", 2, False), ("mpiexec-2", 3, True),
+           *([("local-1", 0, False), ("torchrun-2", 1, False)] if os.environ.get("FULL_MATRIX") == "1" else [])]
 
 
 @pytest.fixture(scope="module")
