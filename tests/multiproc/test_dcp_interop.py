@@ -96,13 +96,18 @@ def test_a_dcp_without_optimizer_state_is_refused_when_one_is_passed(tmp_path: P
         assert mgr.load_checkpoint(tmp_path / "w", model, None) == {}
 
 
-def test_a_missing_writer_file_is_named_before_anything_loads(written: Path, tmp_path: Path) -> None:
+def test_a_truncated_or_missing_writer_file_is_named_before_anything_loads(written: Path, tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     shutil.copytree(written / CASE, ck)
-    (ck / "__1_0.distcp").unlink()
+    part = ck / "__1_0.distcp"
+    part.write_bytes(part.read_bytes()[:2000])
     with unidist.init(environ={"UNIDIST_DEVICE": "cpu"}) as mgr:
         model, opt = _model_and_opt(mgr)
         before = {k: v.clone() for k, v in mgr.unwrap(model).state_dict().items()}
+        with pytest.raises(unidist.CheckpointCorruptError, match=f"{part} is truncated: 2000 bytes, the .metadata "
+                                                                 "places data up to byte"):
+            mgr.load_checkpoint(ck, model, opt)
+        part.unlink()
         with pytest.raises(unidist.CheckpointCorruptError, match=r"__1_0.distcp missing \(each writing rank wrote "
                                                                  r"one\)"):
             mgr.load_checkpoint(ck, model, opt)

@@ -65,6 +65,14 @@ class DCPFiles:
                           if not (path / info.relative_path).is_file()})
         if missing:  # before anything is loaded
             raise CheckpointCorruptError(f"{path}: {', '.join(missing)} missing (each writing rank wrote one)")
+        ends: dict[str, int] = {}
+        for infos in self.storage.values():
+            for _, info in infos:
+                ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        short = [(f, n) for f, n in sorted(ends.items()) if (path / f).stat().st_size < n]
+        if short:
+            raise CheckpointCorruptError(f"{path / short[0][0]} is truncated: {(path / short[0][0]).stat().st_size} "
+                                         f"bytes, the .metadata places data up to byte {short[0][1]}")
         self.writers = len({info.relative_path for infos in self.storage.values() for _, info in infos})
         self.model = {p[1]: meta for p, (_, meta) in self.entries.items() if len(p) == 2 and p[0] == "model"}
         state: dict[str, dict[str, Any]] = {}

@@ -143,9 +143,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
     file = Path(path) / MANIFEST
     if not file.is_file():
         raise CheckpointError(f"{path} is not a complete unidist checkpoint (no {MANIFEST}) nor a DeepSpeed one (no "
-                              "latest file or mp_rank_00_model_states.pt); pass a directory written by "
-                              "save_checkpoint or by DeepSpeed's engine.save_checkpoint, or use latest_checkpoint(dir) "
-                              "to find one")
+                              "latest file or mp_rank_00_model_states.pt) nor a torch DCP one (no .metadata); pass a "
+                              "directory written by save_checkpoint, DeepSpeed's engine.save_checkpoint or dcp.save, "
+                              "or use latest_checkpoint(dir) to find one")
     try:
         manifest: dict[str, Any] = json.loads(file.read_text())
     except (OSError, ValueError) as err:
