@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from unidist.checkpoint import digest, foreign
-from unidist.checkpoint.agree import World
+from unidist.checkpoint.agree import World, temporary_beside
 from unidist.checkpoint.agree import agree as _agree
 from unidist.checkpoint.files import (
     FORMAT,
@@ -57,7 +57,7 @@ from unidist.checkpoint.files import (
     save_tensors,
     writer,
 )
-from unidist.checkpoint.layout import MASTER, FullLayout, Layout, Pieces
+from unidist.checkpoint.layout import MASTER, FullLayout, Layout, Pieces, check_params
 from unidist.checkpoint.local_disks import agreed_manifest, fetch, host_id, host_name, rank_domains, storage
 from unidist.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, InvalidArgumentError
 
@@ -126,16 +126,9 @@ def stage(mgr: World, path: str | os.PathLike[str], layout: Layout, *, keep: int
         raise InvalidArgumentError(f"save_checkpoint(keep={keep!r}) must be an int >= 1, or None to keep all")
     final = Path(path).absolute()
     part, parts = _parts(mgr, layout)
-    tmp_name = mgr.broadcast_object(f".{final.name}.tmp-{time.time_ns()}-{os.getpid()}")
-    tmp = final.parent / tmp_name
+    tmp = temporary_beside(mgr, final)
     problem: BaseException | None = None
     created = mgr.rank == 0  # who removes the temporary directory if the save fails
-    try:
-        if mgr.rank == 0:
-            tmp.mkdir(parents=True)
-    except OSError as err:
-        problem = CheckpointError(f"cannot create {tmp}: {err}")
-    _agree(mgr, problem)
     try:
         try:
             if not tmp.is_dir():  # this host does not see rank 0's directory: no shared filesystem (hosts.py)
@@ -302,16 +295,7 @@ def _check(state: dict[str, Any], layout: Layout, with_optimizer: bool, path: Pa
         raise CheckpointMismatchError(f"{path} was saved without an optimizer; load it with optimizer=None")
     if opt["class"] != want_opt["class"]:
         raise CheckpointMismatchError(f"{path} holds {opt['class']} state and the optimizer is {want_opt['class']}")
-    saved_groups = dict(zip(opt["params"], opt["groups"], strict=True))
-    for name, group in zip(want_opt["params"], want_opt["groups"], strict=True):
-        if name not in saved_groups:
-            raise CheckpointMismatchError(f"{path}: the optimizer updates {name!r}, which the checkpoint's does not")
-        if saved_groups[name] != group:
-            raise CheckpointMismatchError(f"{path}: {name!r} is in param group {saved_groups[name]} in the "
-                                          f"checkpoint and in group {group} here")
-    if len(saved_groups) != len(want_opt["params"]):
-        extra = next(n for n in opt["params"] if n not in set(want_opt["params"]))
-        raise CheckpointMismatchError(f"{path}: the checkpoint's optimizer updates {extra!r}, this one does not")
+    check_params(path, dict(zip(opt["params"], opt["groups"], strict=True)), want_opt)
 
 
 class _Reader:

@@ -6,6 +6,9 @@ every step of a save or load that can fail on some ranks only is followed by ``a
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
 from typing import Any, Protocol
 
 from unidist.errors import (
@@ -16,7 +19,7 @@ from unidist.errors import (
     InvalidArgumentError,
 )
 
-__all__ = ["World", "agree"]
+__all__ = ["World", "agree", "temporary_beside"]
 
 _ERRORS = {cls.__name__: cls for cls in (CheckpointError, CheckpointMismatchError, CheckpointCorruptError,
                                          CheckpointMissingError, InvalidArgumentError)}
@@ -50,3 +53,17 @@ def agree(mgr: World, problem: BaseException | None) -> None:
                 raise problem
             cls = _ERRORS.get(item[0], CheckpointError)
             raise cls(f"rank {rank}: {item[1]}")
+
+
+def temporary_beside(mgr: World, final: Path) -> Path:
+    """A new temporary directory beside ``final``, one name on every rank, created by rank 0 (every rank learns
+    whether that failed): where a save writes before its atomic rename."""
+    tmp: Path = final.parent / str(mgr.broadcast_object(f".{final.name}.tmp-{time.time_ns()}-{os.getpid()}"))
+    problem: BaseException | None = None
+    try:
+        if mgr.rank == 0:
+            tmp.mkdir(parents=True)
+    except OSError as err:
+        problem = CheckpointError(f"cannot create {tmp}: {err}")
+    agree(mgr, problem)
+    return tmp

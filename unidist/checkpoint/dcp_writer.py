@@ -19,14 +19,13 @@ import io
 import os
 import pickle
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from unidist.checkpoint.agree import World, agree
+from unidist.checkpoint.agree import World, agree, temporary_beside
 from unidist.checkpoint.files import fsync_dir
 from unidist.checkpoint.layout import MASTER, Layout
 from unidist.errors import CheckpointError, InvalidArgumentError
@@ -84,14 +83,8 @@ def save_dcp(mgr: World, path: str | os.PathLike[str], layout: Layout, extra: di
         raise InvalidArgumentError("save_checkpoint(format='dcp') saves a model prepared over the whole world (without "
                                    "prepare(group=...)); use unidist's format for tensor- and pipeline-parallel jobs")
     final = Path(path).absolute()
-    tmp = final.parent / mgr.broadcast_object(f".{final.name}.tmp-{time.time_ns()}-{os.getpid()}")
+    tmp = temporary_beside(mgr, final)
     problem: BaseException | None = None
-    try:
-        if mgr.rank == 0:
-            tmp.mkdir(parents=True)
-    except OSError as err:
-        problem = CheckpointError(f"cannot create {tmp}: {err}")
-    agree(mgr, problem)
     try:
         records = _write_rank(mgr, layout, tmp)
         problem = None

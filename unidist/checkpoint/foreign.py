@@ -21,7 +21,7 @@ from unidist.checkpoint.dcp_files import DCPFiles
 from unidist.checkpoint.dcp_files import find as find_dcp
 from unidist.checkpoint.deepspeed_files import DEEPSPEED_KEY, DeepSpeedFiles
 from unidist.checkpoint.deepspeed_files import find as find_deepspeed
-from unidist.checkpoint.layout import Layout
+from unidist.checkpoint.layout import Layout, check_params
 from unidist.errors import CheckpointError, CheckpointMismatchError, InvalidArgumentError
 
 __all__ = ["DEEPSPEED_KEY", "Foreign", "detect", "load"]
@@ -96,18 +96,8 @@ def _fits(src: Foreign, layout: Layout, with_optimizer: bool, path: Path) -> Non
     if family is not None and target not in family:
         raise CheckpointMismatchError(f"{path} holds the state of {src.optimizer_name()} optimizer and this one is "
                                       f"{target}: pass one of {sorted(family)}, or optimizer=None")
-    want_opt = layout.describe()["optimizer"]
-    groups = {n: gi for gi, g in enumerate(src.groups) for n in g}
-    for alias, name in zip(want_opt["params"], [src.canonical(n) for n in want_opt["params"]], strict=True):
-        group = want_opt["groups"][want_opt["params"].index(alias)]
-        if name not in groups:
-            raise CheckpointMismatchError(f"{path}: the optimizer updates {name!r}, which the checkpoint's does not")
-        if groups[name] != group:
-            raise CheckpointMismatchError(f"{path}: {name!r} is in param group {groups[name]} in the checkpoint and "
-                                          f"in group {group} here")
-    if len(groups) != len(want_opt["params"]):
-        missing = next(n for n in groups if n not in {src.canonical(m) for m in want_opt["params"]})
-        raise CheckpointMismatchError(f"{path}: the checkpoint's optimizer updates {missing!r}, this one does not")
+    check_params(path, {n: gi for gi, g in enumerate(src.groups) for n in g}, layout.describe()["optimizer"],
+                 src.canonical)
     if len(src.settings) != len(layout.optimizer.param_groups):
         raise CheckpointMismatchError(f"{path} has {len(src.settings)} param groups and the optimizer "
                                       f"{len(layout.optimizer.param_groups)}")

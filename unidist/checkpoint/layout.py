@@ -21,7 +21,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["MASTER", "FullLayout", "Layout", "Pieces", "Read", "even", "even_slice", "first_names", "fresh_scalars",
+from unidist.errors import CheckpointMismatchError
+
+__all__ = ["MASTER", "FullLayout", "Layout", "Pieces", "Read", "check_params", "even", "even_slice", "first_names",
+           "fresh_scalars",
            "load_whole_optimizer", "param_names", "per_element"]
 
 # the per-element "optimizer" key under which a parameter's master copy is saved (precision "bf16-master": the
@@ -108,6 +111,23 @@ class Layout:
     def set_settings(self, groups: list[dict[str, Any]]) -> None:
         for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
             group.update(saved)
+
+
+def check_params(path: Any, saved: dict[str, int], want: dict[str, Any],
+                 canonical: Callable[[str], str] = str) -> None:
+    """The optimizer ``want`` (a ``describe()``'s) updates the parameters ``saved`` holds state for (name -> param
+    group), each in the same group; else a CheckpointMismatchError naming the first that differs. ``canonical``: the
+    checkpoint's name for one of ours (a tied weight saved under another of its names)."""
+    ours = [canonical(n) for n in want["params"]]
+    for name, group in zip(ours, want["groups"], strict=True):
+        if name not in saved:
+            raise CheckpointMismatchError(f"{path}: the optimizer updates {name!r}, which the checkpoint's does not")
+        if saved[name] != group:
+            raise CheckpointMismatchError(f"{path}: {name!r} is in param group {saved[name]} in the checkpoint and "
+                                          f"in group {group} here")
+    if len(saved) != len(ours):
+        extra = next(n for n in saved if n not in set(ours))
+        raise CheckpointMismatchError(f"{path}: the checkpoint's optimizer updates {extra!r}, this one does not")
 
 
 def param_names(module: torch.nn.Module) -> dict[int, str]:
