@@ -164,6 +164,8 @@ def test_all_under_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.deepspeed
+@pytest.mark.skipif(os.environ.get("FULL_MATRIX") != "1", reason="every benchmark under the deepspeed launcher "
+                    "(passed 2026-11-29) runs with FULL_MATRIX=1; CI keeps the step benchmark there")
 def test_all_under_deepspeed(tmp_path: Path) -> None:
     """By script path (the deepspeed launcher appends --local_rank=N), deepspeed.comm as the raw engine, the
     DeepSpeed engine as the fused method (prepare's default, and both reducers side by side), DDP on DeepSpeed's

@@ -32,6 +32,7 @@ some steps and not others.
 from __future__ import annotations
 
 import ast
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -313,11 +314,13 @@ def test_bf16_section_equals_deepspeed_within_the_issue_bound(tmp_path_factory: 
 # groups; clipping at 0.3 acts on the first steps (norms ~0.33, each rank's norm averaged, as DeepSpeed's).
 # Measured against real DeepSpeed: 4 ranks max|dw| 3.1e-7, max|dloss| 2.4e-7 (mpiexec: reduction order); 2 ranks,
 # top-1 with RSample noise: max|dw| 9.3e-10, max|dloss| 2.4e-7 (horovodrun was bit-identical, offline).
+# CI runs the 4-rank row; the 2-rank one (passed 2026-11-29) with FULL_MATRIX=1
 MOE = (("mpiexec-2", 4, "0-Adam-0.3", ("--moe", "--ep-world-size", "2", "--num-experts", "2", "4", "--top-k", "2",
                                        "--noisy-gate-policy", "Jitter", "--mlp-type", "residual",
                                        "--moe-param-group")),
-       ("torchrun-2", 2, "0-SGD-1.0", ("--moe", "--ep-world-size", "2", "--num-experts", "2", "--noisy-gate-policy",
-                                       "RSample")))
+       *((("torchrun-2", 2, "0-SGD-1.0", ("--moe", "--ep-world-size", "2", "--num-experts", "2",
+                                          "--noisy-gate-policy", "RSample")),) if os.environ.get("FULL_MATRIX") == "1"
+         else ()))
 
 
 @MARKS["deepspeed"]

@@ -286,6 +286,8 @@ def test_imagenet_defaults_every_epoch_and_resume(launch_id: str, tmp_path_facto
 
 
 @MARKS["deepspeed"]
+@pytest.mark.skipif(os.environ.get("FULL_MATRIX") != "1", reason="the deepspeed launcher's ImageNet run (passed "
+                    "2026-11-29) runs with FULL_MATRIX=1; CI keeps it under horovodrun, mpiexec and one process")
 def test_imagenet_defaults_under_deepspeed_equals_torchrun(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The same under the deepspeed launcher, against compat under torchrun (which the horovod env holds equal to real
     Horovod): the chain of the module docstring."""

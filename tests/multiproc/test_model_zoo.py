@@ -186,10 +186,12 @@ def test_zero3_keeps_a_fraction_of_the_parameters_whole(zoo: Zoo) -> None:
 
 
 # a checkpoint moves across backends, world sizes and stages: one launch saves, another resumes two stages on
+# (CI: local to mpi; DeepSpeed's engine to one process, passed 2026-11-29, with FULL_MATRIX=1: its engine's saves are
+# in CI through test_checkpoint.py's deepspeed-2 pair)
 RESUME = {
     "local-to-mpi": ("local-1", "mpiexec-2", "gpt2:3:32,t5:1:32,shared:2:32,resnet_syncbn:0:32,lora:3:32", "mpi"),
-    "deepspeed-to-local": ("deepspeed-2", "local-1", "gpt2:2:32,t5:3:32,shared:1:32,lora:2:32,resnet:1:32",
-                           "deepspeed"),
+    **({"deepspeed-to-local": ("deepspeed-2", "local-1", "gpt2:2:32,t5:3:32,shared:1:32,lora:2:32,resnet:1:32",
+                               "deepspeed")} if os.environ.get("FULL_MATRIX") == "1" else {}),
 }
 
 
