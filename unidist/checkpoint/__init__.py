@@ -345,8 +345,8 @@ def load(mgr: World, path: str | os.PathLike[str], layout: Layout) -> dict[str, 
         except CheckpointError as err:
             unreadable = err
     _agree(mgr, unreadable)
-    if mgr.allgather_object(found is not None) == [True] * mgr.size:
-        return foreign.load(mgr, found, layout, where)  # type: ignore[arg-type]  # found on every rank
+    if mgr.allgather_object(found is not None) == [True] * mgr.size and found is not None:
+        return foreign.load(mgr, found, layout, where)
     manifest = agreed_manifest(mgr, where)  # read here, or received from a host that has it (hosts.py)
     try:
         saved_parts = manifest.get("parts")

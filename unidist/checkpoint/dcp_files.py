@@ -187,7 +187,8 @@ class DCPFiles:
         return dict(self.shapes)
 
     def dtype_of(self, name: str) -> torch.dtype:
-        return self.model[name].properties.dtype  # type: ignore[no-any-return]
+        dtype: torch.dtype = self.model[name].properties.dtype
+        return dtype
 
     def state_keys(self) -> dict[str, list[str]]:
         out = {n: sorted(k for k, m in st.items() if _is_tensor(m) and tuple(m.size) == self.shapes.get(n))

@@ -193,13 +193,15 @@ class DeepSpeedFiles:
                 raise CheckpointCorruptError(f"{file} is missing: the checkpoint was written by {self.world} ranks and "
                                              "each wrote one optimizer file")
             self._files[name] = _load(file)["optimizer_state_dict"]
-        return self._files[name]  # type: ignore[no-any-return]
+        loaded: dict[str, Any] = self._files[name]
+        return loaded
 
     def _model3(self, rank: int) -> dict[str, Any]:
         name = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
         if name not in self._files:
             self._files[name] = _load(self.dir / name) if rank else self.head
-        return self._files[name]  # type: ignore[no-any-return]
+        loaded: dict[str, Any] = self._files[name]
+        return loaded
 
     # ---------------------------------------------------------------------------------------------- reading
     def canonical(self, name: str) -> str:
@@ -243,7 +245,8 @@ class DeepSpeedFiles:
 
     def _flat_state(self, rank: int, gi: int) -> dict[str, Any]:
         inner = self._optim(rank)["optimizer_state_dict" if self.stage3 else "base_optimizer_state"]
-        return inner["state"][gi]  # type: ignore[no-any-return]
+        state: dict[str, Any] = inner["state"][gi]
+        return state
 
     def read(self, kind: str, name: str, key: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the full flattened tensor: a model entry (``kind`` "model") or a parameter's
@@ -293,7 +296,8 @@ class DeepSpeedFiles:
             groups = opt["fp32_flat_groups"] if master else \
                 [opt["optimizer_state_dict"]["state"][gi][key] for gi in range(len(opt["fp32_flat_groups"]))]
             self._files[cache] = torch.cat([g.reshape(-1) for g in groups]) if len(groups) > 1 else groups[0]
-        return self._files[cache]  # type: ignore[no-any-return]
+        flat: torch.Tensor = self._files[cache]
+        return flat
 
     # ---------------------------------------------------------------------------------------------- what it says
     def model_shapes(self) -> dict[str, tuple[int, ...]]:

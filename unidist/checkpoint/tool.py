@@ -66,7 +66,8 @@ class Opened:
 
     @property
     def state(self) -> dict[str, Any]:
-        return self.parts[self.part]["state"]  # type: ignore[no-any-return]
+        state: dict[str, Any] = self.parts[self.part]["state"]
+        return state
 
     def model(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """The model's state-dict entries: (name, shape, dtype), in the model's order."""
