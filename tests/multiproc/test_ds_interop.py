@@ -18,10 +18,13 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import LAUNCHES, WORKERS, require, run
+from helpers import LAUNCHES, MARKS, ROOT, WORKERS, require, run
 from workers.ckpt_interop_model import build
 
-pytestmark = pytest.mark.deepspeed  # the writer is real DeepSpeed: its env runs every reader
+# the writer is real DeepSpeed: its env runs every reader, except Horovod's, which reads checkpoints real DeepSpeed
+# wrote once into tests/data/deepspeed_written (its README says how)
+DEEPSPEED = MARKS["deepspeed"]
+COMMITTED = ROOT / "tests" / "data" / "deepspeed_written"
 
 WORKER = str(WORKERS / "ckpt_interop.py")
 CASES = ("0-fp32", "1-bf16", "2-fp32", "2-fp16", "3-bf16")
@@ -43,29 +46,43 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return where
 
 
-@pytest.mark.parametrize(("reader", "stage", "compat"), READERS,
-                         ids=[f"{r}-stage{s}{'-compat' if c else ''}" for r, s, c in READERS])
-def test_deepspeed_checkpoints_resume_here(written: Path, tmp_path: Path, reader: str, stage: int,
-                                           compat: bool) -> None:
+def _resume(written: Path, out: Path, reader: str, stage: int, cases: tuple[str, ...], compat: bool = False) -> None:
+    """``reader`` at ``stage`` loads every case and trains on; what it loaded and where it ended, checked."""
     launch = LAUNCHES[reader]
     require(*launch.engines)
-    proc = run(launch.command(WORKER, "--phase", "resume", "--dir", str(written), "--stage", str(stage),
-                              "--out", str(tmp_path), *(["--compat"] if compat else [])), env=launch.env, timeout=600)
+    proc = run(launch.command(WORKER, "--phase", "resume", "--cases", ",".join(cases), "--dir", str(written),
+                              "--stage", str(stage), "--out", str(out), *(["--compat"] if compat else [])),
+               env=launch.env, timeout=600)
     assert proc.returncode == 0, proc.describe()
     # the format is said in one line per load, on rank 0
-    for case in CASES:
+    for case in cases:
         stage_of, precision = case.split("-")
         line = (f"load_checkpoint({written / case / 'global_step3'}): a DeepSpeed 0.19.8 checkpoint (ZeRO stage "
                 f"{stage_of}, 2 rank(s), {DTYPES[precision]} weights, global step 3)")
         assert (proc.stdout + proc.stderr).count(line) == 1, (line, proc.describe())
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(launch.size)]
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(launch.size)]
     for rank, report in enumerate(reports):
-        for case in CASES:
+        for case in cases:
             got = report[case]
             assert (got["loaded"], got["exp_avg"], got["exp_avg_sq"]) == (0.0, 0.0, 0.0), (rank, case, got)
             assert (got["extra_step"], got["note"], got["global_steps"], got["lr"]) == (3, case, 3, 0.01), got
             assert got["final"] <= TOL[case.split("-")[1]], (rank, case, got)
             assert got["final_scale"] > 1.0, got  # the weights moved far enough that the tolerance means something
+
+
+@DEEPSPEED
+@pytest.mark.parametrize(("reader", "stage", "compat"), READERS,
+                         ids=[f"{r}-stage{s}{'-compat' if c else ''}" for r, s, c in READERS])
+def test_deepspeed_checkpoints_resume_here(written: Path, tmp_path: Path, reader: str, stage: int,
+                                           compat: bool) -> None:
+    _resume(written, tmp_path, reader, stage, CASES, compat)
+
+
+@MARKS["horovod"]
+def test_deepspeed_checkpoints_resume_under_horovodrun(tmp_path: Path) -> None:
+    """ZeRO-2 float32 and ZeRO-3 bf16 checkpoints real DeepSpeed wrote (committed: the horovod env has no
+    DeepSpeed), resumed under horovodrun at ZeRO 0 as the other readers are."""
+    _resume(COMMITTED, tmp_path, "horovodrun-gloo-2", 0, ("2-fp32", "3-bf16"))
 
 
 # ------------------------------------------------------------------------------ bad input, in this process
@@ -80,6 +97,7 @@ def _fresh(mgr: object, width: int = 32) -> tuple[object, object]:
     return mgr.prepare(model, torch.optim.AdamW(model.parameters()))
 
 
+@DEEPSPEED
 def test_another_models_checkpoint_is_refused_naming_the_tensor(written: Path) -> None:
     import unidist
 
@@ -90,6 +108,7 @@ def test_another_models_checkpoint_is_refused_naming_the_tensor(written: Path) -
             mgr.load_checkpoint(written / "2-fp32", model, opt)
 
 
+@DEEPSPEED
 def test_a_truncated_or_missing_partition_is_named_and_nothing_loads(written: Path, tmp_path: Path) -> None:
     import shutil
 
@@ -114,6 +133,7 @@ def test_a_truncated_or_missing_partition_is_named_and_nothing_loads(written: Pa
             mgr.load_checkpoint(ck, model, opt)
 
 
+@DEEPSPEED
 @pytest.mark.parametrize("case", CASES)
 def test_export_equals_deepspeeds_own_consolidation(written: Path, tmp_path: Path, case: str,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
