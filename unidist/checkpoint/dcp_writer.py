@@ -130,7 +130,7 @@ def _write_rank(mgr: World, layout: Layout, tmp: Path) -> list[tuple[str, tuple[
             for off, size, at in boxes(shape, start, start + flat.numel()):
                 n = int(torch.Size(size).numel())
                 buf = io.BytesIO()
-                torch.save(flat[at - start:at - start + n].clone().view(size), buf)
+                torch.save(flat[at - start:at - start + n].detach().to("cpu", copy=True).view(size), buf)  # a GPU's too
                 where = f.tell()
                 f.write(buf.getvalue())
                 out.append((key, off, size, str(flat.dtype), file, where, len(buf.getvalue())))
