@@ -4,8 +4,8 @@ what its own files declare, and read into any layout through the same ``Layout.l
 A foreign format has no digests: what is checked is what its files declare. Before anything changes, every model
 entry and every optimizer parameter is matched by name and shape (numel included) on every rank, and a checkpoint
 with no optimizer state when an optimizer is passed is refused; after the load, each parameter's optimizer scalars
-(Adam's step) must equal the file's. The foreign files are memory-mapped and read slice by slice, so a rank whose
-layout shards the state reads only its part.
+(Adam's step) must equal the file's. The files are read slice by slice (DeepSpeed's memory-mapped, DCP's chunk by
+chunk), so a rank whose layout shards the state reads only its part.
 """
 
 from __future__ import annotations
