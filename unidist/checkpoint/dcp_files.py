@@ -223,8 +223,7 @@ class DCPFiles:
         return "the saved optimizer's" if self.state else "no optimizer's"
 
     def describe(self) -> str:
-        step = next((v for p, v in ((p, p) for p in self.entries) if p == ("step",)), None)
-        said = f", step {self._value(step)}" if step is not None else ""
+        said = f", step {self._value(('step',))}" if ("step",) in self.entries else ""
         return (f"a torch distributed checkpoint (DCP {self.version}, {self.writers} writer file(s), "
                 f"{len(self.model)} model entries{', optimizer state' if self.state else ''}{said})")
 
