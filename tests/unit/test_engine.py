@@ -4,6 +4,7 @@ once and ending the job through the engine's own abort."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -105,7 +106,8 @@ def test_a_failed_call_names_the_peer_that_died(tmp_path: object, capfd: pytest.
     watchdog.start(60.0, 0, 2, "job", lambda code: None)
     peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        _peer_heartbeat(tmp_path, peer.pid, "hostA computing")
+        # its last heartbeat had it computing after its first collective
+        _peer_heartbeat(tmp_path, peer.pid, 'hostA computing\t{"seqs":{"world":1},"call":null}')
         with pytest.raises(RuntimeError, match="reset"):
             engine.allreduce(t, t, ReduceOp.SUM)
         assert "failed" not in capfd.readouterr().err  # the peer lives: the engine's error stands alone
@@ -124,7 +126,9 @@ def test_a_failed_call_names_the_peer_that_died(tmp_path: object, capfd: pytest.
         here = os.path.relpath(__file__)
         assert f"rank 0 of 2: allreduce(float32[2], float32[2], op=sum) at {here}:{line} failed (RuntimeError)" \
             in err and "rank 1 has died" in err and "on host hostA" in err, err
-        assert "last seen computing" in err, err
+        # not "last seen" there: it died within a heartbeat's period of it, after more calls (this rank made 3)
+        assert re.search(r"its last heartbeat, [\d.]+ s ago \(one every 1 s while it lived\), had it computing, "
+                         r"having made 1 collective of all ranks; this rank has made 3\b", err), err
     finally:
         peer.kill()
         watchdog.stop()

@@ -46,6 +46,7 @@ __all__ = ["Seq", "Waiting", "calls", "describe_args", "explaining", "failure_ho
 # engine regions (DeepSpeed's and Horovod's own exchanges, an engine's start) are numbered on one sequence
 # of all ranks: every rank enters them in the same order, as it does the world's collectives
 REGIONS = "regions"
+WORLD = "world"  # the world engine's sequence
 CHECK = "the check that all ranks call "  # what the desync check's exchange is called, before the call it checks
 
 
@@ -303,7 +304,7 @@ class _WatchedEngine:
 def watch(engine: Engine) -> Engine:
     """``engine`` (of 2+ ranks) with every primitive a watched region, and its sub-engines too: wrapped once,
     when the Manager makes it."""
-    return cast("Engine", _WatchedEngine(engine, "", Seq("world", range(engine.size))))
+    return cast("Engine", _WatchedEngine(engine, "", Seq(WORLD, range(engine.size))))
 
 
 def describe_args(args: tuple[Any, ...]) -> str:

@@ -170,8 +170,9 @@ class _Dog:
             except (OSError, ValueError):
                 continue  # on another host, or never started its watchdog
             if not processes.alive(pid):
-                line = (f"rank {r} has died (its process ended without leaving unidist) on host {host}: last seen "
-                        f"{doing}")
+                line = (f"rank {r} has died (its process ended without leaving unidist) on host {host}: its last "
+                        f"heartbeat, {age:.1f} s ago (one every {self.period:g} s while it lived), had it {doing}"
+                        f"{self.progress(_position(where))}")
                 seen.append(stall.Seen(r, host, "dead", why=line))
             elif age > 3 * self.period + 1:
                 line = (f"rank {r} is not responding (stopped, hung in C or dead) on host {host}: last heartbeat "
@@ -187,6 +188,15 @@ class _Dog:
             seen += far_seen
             out += far_lines
         return seen, out, stuck
+
+    def progress(self, position: dict[str, Any] | None) -> str:
+        """``, having made 3 collectives of all ranks; this rank has made 14``: how far a dead rank's last heartbeat
+        is behind this rank (it died within a period of that heartbeat, after as many calls as it made since)."""
+        if position is None:
+            return ""
+        key = regions.WORLD
+        theirs, mine = int(position.get("seqs", {}).get(key, 0)), int(regions.position()["seqs"].get(key, 0))
+        return f", having made {stall.made(key, theirs)}; this rank has made {mine}"
 
     def far_survey(self, since: float = 0.0) -> tuple[list[stall.Seen], list[str]]:
         """What the ranks of other hosts answer over the liveness channel (see liveness.py), and whether this
