@@ -65,8 +65,9 @@ def restore(states: list[dict[str, Any]], rank: int, size: int) -> str | None:
     if rank != 0 or len(states) == size:
         return None
     if len(states) < size:
+        keep = "keeps its" if len(states) == size - 1 else "keep their"
         return (f"load_checkpoint: random generator states restored on {_ranks(0, len(states) - 1)}; "
-                f"{_ranks(len(states), size - 1)} keep their own (the checkpoint was written by {len(states)} ranks)")
+                f"{_ranks(len(states), size - 1)} {keep} own (the checkpoint was written by {len(states)} ranks)")
     return (f"load_checkpoint: random generator states restored on {_ranks(0, size - 1)}; the states of "
             f"{_ranks(size, len(states) - 1)} of the {len(states)} that wrote the checkpoint have no rank here")
 
