@@ -6,7 +6,8 @@ Every fenced block is one of (tests/unit/test_doc_blocks.py checks it):
   ``ci`` (the README's two commands: .ci/run runs them, tests/unit/test_docs.py checks the lines match),
   ``launch`` (each line a command: tests/multiproc/test_readme.py), ``bench`` (tests/multiproc/test_bench.py),
   ``cluster`` and ``cluster allocation`` (tests/cluster/test_readme_cluster.py, on the simulated cluster),
-  ``timeline`` (tests/multiproc/test_readme.py), and for a ``python`` block the launcher it runs under:
+  ``timeline`` (tests/multiproc/test_readme.py), ``elastic`` (the Horovod page's elastic example, its commands
+  in order: tests/multiproc/test_hvd_elastic.py), and for a ``python`` block the launcher it runs under:
   ``python``, ``mpiexec -n N``, ``torchrun -n N``, ``deepspeed -n N``, ``horovodrun -n N``
   (tests/multiproc/test_doc_examples.py);
 - the output of the runnable block just before it: ``title="output"`` in the fence's info string. Its lines

@@ -33,7 +33,9 @@ _TIMEOUT_ALLOWED = f"a positive number of seconds up to {MAX_TIMEOUT:.0f} (30 da
 
 
 _STALL_ALLOWED = f"a number of seconds up to {MAX_TIMEOUT:.0f}; 0 turns the stall inspector off"
-_COMMIT_SECONDS_ALLOWED = f"a number of seconds from 0 (every commit) up to {MAX_TIMEOUT:.0f}"
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a directory name on any file system
+_JOB_ALLOWED = "a name of up to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+_COMMIT_SECONDS_ALLOWED = f"auto, or a number of seconds from 0 (every commit) up to {MAX_TIMEOUT:.0f}"
 
 
 _EVENTS_ALLOWED = "a positive whole number of events per rank"
@@ -64,9 +66,12 @@ class Config:
     deepspeed_config: str | None = None
     precision: str = "32"
     # hvd.elastic (unidist/compat/horovod/elastic): where commits go (None: a per-job directory under the
-    # system temp dir) and the least seconds between two commits written to disk (0: every commit)
+    # system temp dir), the job's name there (None: one made from the working directory, the script and its
+    # arguments) and the least seconds between two commits written to disk (0: every commit, as Horovod resumes
+    # from the last; None, "auto": one while writing costs under a tenth of the time, store.py)
     elastic_dir: str | None = None
-    elastic_commit_seconds: float = 10.0
+    elastic_job: str | None = None
+    elastic_commit_seconds: float | None = 0.0
     # the timeline (comm/timeline.py): where rank 0 writes the merged Chrome trace (None: off, nothing recorded)
     # and the most events a rank keeps (a bound on memory: ~300 bytes an event; later ones are counted, dropped)
     timeline: str | None = None
@@ -111,7 +116,9 @@ class Config:
             raise bad("device", self.device, "auto, cpu, cuda or cuda:N")
         if self.precision not in PRECISIONS:
             raise bad("precision", self.precision, ", ".join(PRECISIONS))
-        if not 0 <= self.elastic_commit_seconds <= MAX_TIMEOUT:  # also refuses nan and inf
+        if self.elastic_job is not None and not _JOB_NAME.fullmatch(self.elastic_job):
+            raise bad("elastic_job", self.elastic_job, _JOB_ALLOWED)
+        if self.elastic_commit_seconds is not None and not 0 <= self.elastic_commit_seconds <= MAX_TIMEOUT:
             raise bad("elastic_commit_seconds", self.elastic_commit_seconds, _COMMIT_SECONDS_ALLOWED)
         if not self.timeline_events > 0:
             raise bad("timeline_events", self.timeline_events, _EVENTS_ALLOWED)
@@ -153,6 +160,13 @@ def _number(kind: type[int] | type[float], allowed: str,
             raise ConfigError(f"{var}={raw!r} is not valid; allowed: {allowed}")
         return value
     return parse
+
+
+def _auto(parse: Callable[[str, str], int | float]) -> Callable[[str, str], int | float | None]:
+    """``auto`` is None, the setting's own rule; anything else as ``parse`` reads it."""
+    def parse_auto(var: str, raw: str) -> int | float | None:
+        return None if raw.strip().lower() == "auto" else parse(var, raw)
+    return parse_auto
 
 
 def _choice(choices: tuple[str, ...], *, lower: bool = True) -> Callable[[str, str], str]:
@@ -197,6 +211,12 @@ def _path(var: str, raw: str) -> str | None:
     return raw or None
 
 
+def _job(var: str, raw: str) -> str | None:
+    if raw and not _JOB_NAME.fullmatch(raw):
+        raise ConfigError(f"{var}={raw!r} is not valid; allowed: {_JOB_ALLOWED}")
+    return raw or None
+
+
 _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "backend": _backend,
     "timeout": _number(float, _TIMEOUT_ALLOWED, lambda v: 0 < v <= MAX_TIMEOUT),
@@ -209,7 +229,8 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "deepspeed_config": _path,
     "precision": _choice(PRECISIONS),
     "elastic_dir": _path,
-    "elastic_commit_seconds": _number(float, _COMMIT_SECONDS_ALLOWED, lambda v: 0 <= v <= MAX_TIMEOUT),
+    "elastic_job": _job,
+    "elastic_commit_seconds": _auto(_number(float, _COMMIT_SECONDS_ALLOWED, lambda v: 0 <= v <= MAX_TIMEOUT)),
     "timeline": _path,
     "timeline_events": _number(int, _EVENTS_ALLOWED, lambda v: v > 0),
     "stall_warning": _number(float, _STALL_ALLOWED, lambda v: 0 <= v <= MAX_TIMEOUT),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from docsource import DOCS, ROOT, SOURCES, all_blocks, commands, runnable
 
-RUN_KINDS = {"ci", "tox", "install", "launch", "bench", "cluster", "timeline", "shell",
+RUN_KINDS = {"ci", "tox", "install", "launch", "bench", "cluster", "timeline", "elastic", "shell",
              "python", "mpiexec", "torchrun", "deepspeed", "horovodrun"}
 PYTHON_KINDS = {"python", "mpiexec", "torchrun", "deepspeed", "horovodrun"}
 TEXTS = {p: p.read_text() for p in SOURCES}

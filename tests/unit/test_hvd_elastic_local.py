@@ -4,8 +4,13 @@ resume, reset and refusals. Launcher restarts are tested under torchrun and mpie
 
 from __future__ import annotations
 
+import json
 import random
+import re
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,8 +21,10 @@ import torch
 import unidist
 import unidist.compat.horovod as hvd
 from unidist import CheckpointError, CollectiveTimeoutError, ConfigError, InvalidArgumentError, LaunchEnvironmentError
+from unidist.compat.horovod.elastic import store as store_module
+from unidist.compat.horovod.elastic.sentinel import describe
 from unidist.compat.horovod.elastic.state import HostUpdateResult
-from unidist.compat.horovod.elastic.store import commit_directory
+from unidist.compat.horovod.elastic.store import CommitStore, commit_directory, job_name
 
 X = torch.randn(24, 5, generator=torch.Generator().manual_seed(3))
 Y = torch.randn(24, 2, generator=torch.Generator().manual_seed(4))
@@ -26,7 +33,8 @@ Y = torch.randn(24, 2, generator=torch.Generator().manual_seed(4))
 @pytest.fixture
 def mgr(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[unidist.Manager]:
     monkeypatch.setenv("UNIDIST_ELASTIC_DIR", str(tmp_path / "commits"))
-    monkeypatch.setenv("UNIDIST_ELASTIC_COMMIT_SECONDS", "0")
+    monkeypatch.setenv("UNIDIST_ELASTIC_JOB", "job")  # commits in tmp_path/commits/job
+    monkeypatch.delenv("UNIDIST_ELASTIC_COMMIT_SECONDS", raising=False)  # the default: every commit written
     monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
     with unidist.init(environ={}) as m:
         yield m
@@ -143,8 +151,13 @@ def test_run_resumes_from_the_last_commit(mgr: unidist.Manager, tmp_path: Path, 
     state = hvd.elastic.TorchState(model, opt, step=0)
     with pytest.raises(ValueError, match="injected"):
         train(state, 8, fail_at=5)  # commits after steps 2 and 4
-    assert "the last commit is" in capsys.readouterr().err
-    assert [p.name for p in sorted((tmp_path / "commits").iterdir())] == ["commit-000000001", "commit-000000002"]
+    err = capsys.readouterr().err
+    assert "job 'job': no commit to resume in" in err and "starting from rank 0's state on 1 rank(s)" in err, err
+    assert re.search(r"the last commit is \S+/commits/job/commit-000000002 \(step 4\), written 0 s ago by 1 rank\(s\): "
+                     r"run the same command again \(any number of processes\) to resume from it with "
+                     r"UNIDIST_ELASTIC_JOB=job$", err, re.M), err
+    job = tmp_path / "commits" / "job"
+    assert sorted(p.name for p in job.iterdir()) == [".lock", "commit-000000001", "commit-000000002", "latest.json"]
 
     model, opt = build(kind)  # a restarted process builds everything afresh
     torch.nn.init.zeros_(model[0].weight)  # ... even differently: the commit wins
@@ -152,16 +165,18 @@ def test_run_resumes_from_the_last_commit(mgr: unidist.Manager, tmp_path: Path, 
     state = hvd.elastic.TorchState(model, opt, step=0)
     state.register_reset_callbacks([lambda: resets.append(state.step)])
     train(state, 8)
-    assert "resuming from" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "job 'job': attempt 0 on 1 rank(s) resumes: the last commit is" in err and "(step 4)" in err, err
+    assert f"to start afresh instead, delete {job}" in err, err
     assert resets == [4]
     worst = max(float((v - ref_model.state_dict()[k]).abs().max()) for k, v in model.state_dict().items())
     assert worst <= 1e-6
-    assert list((tmp_path / "commits").iterdir()) == []  # the commits are removed once the function returned
+    assert list((tmp_path / "commits").iterdir()) == []  # the job's directory is removed once the function returned
 
 
 def test_engine_failure_becomes_horovod_internal_error(mgr: unidist.Manager) -> None:
     model, opt = build()
-    with pytest.raises(hvd.HorovodInternalError, match=r"commit-000000001.*'step': 2.*same command again") as info:
+    with pytest.raises(hvd.HorovodInternalError, match=r"commit-000000001 \(step 2\).*same command again") as info:
         hvd.elastic.run(_train)(hvd.elastic.TorchState(model, opt, step=0), 8, fail_at=3, error=CollectiveTimeoutError)
     assert isinstance(info.value.__cause__, CollectiveTimeoutError)
 
@@ -172,7 +187,30 @@ def test_commits_reach_disk_at_most_every_interval(mgr: unidist.Manager, tmp_pat
     model, opt = build()
     with pytest.raises(ValueError, match="injected"):
         hvd.elastic.run(_train)(hvd.elastic.TorchState(model, opt, step=0), 8, fail_at=7)
-    assert [p.name for p in (tmp_path / "commits").iterdir()] == ["commit-000000001"]  # the first only
+    assert sorted(p.name for p in (tmp_path / "commits" / "job").glob("commit-*")) == ["commit-000000001"]  # the first
+
+
+def test_auto_interval_keeps_writes_under_a_tenth(mgr: unidist.Manager, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """UNIDIST_ELASTIC_COMMIT_SECONDS=auto: a commit is written once nine times the last write's cost has
+    passed since it, so a 20 ms write is made at nearly every commit and a 2 s one at most every 18 s."""
+    monkeypatch.setenv("UNIDIST_ELASTIC_COMMIT_SECONDS", "auto")
+    store = CommitStore.open(mgr)
+    now = [100.0]
+    monkeypatch.setattr(store_module.time, "monotonic", lambda: now[0])
+    assert store.min_seconds is None and store.due()  # the first commit: always
+    store.last_write, store.last_cost = 100.0, 0.02
+    now[0] = 100.17
+    assert not store.due()
+    assert "a commit takes 0.02 s to write here, so one is written at most every 0.18 s" in capsys.readouterr().err
+    now[0] = 100.19
+    assert store.due()
+    store.last_write, store.last_cost = 100.19, 2.0
+    now[0] = 110.0
+    assert not store.due() and capsys.readouterr().err == ""  # said once
+    now[0] = 118.2
+    assert store.due()
+    store.remove()
 
 
 def test_hosts_updated_resets_and_calls_again(mgr: unidist.Manager) -> None:
@@ -205,20 +243,73 @@ def test_refusals(mgr: unidist.Manager, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_default_directory(mgr: unidist.Manager, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The job is the working directory, the script and its arguments: not the world size, not torchrun's run id
+    (a fresh uuid each time torchrun --standalone starts), so the same command run again resumes."""
     monkeypatch.delenv("UNIDIST_ELASTIC_DIR")
+    monkeypatch.delenv("UNIDIST_ELASTIC_JOB")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     first = commit_directory(mgr)
     assert first.parent.parent == tmp_path and first.parent.name.startswith("unidist-elastic-")
     assert commit_directory(mgr) == first  # the same command, the same directory
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/42")
-    assert commit_directory(mgr).name == "torchrun-job_42"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "9f3c")
+    assert commit_directory(mgr) == first
+    cfg = unidist.Config.from_env({})
+    assert job_name(cfg, cwd="/a", argv=["--lr", "1"]) == job_name(cfg, cwd="/a", argv=["--lr", "1"])
+    assert len({job_name(cfg, cwd="/a", argv=["--lr", "1"]), job_name(cfg, cwd="/b", argv=["--lr", "1"]),
+                job_name(cfg, cwd="/a", argv=["--lr", "2"])}) == 3
+    monkeypatch.setenv("UNIDIST_ELASTIC_JOB", "digits-1")
+    assert commit_directory(mgr) == first.parent / "digits-1"
+
+
+def test_a_second_job_of_the_same_name_is_refused(mgr: unidist.Manager, tmp_path: Path) -> None:
+    """Rank 0 locks the job's directory while the job runs: the same command started twice does not share (or
+    resume) commits; the lock goes with the process however it ends, and when the function returns."""
+    store = CommitStore.open(mgr)
+    with pytest.raises(LaunchEnvironmentError, match=r"another job named 'job' is running \(rank 0 is pid \d+ on host "
+                                                     r".*UNIDIST_ELASTIC_JOB=NAME"):
+        CommitStore.open(mgr)
+    store.close()
+    CommitStore.open(mgr).remove()
+    assert not (tmp_path / "commits" / "job").exists()
+
+
+def test_the_watcher_says_which_commit_when_rank_0_is_killed(tmp_path: Path) -> None:
+    """A process that starts the watcher and is then killed by SIGKILL (mpiexec's end of every other rank): the
+    watcher names the last commit from latest.json; one that settles ``done`` or ``said`` leaves it silent."""
+    job = tmp_path / "job"
+    (job / "commit-000000003").mkdir(parents=True)
+    (job / "commit-000000003" / "manifest.json").write_text("{}")
+    (job / "latest.json").write_text(json.dumps({"commit": "commit-000000003", "seq": 3, "size": 2,
+                                                 "launcher": "mpich", "time": time.time() - 300,
+                                                 "shown": {"epoch": 2, "batch": 0}}))
+    code = ("import os, signal, sys; from pathlib import Path; "
+            "from unidist.compat.horovod.elastic.sentinel import Sentinel; "
+            f"w = Sentinel(Path({str(job)!r}), 'digits', 'run it again'); assert w.watching; "
+            "(w.settle(sys.argv[1]) if sys.argv[1] != 'kill' else os.kill(os.getpid(), signal.SIGKILL))")
+    for how in ("kill", "done", "said"):
+        proc = subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, timeout=60)
+        if how == "kill":
+            assert proc.returncode == -9
+            assert (f"hvd.elastic: job 'digits' ended before its training function returned (rank 0's process is gone: "
+                    f"a lost rank or the launcher ended it); the last commit is {job}/commit-000000003 (epoch 2, batch "
+                    "0), written 5 min ago by 2 rank(s): run it again") in proc.stderr, proc.stderr
+        else:
+            assert proc.returncode == 0 and "hvd.elastic" not in proc.stderr, proc.stderr
+    assert describe(tmp_path / "none") == f"no commit was written yet ({tmp_path / 'none'}): a rerun starts from the " \
+        "beginning"
 
 
 def test_settings_parsed() -> None:
-    cfg = unidist.Config.from_env({"UNIDIST_ELASTIC_DIR": "/shared/c", "UNIDIST_ELASTIC_COMMIT_SECONDS": "2.5"})
-    assert (cfg.elastic_dir, cfg.elastic_commit_seconds) == ("/shared/c", 2.5)
-    assert unidist.Config.from_env({}).elastic_commit_seconds == 10.0
+    cfg = unidist.Config.from_env({"UNIDIST_ELASTIC_DIR": "/shared/c", "UNIDIST_ELASTIC_COMMIT_SECONDS": "2.5",
+                                   "UNIDIST_ELASTIC_JOB": "bert.lr-3e4_2"})
+    assert (cfg.elastic_dir, cfg.elastic_commit_seconds, cfg.elastic_job) == ("/shared/c", 2.5, "bert.lr-3e4_2")
+    default = unidist.Config.from_env({})
+    assert (default.elastic_commit_seconds, default.elastic_job) == (0.0, None)  # every commit written
+    assert unidist.Config.from_env({"UNIDIST_ELASTIC_COMMIT_SECONDS": "auto"}).elastic_commit_seconds is None
+    for name in ("../up", "a/b", "-x", "x" * 65, "sp ace"):
+        with pytest.raises(ConfigError, match="UNIDIST_ELASTIC_JOB"):
+            unidist.Config.from_env({"UNIDIST_ELASTIC_JOB": name})
     for bad in ("-1", "soon", "inf"):
         with pytest.raises(ConfigError, match="UNIDIST_ELASTIC_COMMIT_SECONDS"):
             unidist.Config.from_env({"UNIDIST_ELASTIC_COMMIT_SECONDS": bad})

@@ -28,13 +28,17 @@ unidist checkpoint, see store.py) and the *launcher* restarts the job, which res
 - ``horovodrun --min-np/--max-np/--host-discovery-script``: refused with ``LaunchEnvironmentError`` (those
   need Horovod's own elastic driver).
 
-Commits go to ``UNIDIST_ELASTIC_DIR`` (default: a directory per job under the system temp dir, keyed by
-torchrun's rendezvous id or by the script, its arguments and the world size; a multi-host job must set it to
-a shared directory). A written commit costs ~0.15 s (file syncs), so one is written at the first commit and
-then at most every ``UNIDIST_ELASTIC_COMMIT_SECONDS`` (default 10; 0 writes every commit); a restart redoes
-the batches since the last *written* commit. The commits are deleted when the decorated function returns.
-Worlds of another size can resume a commit (set ``UNIDIST_ELASTIC_DIR``): checkpoints load at any size and
-``ElasticSampler`` re-deals the rest of the epoch; the reset callbacks run after a resume.
+Commits go to ``<root>/<job>``: the root is ``UNIDIST_ELASTIC_DIR`` (default: ``unidist-elastic-<uid>`` under
+the system temp dir; a multi-host job must set it to a shared directory), the job ``UNIDIST_ELASTIC_JOB``
+(default: the script's name and a hash of the working directory, the script and its arguments; not the world
+size, so a rerun at another ``-n`` resumes). Rank 0 says the job's name and directory when it starts, and which
+commit it resumes from, written when and by how many ranks; a second job of the same name running at once is
+refused. Every ``commit()`` is written (a checkpoint: rank 0 says when writes cost over a quarter of the job's
+time), or at most one every ``UNIDIST_ELASTIC_COMMIT_SECONDS`` when set; a restart redoes the batches since the
+last *written* commit. When a job fails, the line saying which commit a rerun resumes from comes from the
+failing rank, or from rank 0's watcher where the launcher kills every rank at once (mpiexec). The commits are
+deleted when the decorated function returns. Worlds of another size resume a commit: checkpoints load at any
+size and ``ElasticSampler`` re-deals the rest of the epoch; the reset callbacks run after a resume.
 """
 
 from __future__ import annotations

@@ -2,12 +2,14 @@
 
 Horovod's elastic driver re-forms the world inside running processes. unidist's engines (MPI, gloo through
 torch.distributed, DeepSpeed, Horovod under horovodrun without elastic flags) cannot: a dead peer ends the
-job. So here elasticity is the launcher's restart plus durable commits: on start, ``run`` resumes every rank
-from the job's newest commit when there is one (a restarted job), else broadcasts rank 0's state as Horovod
-does; when a collective fails it raises ``HorovodInternalError`` naming the commit the job will resume from,
-and the process exits non-zero; ``torchrun --max-restarts N`` then restarts every worker, and under mpiexec,
-horovodrun or the deepspeed launcher the same command re-run resumes. When the function returns on every rank
-the job's commits are deleted, so the next run of the same command starts afresh.
+job. So here elasticity is the launcher's restart plus durable commits: on start, rank 0 says the job's name and
+directory and ``run`` resumes every rank from the job's newest commit when there is one (a restarted or re-run
+job, at any world size; the line says when and by how many ranks it was written, so a commit left by an old
+run is never picked up unannounced), else broadcasts rank 0's state as Horovod does. When a collective fails it
+raises ``HorovodInternalError`` naming the commit the job will resume from; where the launcher kills every rank
+first (mpiexec), rank 0's watcher (sentinel.py) says it. ``torchrun --max-restarts N`` then restarts every
+worker, and under mpiexec, horovodrun or the deepspeed launcher the same command re-run resumes. When the
+function returns on every rank the job's commits are deleted, so the next run of the same command starts afresh.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import unidist
+from unidist.compat.horovod.elastic.sentinel import Sentinel, describe, read_latest
 from unidist.compat.horovod.elastic.state import State
-from unidist.compat.horovod.elastic.store import CommitStore
+from unidist.compat.horovod.elastic.store import CommitStore, shown
 from unidist.compat.horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from unidist.errors import CollectiveTimeoutError, InvalidArgumentError, LaunchEnvironmentError, PeerLostError
 
@@ -54,34 +57,38 @@ def _engine_failure(err: BaseException) -> bool:
     return isinstance(err, tuple(kinds)) or (isinstance(err, RuntimeError) and "gloo" in str(err).lower())
 
 
-def _commit_name(store: CommitStore) -> str:
-    shown = {k: v for k, v in store.last_objects.get("objects", {}).items() if isinstance(v, (int, float, str))}
-    return f"{store.last_path}" + (f" {shown}" if shown else "")
-
-
 def _where(store: CommitStore) -> str:
-    if store.last_path is None:
-        return f"no commit was written yet ({store.directory}): a restart begins from the start"
-    return f"the last commit is {_commit_name(store)}"
+    return describe(store.directory)
 
 
-def _restart_hint(mgr: Any) -> str:
+def _restart_hint(mgr: Any, store: CommitStore) -> str:
+    again = "run the same command again (any number of processes) to resume from it"
+    if store.named:
+        again += f" with UNIDIST_ELASTIC_JOB={store.job}"
     if mgr.launch.launcher == "torchrun":
-        return (f"torchrun restarts every worker from it when started with --max-restarts N (this was attempt "
-                f"{mgr.launch.attempt}); otherwise run the same command again")
-    return "run the same command again to resume from it"
+        return (f"torchrun restarts every worker from it while restarts remain (--max-restarts N; this was attempt "
+                f"{mgr.launch.attempt}); otherwise {again}")
+    return again
 
 
 def _start(state: State, store: CommitStore, mgr: Any) -> None:
-    """Resume every rank from the newest commit, or make rank 0's state everyone's (Horovod's sync)."""
+    """Resume every rank from the newest commit, or make rank 0's state everyone's (Horovod's sync); rank 0 says
+    which, naming the job and its directory."""
     path = store.latest()
     if path is None:
+        if mgr.rank == 0:
+            print(f"hvd.elastic: job {store.job!r}: no commit to resume in {store.directory}; starting from rank "
+                  f"0's state on {mgr.size} rank(s)", file=sys.stderr, flush=True)
         state.sync()
     else:
         state.resume_from(store, path)
         if mgr.rank == 0:
-            print(f"hvd.elastic: attempt {mgr.launch.attempt}: resuming from {_commit_name(store)}",
-                  file=sys.stderr, flush=True)
+            latest = read_latest(store.directory)
+            said = describe(store.directory) if latest is not None and latest["commit"] == path.name else \
+                f"the last commit is {path} {shown(store.last_objects)}"
+            print(f"hvd.elastic: job {store.job!r}: attempt {mgr.launch.attempt} on {mgr.size} rank(s) resumes: "
+                  f"{said}; to start afresh instead, delete {store.directory} or set UNIDIST_ELASTIC_JOB to a new "
+                  "name", file=sys.stderr, flush=True)
         state.on_reset()
     state.save()
 
@@ -106,9 +113,15 @@ def run(func: F) -> F:
         _refuse_horovod_driver()
         mgr = unidist.get_manager()
         store = CommitStore.open(mgr)
+        watcher = Sentinel(store.directory, store.job, _restart_hint(mgr, store)) if mgr.rank == 0 else None
         state.attach_store(store)
         try:
-            _start(state, store, mgr)
+            try:
+                _start(state, store, mgr)
+            except Exception:  # a commit that cannot be read: its error says so, the watcher need not
+                if watcher is not None:
+                    watcher.settle("said")
+                raise
             skip_sync = True  # _start synced
             while True:
                 try:
@@ -120,17 +133,22 @@ def run(func: F) -> F:
                     skip_sync = err.skip_sync
                     state.on_reset()
                 except Exception as err:
+                    if watcher is not None:
+                        watcher.settle("said")
                     if _engine_failure(err):
                         raise HorovodInternalError(
-                            f"hvd.elastic.run: a collective failed on rank {mgr.rank} ({type(err).__name__}: {err}). "
-                            "unidist's engines cannot re-form the world in place, so this process ends; "
-                            f"{_where(store)}: {_restart_hint(mgr)}") from err
+                            f"hvd.elastic.run: a collective failed on rank {mgr.rank}, and unidist's engines cannot "
+                            f"re-form the world in place, so this process ends; {_where(store)}: "
+                            f"{_restart_hint(mgr, store)}. The engine said: {type(err).__name__}: {err}") from err
                     print(f"hvd.elastic: rank {mgr.rank}: training stopped by {type(err).__name__}; {_where(store)}: "
-                          f"{_restart_hint(mgr)}", file=sys.stderr, flush=True)
+                          f"{_restart_hint(mgr, store)}", file=sys.stderr, flush=True)
                     raise
             store.remove()
+            if watcher is not None:
+                watcher.settle("done")
             return result
         finally:
             state.attach_store(None)
+            store.close()
 
     return wrapper  # type: ignore[return-value]

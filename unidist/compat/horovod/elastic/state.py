@@ -2,10 +2,11 @@
 
 As in Horovod, ``commit()`` is ``save()`` (an in-memory copy that ``restore()`` returns to) followed by
 ``check_host_updates()`` (one broadcast from rank 0, so every rank agrees on whether hosts changed). Inside
-``hvd.elastic.run`` a commit is also written to the job's commit directory (store.py) when rank 0 says it is
-due — the first one, then one at least every ``UNIDIST_ELASTIC_COMMIT_SECONDS`` (rank 0's answer rides on the
-same broadcast, so a commit costs no extra collective unless it writes). That written commit is what a job
-restarted by its launcher resumes from (run.py): unidist's engines cannot re-form the world in place.
+``hvd.elastic.run`` every commit is also written to the job's commit directory (store.py), so a restart resumes
+from the last ``commit()`` as Horovod's does; ``UNIDIST_ELASTIC_COMMIT_SECONDS=N`` writes at most one every N
+seconds instead, when rank 0 says one is due (its answer rides on the same broadcast, so a commit costs no extra
+collective unless it writes). That written commit is what a job restarted by its launcher resumes from (run.py):
+unidist's engines cannot re-form the world in place.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ class State:
         """Save the state in memory (what ``restore()`` returns to) and, inside ``hvd.elastic.run`` when due,
         to the job's commit directory; then raise ``HostsUpdatedInterrupt`` if hosts changed.
 
-        A commit copies the state (and a written one costs ~0.15 s of file syncing here), so commit every few
-        batches rather than every one; ``UNIDIST_ELASTIC_COMMIT_SECONDS`` bounds how often it reaches disk.
+        A commit copies the state and writes it (a unidist checkpoint, file syncs included), so commit every few
+        batches rather than every one, as Horovod's examples do; rank 0 says so when writes take over a quarter of
+        the job's time. ``UNIDIST_ELASTIC_COMMIT_SECONDS`` bounds how often a commit reaches disk.
         """
         self.save()
         write = self._agree_on_updates(self._store is not None and self._rank() == 0 and self._store.due())
