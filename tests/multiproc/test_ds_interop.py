@@ -159,3 +159,42 @@ def test_export_equals_deepspeeds_own_consolidation(written: Path, tmp_path: Pat
     assert sorted(got) == sorted(want)
     for name, value in want.items():
         assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
+
+
+@DEEPSPEED
+def test_a_script_trained_here_goes_back_to_deepspeed(tmp_path: Path) -> None:
+    """The other way (issue 47 part 2): the same five cases trained off DeepSpeed by unidist.compat.deepspeed (under
+    torchrun, gloo, no DeepSpeed engine) and saved by its ``engine.save_checkpoint``, which writes DeepSpeed's own
+    files; real DeepSpeed under its launcher resumes each at the stage it was written at (DeepSpeed's rule) with
+    ``engine.load_checkpoint``: exactly the saved weights, the client state and counters, and a continuation within
+    rounding of the compat run's own (the optimizer's moments show there: DeepSpeed 0.19.8 cannot report ZeRO's
+    before its first step). unidist then reads the same files through the compat engine at 3 ranks and ZeRO 3."""
+    require("deepspeed", "mpi4py")
+    writer, deepspeed = LAUNCHES["torchrun-2"], LAUNCHES["deepspeed-2"]
+    proc = run(writer.command(WORKER, "--phase", "write", "--compat", "--dir", str(tmp_path)), env=writer.env,
+               timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    assert sorted(p.name for p in (tmp_path / "2-fp32" / "global_step3").iterdir()) == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert sorted(p.name for p in (tmp_path / "3-bf16" / "global_step3").iterdir()) == [
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run(deepspeed.command(WORKER, "--phase", "resume-deepspeed", "--dir", str(tmp_path), "--out", str(out)),
+               env=deepspeed.env, timeout=600)
+    assert proc.returncode == 0, proc.describe()
+    for rank in range(deepspeed.size):
+        report = json.loads((out / f"rank{rank}.json").read_text())
+        assert report["backend"] == "deepspeed", report
+        for case in CASES:
+            got = report[case]
+            zero = case[0] != "0"
+            assert got["loaded"] == 0.0, (rank, case, got)
+            assert (got["exp_avg"], got["exp_avg_sq"]) == ((None, None) if zero else (0.0, 0.0)), (rank, case, got)
+            assert (got["extra_step"], got["note"], got["global_steps"], got["lr"]) == (3, case, 3, 0.01), got
+            assert got["final"] <= TOL[case.split("-")[1]], (rank, case, got)
+            assert got["final_scale"] > 1.0, got
+    (tmp_path / "out3").mkdir()
+    _resume(tmp_path, tmp_path / "out3", "mpiexec-3", 3, CASES, compat=True)

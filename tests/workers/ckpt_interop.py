@@ -42,13 +42,13 @@ SAVE_AT, STEPS, BATCH = 3, 6, 12
 LR, BETAS, EPS, WD, CLIP = 1e-2, (0.9, 0.99), 1e-8, 0.01, 1.0
 
 p = argparse.ArgumentParser()
-p.add_argument("--phase", choices=["write", "write-dcp", "resume", "write-unidist-dcp", "resume-fsdp2"],
-               required=True)
+p.add_argument("--phase", choices=["write", "write-dcp", "resume", "write-unidist-dcp", "resume-fsdp2",
+                                   "resume-deepspeed"], required=True)
 p.add_argument("--dir", type=Path, required=True)
 p.add_argument("--cases", default="0-fp32,1-bf16,2-fp32,2-fp16,3-bf16")
 p.add_argument("--stage", type=int, default=0)
 p.add_argument("--out", type=Path)
-p.add_argument("--compat", action="store_true", help="resume through unidist.compat.deepspeed's engine.load_checkpoint")
+p.add_argument("--compat", action="store_true", help="write or resume through unidist.compat.deepspeed")
 p.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher appends it
 args = p.parse_args()
 
@@ -78,11 +78,23 @@ def config(stage: int, precision: str, size: int) -> dict[str, Any]:
     return out
 
 
-def write() -> None:
-    import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+def _deepspeed(compat: bool) -> tuple[Any, Any, Any]:
+    """(the deepspeed module, safe_get_full_fp32_param, safe_get_full_optimizer_state): real DeepSpeed's, or
+    unidist.compat.deepspeed's (on any launcher, every stage through the same calls)."""
+    if compat:
+        import unidist.compat.deepspeed as ds
+        from unidist.compat.deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    else:
+        import deepspeed as ds
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as unidist's deepspeed manager does
+        ds.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as unidist's deepspeed manager does
+    return ds, safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+
+def write() -> None:
+    """Real DeepSpeed's save (``--compat``: unidist.compat.deepspeed's, DeepSpeed's format written off DeepSpeed)."""
+    deepspeed, safe_get_full_fp32_param, safe_get_full_optimizer_state = _deepspeed(args.compat)
     deepspeed.init_distributed()
     import torch.distributed as dist
 
@@ -94,12 +106,13 @@ def write() -> None:
                                                config=config(stage, precision, size))
 
         def full(engine: Any, stage: int) -> dict[str, torch.Tensor]:  # stage 0 (float32): the parameter itself
-            return {n: (safe_get_full_fp32_param(q) if stage else q).detach().float().clone().cpu()
+            return {n: (safe_get_full_fp32_param(q) if stage or args.compat else q).detach().float().clone().cpu()
                     for n, q in engine.module.named_parameters()}
 
         def moments(engine: Any, stage: int, key: str) -> dict[str, torch.Tensor]:
-            return {n: (safe_get_full_optimizer_state(q, key) if stage else engine.optimizer.state[q][key])
-                    .detach().clone().cpu() for n, q in engine.module.named_parameters()}
+            return {n: (safe_get_full_optimizer_state(q, key) if stage or args.compat
+                        else engine.optimizer.state[q][key]).detach().clone().cpu()
+                    for n, q in engine.module.named_parameters()}
 
         for step in range(STEPS):
             if step == SAVE_AT:
@@ -158,35 +171,45 @@ def write_dcp() -> None:
     dist.destroy_process_group()
 
 
-def resume_compat() -> None:
-    """The DeepSpeed script's resume, on unidist.compat.deepspeed: engine.load_checkpoint(dir) reads ``latest``."""
-    import unidist.compat.deepspeed as deepspeed
-    from unidist.compat.deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
+def resume_compat(real: bool = False) -> None:
+    """The DeepSpeed script's resume, on unidist.compat.deepspeed (``real``: on real DeepSpeed, each case at the
+    stage it was written at, as DeepSpeed requires): engine.load_checkpoint(dir) reads ``latest``."""
+    deepspeed, safe_get_full_fp32_param, safe_get_full_optimizer_state = _deepspeed(not real)
     deepspeed.init_distributed()
     import torch.distributed as dist
 
     rank, size = dist.get_rank(), dist.get_world_size()
-    report: dict[str, Any] = {"backend": "compat", "size": size}
+    report: dict[str, Any] = {"backend": "deepspeed" if real else "compat", "size": size}
     for case in args.cases.split(","):
         model = build()
+        stage = int(case.split("-")[0]) if real else args.stage
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=config(args.stage, case.split("-")[1], size))
+                                               config=config(stage, case.split("-")[1], size))
         _, client = engine.load_checkpoint(str(args.dir / case))
         named = dict(engine.module.named_parameters())
         ref = torch.load(args.dir / f"{case}.reference.pt", weights_only=True)
         got: dict[str, Any] = {"extra_step": client.get("step"), "note": client.get("note"),
                                "global_steps": engine.global_steps, "lr": engine.get_lr()[0]}
-        got["loaded"] = max(float((safe_get_full_fp32_param(q) - ref["saved"]["weights"][n]).abs().max())
+        zero = stage or not real  # real DeepSpeed's stage 0 holds float32 weights and the torch optimizer's state
+
+        def weight(q: Any, zero: bool = zero) -> torch.Tensor:
+            return (safe_get_full_fp32_param(q) if zero else q).detach().float()
+
+        def moment(q: Any, key: str, zero: bool = zero, engine: Any = engine) -> torch.Tensor:
+            return (safe_get_full_optimizer_state(q, key) if zero else engine.optimizer.state[q][key]).detach()
+
+        got["loaded"] = max(float((weight(q) - ref["saved"]["weights"][n]).abs().max())
                             for n, q in named.items())
         for key in ("exp_avg", "exp_avg_sq"):
-            got[key] = max(float((safe_get_full_optimizer_state(q, key) - ref["saved"][key][n]).abs().max())
-                           for n, q in named.items())
+            # real DeepSpeed 0.19.8 links ZeRO's state fragments at the first step, not at a load (its own
+            # checkpoints alike: safe_get_full_optimizer_state raises on the rank owning one, the others wait in
+            # its allreduce), so there the continuation below shows the moments loaded
+            got[key] = None if real and stage else \
+                max(float((moment(q, key) - ref["saved"][key][n]).abs().max()) for n, q in named.items())
         for step in range(engine.global_steps, STEPS):
             engine.backward(loss_of(engine, step, rank, size))
             engine.step()
-        got["final"] = max(float((safe_get_full_fp32_param(q) - ref["final"][n]).abs().max())
-                           for n, q in named.items())
+        got["final"] = max(float((weight(q) - ref["final"][n]).abs().max()) for n, q in named.items())
         got["final_scale"] = max(float(w.abs().max()) for w in ref["final"].values())
         report[case] = got
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))
@@ -338,6 +361,8 @@ if __name__ == "__main__":
         write_unidist_dcp()
     elif args.phase == "resume-fsdp2":
         resume_fsdp2()
+    elif args.phase == "resume-deepspeed":
+        resume_compat(real=True)
     elif args.compat:
         resume_compat()
     else:

@@ -21,6 +21,7 @@ import torch
 import unidist.checkpoint as checkpoint
 from unidist.checkpoint.background import SaveHandle, save_async
 from unidist.checkpoint.dcp_writer import save_dcp
+from unidist.checkpoint.deepspeed_writer import save_deepspeed
 from unidist.checkpoint.layout import FullLayout, Layout, first_names
 from unidist.comm import trace_hooks
 from unidist.comm.group import Group
@@ -43,6 +44,8 @@ from unidist.train.sampler import ShardSampler
 from unidist.train.sync_batchnorm import convert_sync_batchnorm
 from unidist.train.world import TrainingWorld
 from unidist.train.zero import ZeroOptimizer
+
+FORMATS = ("unidist", "dcp", "deepspeed")  # what save_checkpoint(format=) writes; load_checkpoint reads them all
 
 __all__ = ["ENGINE_OPTIONS", "SCALER_KEY", "Trainer"]
 
@@ -287,11 +290,12 @@ class Trainer:
         ``async_save``); ``blocking=False`` returns the new one's handle (unidist/checkpoint/background.py)."""
         if not isinstance(blocking, bool):
             raise InvalidArgumentError(f"save_checkpoint(blocking={blocking!r}) takes True or False")
-        if format not in ("unidist", "dcp"):
-            raise InvalidArgumentError(f"save_checkpoint(format={format!r}) takes 'unidist' (the default) or 'dcp' "
-                                       "(torch distributed checkpoint, as FSDP2 and DDP scripts load)")
-        if format == "dcp" and (keep is not None or not blocking):
-            raise InvalidArgumentError("save_checkpoint(format='dcp') writes one directory, in the foreground: "
+        if format not in FORMATS:
+            raise InvalidArgumentError(f"save_checkpoint(format={format!r}) takes 'unidist' (the default), 'dcp' "
+                                       "(torch distributed checkpoint, as FSDP2 and DDP scripts load) or 'deepspeed' "
+                                       "(what DeepSpeed's engine.load_checkpoint resumes from)")
+        if format != "unidist" and (keep is not None or not blocking):
+            raise InvalidArgumentError(f"save_checkpoint(format={format!r}) writes one directory, in the foreground: "
                                        "keep= and blocking=False apply to unidist's format")
         self.finish_pending()
         scaler = optimizer.scaler if isinstance(optimizer, Prepared) else None
@@ -304,6 +308,9 @@ class Trainer:
         self._event("save", model, path)
         if format == "dcp":
             return save_dcp(self.mgr, path, layout, extra, first_names(self.unwrap(model)))
+        if format == "deepspeed":
+            module = self.unwrap(model)
+            return save_deepspeed(self.mgr, path, layout, module, extra, first_names(module), self.mgr.allgather)
         if blocking:
             return checkpoint.save(self.mgr, path, layout, keep=keep, extra=extra)
         self.pending = save_async(self.mgr, path, layout, keep=keep, extra=extra)

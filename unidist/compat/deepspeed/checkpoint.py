@@ -1,14 +1,15 @@
-"""``engine.save_checkpoint`` / ``engine.load_checkpoint`` with DeepSpeed's directory protocol, unidist's files.
+"""``engine.save_checkpoint`` / ``engine.load_checkpoint``: DeepSpeed's directory protocol and DeepSpeed's files.
 
 DeepSpeed's protocol is kept: ``save_dir/<tag>/`` per checkpoint (tag default ``global_step{N}``), ``save_dir/latest``
 holding the newest tag (no newline), ``load_checkpoint(dir)`` reading it and returning ``(path, client_state)``, or
-``(None, None)`` with a warning when there is none. The files inside the tag directory are unidist's (the format
-``mgr.save_checkpoint`` writes: per-parameter slices and a manifest), not DeepSpeed's ``mp_rank_00_model_states.pt``
-and ZeRO partition files: that is what lets a checkpoint written under one launcher, world size and ZeRO stage
-resume under any other, the deepspeed launcher included (there unidist consolidates DeepSpeed's partitions with
-DeepSpeed's own calls). The engine's counters and the scheduler's state travel in the checkpoint's ``extra``.
-``load_checkpoint`` also reads what real DeepSpeed wrote (unidist.checkpoint.deepspeed_files), its counters and
-scheduler state included.
+``(None, None)`` with a warning when there is none. The files inside the tag directory are DeepSpeed's own
+(``mp_rank_00_model_states.pt`` and the ZeRO partition files, unidist.checkpoint.deepspeed_writer), so a script
+trained here resumes under real DeepSpeed at the same data-parallel size and stage (DeepSpeed's own rule), and here
+at any launcher, world size and stage (unidist.checkpoint.deepspeed_files reads them, as it reads what real
+DeepSpeed wrote, counters and scheduler state included). Where DeepSpeed's format is not written (a 16-bit model
+at stage 0, a pipeline or MoE engine, stage 3 without DeepSpeed installed: ``_not_deepspeeds`` says why, once, in
+the log) the files are unidist's (``mgr.save_checkpoint``'s format), which unidist loads anywhere and
+``unidist checkpoint export`` turns into a state dict; the engine's counters and scheduler travel in its ``extra``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from unidist.checkpoint.deepspeed_writer import unsupported
 from unidist.checkpoint.foreign import DEEPSPEED_KEY
 from unidist.compat.deepspeed.exceptions import DeepSpeedUnsupportedError
 from unidist.compat.deepspeed.missing import uncovered
 from unidist.errors import CheckpointError, InvalidArgumentError
+from unidist.parallel.moe import MoE
 
 __all__ = ["LATEST", "load", "save"]
 
@@ -32,6 +37,8 @@ __getattr__ = uncovered(__name__)
 LATEST = "latest"
 _KEY = "deepspeed_compat"  # the extra entry holding the engine's part
 _log = logging.getLogger("unidist.compat.deepspeed")
+_said: dict[str, bool] = {}  # each reason for unidist's format is logged once
+_SAVE_KEYWORDS = {"path", "model", "optimizer", "keep", "blocking", "loader", "format"}  # Manager.save_checkpoint's
 
 
 def save(engine: Any, save_dir: str | os.PathLike[str], tag: Any, client_state: dict[str, Any] | None,
@@ -48,11 +55,28 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: Any, client_state: 
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     _check_same_tag(mgr, tag)
     scheduler = engine.lr_scheduler
-    part = {"client_state": dict(client_state or {}), "counters": engine.counters(),
-            "lr_scheduler": scheduler.state_dict() if scheduler is not None else None}
+    client = dict(client_state or {})
     directory = Path(save_dir)
     _agree(mgr, lambda: directory.mkdir(parents=True, exist_ok=True), "save_checkpoint: cannot create")
-    mgr.save_checkpoint(directory / tag, engine.prepared_model, engine.optimizer, **{_KEY: part})
+    why = _not_deepspeeds(engine)
+    if why is None:
+        clash = sorted(set(client) & _SAVE_KEYWORDS)
+        if clash:
+            raise InvalidArgumentError(f"save_checkpoint(client_state=...): {clash} cannot be client-state keys here "
+                                       "(they name save_checkpoint's own arguments); rename them")
+        head = {**engine.counters(), "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "ds_config": engine.config}
+        mgr.save_checkpoint(directory / tag, engine.prepared_model, engine.optimizer, format="deepspeed",
+                            **{DEEPSPEED_KEY: head}, **client)
+    else:
+        if not _said.get(why):
+            _said[why] = True
+            _log.warning("engine.save_checkpoint: writing unidist's format to %s, which real DeepSpeed cannot read "
+                         "(%s); unidist loads it at any world size and stage, and `unidist checkpoint export` gives "
+                         "the model's state dict", directory / tag, why)
+        part = {"client_state": client, "counters": engine.counters(),
+                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None}
+        mgr.save_checkpoint(directory / tag, engine.prepared_model, engine.optimizer, **{_KEY: part})
     if save_latest:
         def write_latest() -> None:
             tmp = directory / f".{LATEST}.tmp"
@@ -106,6 +130,18 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: Any, load_module_st
         if load_lr_scheduler_states and saved is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(saved)
     return str(path), dict(part["client_state"])
+
+
+def _not_deepspeeds(engine: Any) -> str | None:
+    """Why this engine's checkpoint cannot be in DeepSpeed's format (None: it is)."""
+    from unidist.compat.deepspeed.pipe.engine import PipelineEngine  # (a module importing this one)
+
+    if isinstance(engine, PipelineEngine):
+        return "a pipeline engine (DeepSpeed writes one file per layer)"
+    if any(isinstance(m, MoE) for m in engine.module.modules()):
+        return "a model with MoE layers (DeepSpeed writes one file per expert)"
+    dtype = torch.float16 if engine.fp16_enabled() else torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    return unsupported(engine.zero_optimization_stage(), dtype, engine.config)
 
 
 def _resolve(directory: Path, tag: Any) -> tuple[str, str]:

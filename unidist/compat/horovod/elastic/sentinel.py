@@ -80,9 +80,9 @@ class Sentinel:
         self._proc: subprocess.Popen[bytes] | None = None
         read, write = os.pipe()
         try:
-            self._proc = subprocess.Popen([sys.executable, "-I", "-S", str(Path(__file__).resolve()), str(read), str(os.getpid()),
-                              str(directory), job, hint],
-                             pass_fds=(read,), stdin=subprocess.DEVNULL, start_new_session=True)
+            argv = [sys.executable, "-I", "-S", str(Path(__file__).resolve()), str(read), str(os.getpid()),
+                    str(directory), job, hint]
+            self._proc = subprocess.Popen(argv, pass_fds=(read,), stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError:  # no interpreter to start (embedded Python): rank 0's own messages still speak
             os.close(write)
         else:
