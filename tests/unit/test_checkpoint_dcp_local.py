@@ -92,7 +92,7 @@ def test_unidist_reads_it_back_at_another_stage(tmp_path: Path) -> None:
         assert all(torch.equal(mgr.full_state_dict(fresh)[k], v) for k, v in want.items())
 
 
-@pytest.mark.parametrize(("kwargs", "says"), [({"format": "zip"}, r"takes 'unidist' \(the default\) or 'dcp'"),
+@pytest.mark.parametrize(("kwargs", "says"), [({"format": "zip"}, r"takes 'unidist' \(the default\), 'dcp'"),
                                               ({"format": "dcp", "keep": 2}, "keep= and blocking=False apply"),
                                               ({"format": "dcp", "blocking": False}, "keep= and blocking=False")])
 def test_refused_arguments(tmp_path: Path, kwargs: dict[str, object], says: str) -> None:

@@ -172,7 +172,8 @@ def _files(mgr: World, layout: Layout, module: torch.nn.Module, extra: dict[str,
         states["frozen_param_fragments"] = OrderedDict(
             (n, _slice3(source.full_model(n, shapes[n].numel(), params[n].dtype), rank, world)) for n in frozen)
         out[f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = states
-    body.update({"ds_version": version, "clip_grad": float(config.get("gradient_clipping", 0.0) or 0.0)})
+    if stage in (1, 2):  # (stage 3's state dict has neither)
+        body.update({"ds_version": version, "clip_grad": float(config.get("gradient_clipping", 0.0) or 0.0)})
     out[optim_file] = {"optimizer_state_dict": body, "ds_config": config, "ds_version": version}
     return out
 

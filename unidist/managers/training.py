@@ -206,7 +206,9 @@ class TrainingEntryPoints:
                 filesystem) or "dcp": a torch distributed checkpoint directory, in ``get_state_dict``'s names,
                 that FSDP2's and DDP's own scripts load with ``dcp.load`` (each rank writes its own slices; a
                 half-precision weight's float32 master copy is written as the weight; ``extra`` entries are top-level
-                entries). ``load_checkpoint`` reads both.
+                entries), or "deepspeed": the files real DeepSpeed's ``engine.load_checkpoint`` resumes from at this
+                world size and ZeRO stage (``extra["deepspeed"]``: its counters, scheduler state and config; the
+                other entries are its ``client_state``). ``load_checkpoint`` reads all three.
             extra: anything else to restore (step counters, ``scheduler.state_dict()``): tensors, numbers,
                 strings, lists and dicts, as ``torch.load(weights_only=True)`` accepts.
 

@@ -134,10 +134,8 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: Any, load_module_st
 
 def _not_deepspeeds(engine: Any) -> str | None:
     """Why this engine's checkpoint cannot be in DeepSpeed's format (None: it is)."""
-    from unidist.compat.deepspeed.pipe.engine import PipelineEngine  # (a module importing this one)
-
-    if isinstance(engine, PipelineEngine):
-        return "a pipeline engine (DeepSpeed writes one file per layer)"
+    if engine.not_deepspeeds_files is not None:
+        return str(engine.not_deepspeeds_files)
     if any(isinstance(m, MoE) for m in engine.module.modules()):
         return "a model with MoE layers (DeepSpeed writes one file per expert)"
     dtype = torch.float16 if engine.fp16_enabled() else torch.bfloat16 if engine.bfloat16_enabled() else torch.float32

@@ -35,6 +35,9 @@ class DeepSpeedEngine(torch.nn.Module):
     ``global_samples``, ``skipped_steps``, ``micro_steps``.
     """
 
+    # why this kind of engine's checkpoints cannot be DeepSpeed's own files (checkpoint.py; None: they are)
+    not_deepspeeds_files: str | None = None
+
     def __init__(self, mgr: Any, config: DSConfig, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any,
                  training_dataloader: Any) -> None:
         super().__init__()

@@ -71,6 +71,8 @@ class PipelineEngine(DeepSpeedEngine):
     """DeepSpeed's pipeline engine API over a prepared stage (see the module docstring). ``forward``,
     ``backward`` and ``step`` are refused, as DeepSpeed refuses them: ``train_batch`` does all three."""
 
+    not_deepspeeds_files = "a pipeline engine (DeepSpeed writes one file per layer)"
+
     def __init__(self, mgr: Any, config: DSConfig, module: PipelineModule, prepared: torch.nn.Module,
                  optimizer: Any, lr_scheduler: Any, training_data: Any = None, collate_fn: Any = None,
                  clip: float = 0.0) -> None:
