@@ -21,23 +21,11 @@ import argparse
 import os
 import signal
 
-import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812  (as Horovod's examples spell it)
+from horovod_digits import load  # the digits, split and standardized as the plain Horovod example has them
 
 import unidist.compat.horovod as hvd
-
-
-def load(train: bool) -> torch.utils.data.TensorDataset:
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    order = np.random.default_rng(0).permutation(len(y))
-    x, y = x[order].astype(np.float32) / 16.0, y[order]
-    cut = int(0.8 * len(y))
-    x = (x - x[:cut].mean(0)) / (x[:cut].std(0) + 0.1)  # standardized with the training rows' statistics
-    part = slice(0, cut) if train else slice(cut, None)
-    return torch.utils.data.TensorDataset(torch.from_numpy(x[part]), torch.from_numpy(y[part]))
 
 
 def main() -> None:

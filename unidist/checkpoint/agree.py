@@ -7,6 +7,7 @@ every step of a save or load that can fail on some ranks only is followed by ``a
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,7 +20,7 @@ from unidist.errors import (
     InvalidArgumentError,
 )
 
-__all__ = ["World", "agree", "temporary_beside"]
+__all__ = ["World", "agree", "agree_or_discard", "temporary_beside"]
 
 _ERRORS = {cls.__name__: cls for cls in (CheckpointError, CheckpointMismatchError, CheckpointCorruptError,
                                          CheckpointMissingError, InvalidArgumentError)}
@@ -53,6 +54,16 @@ def agree(mgr: World, problem: BaseException | None) -> None:
                 raise problem
             cls = _ERRORS.get(item[0], CheckpointError)
             raise cls(f"rank {rank}: {item[1]}")
+
+
+def agree_or_discard(mgr: World, problem: BaseException | None, tmp: Path) -> None:
+    """``agree``, and when any rank failed, rank 0 removes the temporary directory ``tmp`` before raising."""
+    try:
+        agree(mgr, problem)
+    except BaseException:
+        if mgr.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def temporary_beside(mgr: World, final: Path) -> Path:

@@ -18,15 +18,14 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from unidist.checkpoint.agree import World, agree, temporary_beside
-from unidist.checkpoint.files import fsync_dir
+from unidist.checkpoint.agree import World, agree, agree_or_discard, temporary_beside
+from unidist.checkpoint.files import rename_into_place
 from unidist.checkpoint.layout import MASTER, Layout
 from unidist.errors import CheckpointError, InvalidArgumentError
 
@@ -98,12 +97,7 @@ def save_dcp(mgr: World, path: str | os.PathLike[str], layout: Layout, extra: di
             _finish(tmp, final, layout, meta, extra, first_names, [r for rank in everyone for r in rank])
     except (OSError, CheckpointError, pickle.PicklingError) as err:
         problem = CheckpointError(f"cannot publish {final}: {type(err).__name__}: {err}")
-    try:
-        agree(mgr, problem)
-    except BaseException:
-        if mgr.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    agree_or_discard(mgr, problem, tmp)
     return final
 
 
@@ -201,8 +195,4 @@ def _finish(tmp: Path, final: Path, layout: Layout, meta: dict[str, Any], extra:
         pickle.dump(metadata, f)
         f.flush()
         os.fsync(f.fileno())
-    fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
+    rename_into_place(tmp, final)

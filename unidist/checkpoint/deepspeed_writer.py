@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 from collections import OrderedDict
 from collections.abc import Callable
 from importlib import metadata
@@ -34,8 +33,8 @@ from typing import Any
 
 import torch
 
-from unidist.checkpoint.agree import World, agree, temporary_beside
-from unidist.checkpoint.files import fsync_dir
+from unidist.checkpoint.agree import World, agree_or_discard, temporary_beside
+from unidist.checkpoint.files import rename_into_place
 from unidist.checkpoint.layout import MASTER, Layout, per_element
 from unidist.errors import CheckpointError, InvalidArgumentError
 
@@ -95,22 +94,13 @@ def save_deepspeed(mgr: World, path: str | os.PathLike[str], layout: Layout, mod
                 os.fsync(f.fileno())
     except (OSError, CheckpointError) as err:
         problem = CheckpointError(f"rank {mgr.rank} cannot write {tmp}: {err}")
-    agree(mgr, problem)
+    agree_or_discard(mgr, problem, tmp)
     try:
         if mgr.rank == 0:
-            fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
+            rename_into_place(tmp, final)
     except OSError as err:
         problem = CheckpointError(f"cannot publish {final}: {err}")
-    try:
-        agree(mgr, problem)
-    except BaseException:
-        if mgr.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    agree_or_discard(mgr, problem, tmp)
     return final
 
 

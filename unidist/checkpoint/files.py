@@ -178,6 +178,12 @@ def publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    rename_into_place(tmp, final)
+
+
+def rename_into_place(tmp: Path, final: Path) -> None:
+    """fsync the complete ``tmp`` and rename it to ``final``; an older ``final`` is moved aside first and removed
+    after, so a crash in between leaves one of them whole (``resolve`` finds it)."""
     fsync_dir(tmp)
     aside = None
     if final.exists():
