@@ -121,9 +121,9 @@ def _wait(fd: int, parent: int) -> str:
         ready, _, _ = select.select([fd], [], [], _POLL)
         if ready:
             chunk = os.read(fd, 64)
-            if not chunk:
-                return said.decode(errors="replace")
             said += chunk
+            if not chunk or said in (b"done", b"said"):  # a word is one write: forked children may keep the pipe open
+                return said.decode(errors="replace")
         elif os.getppid() != parent:  # rank 0 is gone though a forked child still holds the pipe
             return said.decode(errors="replace")
 

@@ -91,6 +91,7 @@ def _lock(directory: Path) -> tuple[int | None, str | None]:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        owner = ""
         with contextlib.suppress(OSError):
             owner = os.pread(fd, 512, 0).decode(errors="replace").strip()
         os.close(fd)
