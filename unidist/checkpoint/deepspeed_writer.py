@@ -157,7 +157,8 @@ def _files(mgr: World, layout: Layout, module: torch.nn.Module, extra: dict[str,
     else:
         sub_size = int((config.get("zero_optimization") or {}).get("sub_group_size", SUB_GROUP_SIZE))
         body = _zero3(source, groups, settings, rank, world, sub_size, _static_scale(config))
-        states["module"] = OrderedDict((k, torch.empty(0, dtype=v.dtype) if k in params else v)
+        every = {n for n, _ in module.named_parameters(remove_duplicate=False)}  # a tied weight's other names too
+        states["module"] = OrderedDict((k, torch.empty(0, dtype=v.dtype) if k in every else v)
                                        for k, v in states["module"].items())
         states["frozen_param_fragments"] = OrderedDict(
             (n, _slice3(source.full_model(n, shapes[n].numel(), params[n].dtype), rank, world)) for n in frozen)
