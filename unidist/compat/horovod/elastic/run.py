@@ -57,8 +57,6 @@ def _engine_failure(err: BaseException) -> bool:
     return isinstance(err, tuple(kinds)) or (isinstance(err, RuntimeError) and "gloo" in str(err).lower())
 
 
-def _where(store: CommitStore) -> str:
-    return describe(store.directory)
 
 
 def _restart_hint(mgr: Any, store: CommitStore) -> str:
@@ -138,10 +136,11 @@ def run(func: F) -> F:
                     if _engine_failure(err):
                         raise HorovodInternalError(
                             f"hvd.elastic.run: a collective failed on rank {mgr.rank}, and unidist's engines cannot "
-                            f"re-form the world in place, so this process ends; {_where(store)}: "
-                            f"{_restart_hint(mgr, store)}. The engine said: {type(err).__name__}: {err}") from err
-                    print(f"hvd.elastic: rank {mgr.rank}: training stopped by {type(err).__name__}; {_where(store)}: "
-                          f"{_restart_hint(mgr, store)}", file=sys.stderr, flush=True)
+                            f"re-form the world in place, so this process ends; "
+                            f"{describe(store.directory, _restart_hint(mgr, store))}. The engine said: "
+                            f"{type(err).__name__}: {err}") from err
+                    print(f"hvd.elastic: rank {mgr.rank}: training stopped by {type(err).__name__}; "
+                          f"{describe(store.directory, _restart_hint(mgr, store))}", file=sys.stderr, flush=True)
                     raise
             store.remove()
             if watcher is not None:

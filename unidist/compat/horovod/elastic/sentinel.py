@@ -47,15 +47,15 @@ def _shown(latest: dict[str, Any]) -> str:
     return " (" + ", ".join(f"{k} {v}" for k, v in shown.items()) + ")" if shown else ""
 
 
-def describe(directory: Path, now: float | None = None) -> str:
-    """``the last commit is DIR/commit-000000007 (epoch 2, batch 0), written 4 s ago by 2 ranks``, or that none
-    was written yet."""
+def describe(directory: Path, hint: str = "", now: float | None = None) -> str:
+    """``the last commit is DIR/commit-000000007 (epoch 2, batch 0), written 4 s ago by 2 ranks: <hint>``, or that
+    none was written yet (then no hint: there is nothing to resume)."""
     latest = read_latest(directory)
     if latest is None:
         return f"no commit was written yet ({directory}): a rerun starts from the beginning"
     age = (time.time() if now is None else now) - float(latest.get("time", 0.0))
     return (f"the last commit is {directory / str(latest['commit'])}{_shown(latest)}, written {_age(age)} ago by "
-            f"{latest.get('size', '?')} rank(s)")
+            f"{latest.get('size', '?')} rank(s)" + (f": {hint}" if hint else ""))
 
 
 def _age(seconds: float) -> str:
@@ -133,10 +133,8 @@ def main(argv: list[str]) -> int:
     if _wait(fd, parent) in ("done", "said"):
         return 0
     time.sleep(0.1)  # a commit rank 0 was renaming into place as it died is complete or gone by now
-    latest = read_latest(directory)
-    resume = f": {hint}" if latest is not None else ""
     print(f"hvd.elastic: job {job!r} ended before its training function returned (rank 0's process is gone: a lost "
-          f"rank or the launcher ended it); {describe(directory)}{resume}", file=sys.stderr, flush=True)
+          f"rank or the launcher ended it); {describe(directory, hint)}", file=sys.stderr, flush=True)
     return 0
 
 
