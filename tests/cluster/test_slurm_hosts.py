@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +145,7 @@ def slurm_hosts() -> Iterator[SlurmHosts]:
 
 
 STEP = ["--nodes=2", "--ntasks=4", "--ntasks-per-node=2"]
+PMI2_GARBLED = "mpi/pmi2: value not properly terminated in client request"  # slurmstepd's words
 CASES = [pytest.param(b, m, marks=MARKS[b], id=f"{b}-{m}")
          for b in ("mpi", "torch", "deepspeed", "horovod") for m in ("pmi2", "none") if (b, m) != ("mpi", "none")]
 
@@ -153,8 +155,15 @@ def test_topology_across_hosts(slurm_hosts: SlurmHosts, backend: str, mpi: str) 
     """Ranks 0, 1 on h1 and 2, 3 on h2, each told its place, and one allreduce between the hosts."""
     require(*ENGINES[backend])
     out = slurm_hosts.cluster.shared / f"topology-{backend}-{mpi}.json"
-    done, _ = slurm_hosts.srun(f"topology {backend} --mpi={mpi}", [*STEP, f"--mpi={mpi}", sys.executable, TOPOLOGY,
-                                                                    str(out)], {"UNIDIST_BACKEND": backend})
+    argv, env = [*STEP, f"--mpi={mpi}", sys.executable, TOPOLOGY, str(out)], {"UNIDIST_BACKEND": backend}
+    done, _ = slurm_hosts.srun(f"topology {backend} --mpi={mpi}", argv, env)
+    if done.returncode != 0 and PMI2_GARBLED in done.stderr:
+        # seen once (2026-11-29 dry run, horovod-pmi2, machine under a full test load; 0 of 3 alone): slurmstepd got
+        # binary bytes on a rank's PMI2 socket, the UCX address exchange failed, and the step was cancelled. It is
+        # the PMI2 channel between mpich and slurmstepd, before any unidist collective: once more, said, then fail
+        warnings.warn(f"srun's PMI2 channel carried garbled requests ({PMI2_GARBLED!r}); ran the step again",
+                      stacklevel=1)
+        done, _ = slurm_hosts.srun(f"topology {backend} --mpi={mpi} (again)", argv, env)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     ranks = json.loads(out.read_text())
     got = [(x["rank"], x["local_rank"], x["local_size"], x["node_rank"], x["host"], x["size"], x["backend"])
