@@ -26,7 +26,7 @@ import torch
 
 from unidist.checkpoint.agree import World, agree, agree_or_discard, temporary_beside
 from unidist.checkpoint.files import rename_into_place
-from unidist.checkpoint.layout import MASTER, Layout
+from unidist.checkpoint.layout import MASTER, Layout, dtype_named
 from unidist.errors import CheckpointError, InvalidArgumentError
 
 __all__ = ["boxes", "save_dcp"]
@@ -153,7 +153,7 @@ def _finish(tmp: Path, final: Path, layout: Layout, meta: dict[str, Any], extra:
     for key, recs in by_key.items():
         flat_key = ".".join(str(p) for p in path_of(key))
         full = shapes[key.split("/")[1]] if key.startswith("model/") else param_shapes[key.split("/")[1]]
-        dtype = getattr(torch, recs[0][3].removeprefix("torch."))
+        dtype = dtype_named(recs[0][3])
         chunks = []
         for i, (_, off, size, _, file, where, length) in enumerate(recs):
             chunks.append(md.ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)))

@@ -35,7 +35,7 @@ import torch
 
 from unidist.checkpoint.agree import World, agree_or_discard, temporary_beside
 from unidist.checkpoint.files import rename_into_place
-from unidist.checkpoint.layout import MASTER, Layout, per_element
+from unidist.checkpoint.layout import MASTER, Layout, dtype_named, per_element
 from unidist.errors import CheckpointError, InvalidArgumentError
 
 __all__ = ["HEAD_KEY", "save_deepspeed", "unsupported"]
@@ -74,12 +74,12 @@ def save_deepspeed(mgr: World, path: str | os.PathLike[str], layout: Layout, mod
         allgather: the world's allgather (``Manager.allgather``: every rank's rows concatenated, first dims may
             differ), by which each rank gets the full tensors its partition needs.
     """
-    dtypes = {layout.shapes[n][1] for n in layout.opt_names if n in layout.shapes}
-    dtype = getattr(torch, dtypes.pop().removeprefix("torch.")) if len(dtypes) == 1 else torch.float32
+    dtypes = sorted({layout.shapes[n][1] for n in layout.opt_names if n in layout.shapes})
     why = ("the model is prepared over part of the world (tensor or pipeline parallel)" if layout.size != mgr.size
            else "there is no optimizer (DeepSpeed's files hold its state)" if layout.optimizer is None
-           else "its weights are of several dtypes" if dtypes else
-           unsupported(layout.zero_stage, dtype, (extra.get(HEAD_KEY) or {}).get("ds_config")))
+           else f"its weights are of several dtypes ({', '.join(dtypes)})" if len(dtypes) > 1
+           else unsupported(layout.zero_stage, dtype_named(dtypes[0]) if dtypes else torch.float32,
+                            (extra.get(HEAD_KEY) or {}).get("ds_config")))
     if why is not None:
         raise InvalidArgumentError(f"save_checkpoint(format='deepspeed') cannot write {path}: {why}")
     final = Path(path).absolute()

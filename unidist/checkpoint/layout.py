@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from unidist.errors import CheckpointMismatchError
+from unidist.errors import CheckpointCorruptError, CheckpointMismatchError
 
-__all__ = ["MASTER", "FullLayout", "Layout", "Pieces", "Read", "check_params", "even", "even_slice", "first_names",
-           "fresh_scalars",
+__all__ = ["MASTER", "FullLayout", "Layout", "Pieces", "Read", "check_params", "dtype_named", "even", "even_slice",
+           "first_names", "fresh_scalars",
            "load_whole_optimizer", "param_names", "per_element"]
 
 # the per-element "optimizer" key under which a parameter's master copy is saved (precision "bf16-master": the
@@ -34,6 +34,14 @@ MASTER = "master"
 
 Pieces = dict[str, Any]  # {"model": {name: (start, flat)}, "optim": {pname: {key: (start, flat)}}}
 Read = Callable[[str, str, str, int, int], torch.Tensor]  # (kind, name, key, start, end) -> flat slice
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The dtype a layout's ``shapes`` (and a manifest) record by name, ``"torch.float32"``."""
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointCorruptError(f"the checkpoint names dtype {name!r}, which this torch does not have")
+    return dt
 
 
 def even(n: int, rank: int, size: int) -> tuple[int, int]:

@@ -26,6 +26,7 @@ import torch
 from unidist.checkpoint import digest
 from unidist.checkpoint.files import MANIFEST, file_digest, read_manifest, resolve
 from unidist.checkpoint.foreign import Foreign, detect
+from unidist.checkpoint.layout import dtype_named
 from unidist.errors import CheckpointCorruptError, CheckpointError, CheckpointMissingError, InvalidArgumentError
 
 __all__ = ["SAFETENSORS_DTYPES", "ForeignOpened", "Opened", "export", "inspect_lines", "open_checkpoint"]
@@ -35,13 +36,6 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                       torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 Progress = Callable[[int, int, str], None]  # (tensors done, of, name)
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise CheckpointCorruptError(f"the manifest names dtype {name!r}, which this torch does not have")
-    return dt
 
 
 class Opened:
@@ -71,7 +65,7 @@ class Opened:
 
     def model(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """The model's state-dict entries: (name, shape, dtype), in the model's order."""
-        return [(k, tuple(v["shape"]), _dtype(v["dtype"])) for k, v in self.state["model"].items()]
+        return [(k, tuple(v["shape"]), dtype_named(v["dtype"])) for k, v in self.state["model"].items()]
 
     def _data(self, entry: dict[str, Any]) -> Any:
         name = entry["file"]
