@@ -44,7 +44,6 @@ HEAD_KEY = "deepspeed"  # the extra entry with the engine's counters, scheduler 
 FORMAT_VERSION = "0.19.8"  # the DeepSpeed release whose layout this writes, recorded when DeepSpeed is not installed
 ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: a ZeRO 1-2 group is padded to ALIGNMENT x world elements
 SUB_GROUP_SIZE = 1_000_000_000  # ZeRO-3's default sub_group_size (elements per rank in one flat sub-group)
-_PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def unsupported(stage: int, dtype: torch.dtype, config: dict[str, Any] | None = None) -> str | None:
@@ -121,12 +120,12 @@ def _files(mgr: World, layout: Layout, module: torch.nn.Module, extra: dict[str,
     trainable = [(n, g) for n, g in zip(names, layout.opt_groups, strict=True) if params[n].requires_grad]
     groups = [[n for n, g in trainable if g == gi] for gi in range(len(layout.optimizer.param_groups))]
     frozen = [n for n, p in params.items() if not p.requires_grad]
-    config = dict(head.get("ds_config") or _config(stage, params))
+    own = next(iter(params.values())).dtype if params else torch.float32
+    config = dict(head.get("ds_config") or _config(stage, own))
     version = _version()
     # DeepSpeed's weights dtype: its config's (an fp16 run trained here in float32 with autocast is saved as
     # DeepSpeed's fp16 engine holds it), else the module's
-    dtype = _config_dtype(config) or (next(iter(params.values())).dtype if params else torch.float32)
-    precision = _PRECISIONS.get(dtype, "fp32")
+    dtype = _config_dtype(config) or own
     # the full shapes (ZeRO-3 leaves placeholders in the module), by the module's names
     shapes = {first_names.get(n, n): torch.Size(s) for n, (s, _) in layout.shapes.items()}
     states = _model_states(module, layout, shapes, groups, frozen, head, config, version, world, extra, dtype)
@@ -136,7 +135,7 @@ def _files(mgr: World, layout: Layout, module: torch.nn.Module, extra: dict[str,
             states["optimizer"] = layout.optimizer.state_dict()
             out["mp_rank_00_model_states.pt"] = states
         return out
-    prefix = "bf16_" if precision == "bf16" else ""
+    prefix = "bf16_" if dtype == torch.bfloat16 else ""
     optim_file = f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
     pieces = layout.pieces(copy=False)  # a collective on DeepSpeed engines: every rank, in the same order
     by_layout = {first_names.get(n, n): n for n in layout.opt_names}
@@ -178,10 +177,9 @@ def _config_dtype(config: dict[str, Any]) -> torch.dtype | None:
     return None
 
 
-def _config(stage: int, params: dict[str, torch.nn.Parameter]) -> dict[str, Any]:
+def _config(stage: int, dtype: torch.dtype) -> dict[str, Any]:
     """A minimal config saying what DeepSpeed would need to know (the caller's own config replaces it)."""
     out: dict[str, Any] = {"zero_optimization": {"stage": stage}}
-    dtype = next(iter(params.values())).dtype if params else torch.float32
     if dtype == torch.bfloat16:
         out["bf16"] = {"enabled": True}
     elif dtype == torch.float16:
@@ -272,7 +270,7 @@ class _Source:
         own = self.by_layout[name]
         st = self.pieces["optim"].get(own, {})
         piece = st.get(MASTER, self.pieces["model"].get(own))
-        return self.gather(piece, self.numel(name), torch.float32).float()
+        return self.gather(piece, self.numel(name), torch.float32)
 
     def state(self, name: str, key: str, dtype: torch.dtype) -> torch.Tensor:
         return self.gather(self.pieces["optim"].get(self.by_layout[name], {}).get(key), self.numel(name), dtype)
@@ -305,7 +303,7 @@ def _zero12(source: _Source, groups: list[list[str]], settings: list[dict[str, A
             for k in keys:
                 whole = source.state(n, k, torch.float32)
                 if a < b:
-                    parts[k][a - lo:b - lo] = whole[a - at:b - at].float()
+                    parts[k][a - lo:b - lo] = whole[a - at:b - at]
             at += m
         singles.append(master[:size - paddings[-1]].clone())
         state[gi] = {**_group_scalars(source, names), **parts}
@@ -371,7 +369,7 @@ def _zero3(source: _Source, groups: list[list[str]], settings: list[dict[str, An
         for run in _sub_groups(names, parts, sub_size) if names else []:
             keys = source.keys(run[0])
             flats.append(torch.cat([_slice3(source.master(n), rank, world) for n in run]))
-            per = {k: torch.cat([_slice3(source.state(n, k, torch.float32).float(), rank, world) for n in run])
+            per = {k: torch.cat([_slice3(source.state(n, k, torch.float32), rank, world) for n in run])
                    for k in keys}
             indices.append(len(state))
             state[len(state)] = {**_group_scalars(source, run), **per}
