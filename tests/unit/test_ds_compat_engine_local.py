@@ -120,6 +120,8 @@ def test_checkpoint_protocol_edges(tmp_path: Path) -> None:
         engine.save_checkpoint(str(blocked / "sub"))
     with pytest.raises(InvalidArgumentError, match="client_state"):
         engine.save_checkpoint(str(tmp_path), client_state=[1, 2])  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"\['loader'\] cannot be client-state keys"):
+        engine.save_checkpoint(str(tmp_path), client_state={"loader": 1})  # a keyword of mgr.save_checkpoint
 
 
 def test_the_loader_pins_memory_for_the_managers_gpu_only(manager: Any) -> None:

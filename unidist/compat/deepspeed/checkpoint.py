@@ -14,6 +14,7 @@ the log) the files are unidist's (``mgr.save_checkpoint``'s format), which unidi
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -38,7 +39,6 @@ LATEST = "latest"
 _KEY = "deepspeed_compat"  # the extra entry holding the engine's part
 _log = logging.getLogger("unidist.compat.deepspeed")
 _said: dict[str, bool] = {}  # each reason for unidist's format is logged once
-_SAVE_KEYWORDS = {"path", "model", "optimizer", "keep", "blocking", "loader", "format"}  # Manager.save_checkpoint's
 
 
 def save(engine: Any, save_dir: str | os.PathLike[str], tag: Any, client_state: dict[str, Any] | None,
@@ -56,16 +56,18 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: Any, client_state: 
     _check_same_tag(mgr, tag)
     scheduler = engine.lr_scheduler
     client = dict(client_state or {})
+    counters, scheduled = engine.counters(), scheduler.state_dict() if scheduler is not None else None
     directory = Path(save_dir)
     _agree(mgr, lambda: directory.mkdir(parents=True, exist_ok=True), "save_checkpoint: cannot create")
     why = _not_deepspeeds(engine)
     if why is None:
-        clash = sorted(set(client) & _SAVE_KEYWORDS)
+        # client_state keys become keyword arguments: none may be one of save_checkpoint's own
+        own = {n for n, a in inspect.signature(mgr.save_checkpoint).parameters.items() if a.kind != a.VAR_KEYWORD}
+        clash = sorted(set(client) & own)
         if clash:
             raise InvalidArgumentError(f"save_checkpoint(client_state=...): {clash} cannot be client-state keys here "
                                        "(they name save_checkpoint's own arguments); rename them")
-        head = {**engine.counters(), "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "ds_config": engine.config}
+        head = {**counters, "lr_scheduler": scheduled, "ds_config": engine.config}
         mgr.save_checkpoint(directory / tag, engine.prepared_model, engine.optimizer, format="deepspeed",
                             **{DEEPSPEED_KEY: head}, **client)
     else:
@@ -74,8 +76,7 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: Any, client_state: 
             _log.warning("engine.save_checkpoint: writing unidist's format to %s, which real DeepSpeed cannot read "
                          "(%s); unidist loads it at any world size and stage, and `unidist checkpoint export` gives "
                          "the model's state dict", directory / tag, why)
-        part = {"client_state": client, "counters": engine.counters(),
-                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None}
+        part = {"client_state": client, "counters": counters, "lr_scheduler": scheduled}
         mgr.save_checkpoint(directory / tag, engine.prepared_model, engine.optimizer, **{_KEY: part})
     if save_latest:
         def write_latest() -> None:
